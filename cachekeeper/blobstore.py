@@ -1,0 +1,194 @@
+"""Content-addressed blob storage on local disk, shared by the local store and the server.
+
+Layout (``root`` is ``$CACHEKEEPER_HOME/blobs`` locally, ``<data>/blobs`` on the server)::
+
+    root/
+      ab/cd/abcd...64hex.zst    # one blob, zstd-compressed at rest, named by the sha256
+      .tmp/                     # uploads in progress; never visible as blobs
+
+Every ``put`` streams into a unique temp file under ``root/.tmp``, hashing the
+uncompressed bytes as they arrive, refusing more bytes than declared, and only after the
+digest matches (and an fsync) does ``os.replace`` make the blob visible. A crash at any
+point leaves at most a temp file, which ``sweep_temp`` removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+import zstandard
+
+from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
+from cachekeeper.manifest import is_digest
+
+__all__ = ["BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES"]
+
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PutResult:
+    digest: str
+    size_bytes: int
+    stored_bytes: int
+    created: bool  # False when the blob was already there
+
+
+class BlobStore(Protocol):
+    """What the routes and the restore code need of blob storage; backends implement it."""
+
+    def has(self, digest: str) -> bool: ...
+
+    def size(self, digest: str) -> int | None:
+        """Stored (compressed) size in bytes, or None when absent."""
+
+    def open(self, digest: str) -> BinaryIO:
+        """The blob's uncompressed bytes; raises BlobMissing."""
+
+    def open_raw(self, digest: str) -> BinaryIO:
+        """The blob's bytes as stored (a zstd frame); raises BlobMissing."""
+
+    def put(
+        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
+    ) -> PutResult: ...
+
+    def delete(self, digest: str) -> bool: ...
+
+    def digests(self) -> Iterator[str]: ...
+
+
+class LocalBlobStore:
+    """Blobs on a local filesystem, sharded by digest prefix, zstd at rest."""
+
+    def __init__(self, root: str | os.PathLike[str], *, level: int = 3) -> None:
+        self.root = Path(root)
+        self.level = level
+
+    def path_for(self, digest: str) -> Path:
+        if not is_digest(digest):
+            raise DigestMismatch(f"{digest!r} is not a sha256 hex digest")
+        return self.root / digest[:2] / digest[2:4] / f"{digest}.zst"
+
+    def has(self, digest: str) -> bool:
+        return self.path_for(digest).is_file()
+
+    def size(self, digest: str) -> int | None:
+        try:
+            return self.path_for(digest).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def open_raw(self, digest: str) -> BinaryIO:
+        try:
+            return open(self.path_for(digest), "rb")
+        except FileNotFoundError as exc:
+            raise BlobMissing(
+                f"blob {digest} is not in the store", extra={"missing": [digest]}
+            ) from exc
+
+    def open(self, digest: str) -> BinaryIO:
+        raw = self.open_raw(digest)
+        return zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)  # type: ignore[return-value]
+
+    def read(self, digest: str) -> bytes:
+        with self.open(digest) as fh:
+            return fh.read()
+
+    def put(
+        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
+    ) -> PutResult:
+        """Store the uncompressed bytes ``chunks`` under ``digest`` after checking them.
+
+        Raises DigestMismatch (with both digests) or BlobTooLarge and stores nothing;
+        raises InsufficientStorage when the disk is full.
+        """
+        final = self.path_for(digest)
+        if final.is_file():
+            for _ in chunks:  # drain the body so the connection stays usable
+                pass
+            return PutResult(digest, size_bytes or 0, final.stat().st_size, created=False)
+        tmp_dir = self.root / ".tmp"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_dir / f"{digest}.{uuid.uuid4().hex}"
+        hasher = hashlib.sha256()
+        total = 0
+        try:
+            with open(tmp, "wb") as out:
+                writer = zstandard.ZstdCompressor(level=self.level).stream_writer(
+                    out, closefd=False
+                )
+                for chunk in chunks:
+                    total += len(chunk)
+                    if size_bytes is not None and total > size_bytes:
+                        raise BlobTooLarge(
+                            f"blob {digest} is larger than its declared {size_bytes} bytes"
+                        )
+                    hasher.update(chunk)
+                    writer.write(chunk)
+                writer.flush(zstandard.FLUSH_FRAME)
+                out.flush()
+                os.fsync(out.fileno())
+            actual = hasher.hexdigest()
+            if actual != digest:
+                raise DigestMismatch(
+                    f"blob content hashes to {actual}, not {digest}",
+                    extra={"expected": digest, "actual": actual},
+                )
+            if size_bytes is not None and total != size_bytes:
+                raise DigestMismatch(f"blob {digest} is {total} bytes, declared {size_bytes}")
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+            return PutResult(digest, total, final.stat().st_size, created=True)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientStorage(f"no space left storing blob {digest}") from exc
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put_file(self, path: str | os.PathLike[str], *, digest: str) -> PutResult:
+        with open(path, "rb") as fh:
+            return self.put(iter(lambda: fh.read(CHUNK_BYTES), b""), digest=digest)
+
+    def delete(self, digest: str) -> bool:
+        try:
+            self.path_for(digest).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def digests(self) -> Iterator[str]:
+        if not self.root.is_dir():
+            return
+        for shard in sorted(self.root.glob("??/??/*.zst")):
+            name = shard.name[: -len(".zst")]
+            if is_digest(name):
+                yield name
+
+    def sweep_temp(self, *, older_than_s: float = 3600.0) -> int:
+        """Remove abandoned upload temp files; returns how many."""
+        tmp_dir = self.root / ".tmp"
+        if not tmp_dir.is_dir():
+            return 0
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for entry in tmp_dir.iterdir():
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    if entry.is_dir():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed

@@ -1,0 +1,122 @@
+"""The ``cachekeeper`` command line: a thin adapter over the library.
+
+Each command parses its options, makes one library call, and prints the result (a table
+for people, ``--json`` for scripts). Commands live in modules of this package and are
+imported only when invoked, so ``cachekeeper prejob`` does not pay for ``serve``'s FastAPI.
+Known errors become one line on stderr and the error's exit code; set
+``CACHEKEEPER_DEBUG=1`` for the traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+__all__ = ["main", "cli"]
+
+# command name -> "module:attribute" (a click.Command). Short help is kept here so that
+# `cachekeeper --help` lists every command without importing any of them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fingerprint": (
+        "cachekeeper.cli.core:fingerprint_cmd",
+        "Print this machine's environment fingerprint.",
+    ),
+    "explain": (
+        "cachekeeper.cli.core:explain_cmd",
+        "Explain field by field why this node can or cannot use a snapshot.",
+    ),
+    "snapshot": (
+        "cachekeeper.cli.core:snapshot_cmd",
+        "Snapshot a cache dir into the local store and a one-file archive.",
+    ),
+    "restore": (
+        "cachekeeper.cli.core:restore_cmd",
+        "Restore a snapshot (archive file or id) into a cache dir, safely.",
+    ),
+    "inspect": ("cachekeeper.cli.core:inspect_cmd", "Show a snapshot archive's manifest summary."),
+    "ls": ("cachekeeper.cli.core:ls_cmd", "List snapshots in the local store."),
+    "rm": ("cachekeeper.cli.core:rm_cmd", "Remove snapshots from the local store."),
+    "gc": ("cachekeeper.cli.core:gc_cmd", "Delete local blobs no stored snapshot references."),
+    "prewarm": (
+        "cachekeeper.cli.compile:prewarm_cmd",
+        "Cold-compile a workload per device in fresh processes, merge, verify.",
+    ),
+    "verify": (
+        "cachekeeper.cli.compile:verify_cmd",
+        "Prove a cache dir is effective for a workload (zero misses).",
+    ),
+    "serve": ("cachekeeper.cli.serve:serve_cmd", "Run the cache server (FastAPI under uvicorn)."),
+    "push": (
+        "cachekeeper.cli.remote:push_cmd",
+        "Snapshot a cache dir and upload it to the server.",
+    ),
+    "pull": (
+        "cachekeeper.cli.remote:pull_cmd",
+        "Fetch and restore the snapshot matching this node.",
+    ),
+    "prejob": (
+        "cachekeeper.cli.remote:prejob_cmd",
+        "Pre-job hook: restore the matching cache, print the env to export.",
+    ),
+    "agent": (
+        "cachekeeper.cli.agent:agent_cmd",
+        "Builder daemon: keep every registered workload warm on this node.",
+    ),
+    "keygen": (
+        "cachekeeper.cli.keys:keygen_cmd",
+        "Create an Ed25519 key pair for signing snapshots.",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module_name, _, attr = entry[0].partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                return _unavailable(cmd_name, entry[1])
+            raise
+        command = getattr(module, attr, None)
+        return command if command is not None else _unavailable(cmd_name, entry[1])
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _unavailable(name: str, summary: str) -> click.Command:
+    @click.command(name=name, help=f"{summary} (not available in this build)")
+    def _cmd() -> None:
+        raise click.ClickException(f"'{name}' is not available in this build")
+
+    return _cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cachekeeper", prog_name="cachekeeper")
+def cli() -> None:
+    """cachekeeper: never compile cold.
+
+    Prewarm torch.compile caches for real training shapes, prove them effective,
+    fingerprint and store them, and restore the matching one on every node.
+    Server and token: --server/--token or CACHEKEEPER_SERVER/CACHEKEEPER_TOKEN.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="cachekeeper", standalone_mode=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

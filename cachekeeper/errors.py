@@ -1,0 +1,220 @@
+"""One error table for the library, the CLI, the server and the client.
+
+Each exception class carries a stable ``code`` (what the server answers as
+``{"error": code, "detail": message}`` and what the client maps back to the class),
+the HTTP status the server answers with, and the exit code the CLI exits with.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "CachekeeperError",
+    "InvalidManifest",
+    "UnsafePath",
+    "UnsupportedFormat",
+    "DigestMismatch",
+    "BlobMissing",
+    "BlobTooLarge",
+    "SnapshotNotFound",
+    "WorkloadInvalid",
+    "WorkloadNotFound",
+    "NoMatchingSnapshot",
+    "LinkInCacheDir",
+    "RestoreConflict",
+    "Unauthorized",
+    "Forbidden",
+    "PayloadTooLarge",
+    "InsufficientStorage",
+    "SignatureInvalid",
+    "ServerUnavailable",
+    "ServerError",
+    "PrewarmFailed",
+    "ColdCompileBroken",
+    "error_for_code",
+    "ERRORS",
+]
+
+
+class CachekeeperError(Exception):
+    """Base of every error cachekeeper raises on purpose."""
+
+    code: ClassVar[str] = "error"
+    http_status: ClassVar[int] = 500
+    exit_code: ClassVar[int] = 1
+
+    def __init__(self, detail: str, *, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra: dict[str, Any] = dict(extra or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"error": self.code, "detail": self.detail}
+        body.update(self.extra)
+        return body
+
+
+class InvalidManifest(CachekeeperError):
+    """A manifest that is malformed: bad JSON, bad fields, bad digests, duplicate paths."""
+
+    code = "invalid_manifest"
+    http_status = 422
+
+
+class UnsafePath(InvalidManifest):
+    """A manifest or archive path that is absolute, contains '..', or is a link or device."""
+
+    code = "unsafe_path"
+
+
+class UnsupportedFormat(InvalidManifest):
+    """A snapshot format version this build does not read."""
+
+    code = "unsupported_format"
+
+
+class DigestMismatch(CachekeeperError):
+    """Bytes whose sha256 is not the one they were declared with."""
+
+    code = "digest_mismatch"
+    http_status = 422
+
+
+class BlobMissing(CachekeeperError):
+    """A blob a manifest references is not available."""
+
+    code = "blob_missing"
+    http_status = 409
+
+
+class BlobTooLarge(DigestMismatch):
+    """A blob longer than its declared size (a decompression bomb is one of these)."""
+
+    code = "blob_too_large"
+
+
+class SnapshotNotFound(CachekeeperError):
+    """No snapshot with that id."""
+
+    code = "snapshot_not_found"
+    http_status = 404
+
+
+class WorkloadInvalid(CachekeeperError):
+    """A workload file that does not parse or validate."""
+
+    code = "invalid_workload"
+    http_status = 422
+    exit_code = 2
+
+
+class WorkloadNotFound(CachekeeperError):
+    """No workload registered under that name."""
+
+    code = "workload_not_found"
+    http_status = 404
+
+
+class NoMatchingSnapshot(CachekeeperError):
+    """No snapshot is compatible with this node's fingerprint for that workload."""
+
+    code = "no_match"
+    http_status = 404
+
+
+class LinkInCacheDir(CachekeeperError):
+    """A symbolic link inside a cache dir being snapshotted."""
+
+    code = "link_in_cache_dir"
+    http_status = 422
+
+
+class RestoreConflict(CachekeeperError):
+    """A different file already exists where a restore would write (it is kept)."""
+
+    code = "restore_conflict"
+    http_status = 409
+
+
+class Unauthorized(CachekeeperError):
+    """No valid bearer token."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class Forbidden(CachekeeperError):
+    """The token lacks the scope this route needs."""
+
+    code = "forbidden"
+    http_status = 403
+
+
+class PayloadTooLarge(CachekeeperError):
+    """A request over one of the server's limits (blob size, manifest size, file count)."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+
+class InsufficientStorage(CachekeeperError):
+    """The store is full (hard cap reached, or the disk itself)."""
+
+    code = "insufficient_storage"
+    http_status = 507
+
+
+class SignatureInvalid(CachekeeperError):
+    """A snapshot that is unsigned, signed by an untrusted key, or tampered with."""
+
+    code = "signature_invalid"
+    http_status = 422
+
+
+class ServerUnavailable(CachekeeperError):
+    """The cache server could not be reached in time."""
+
+    code = "server_unavailable"
+    http_status = 503
+
+
+class ServerError(CachekeeperError):
+    """The server answered with an error the client does not know."""
+
+    code = "server_error"
+    http_status = 500
+
+
+class PrewarmFailed(CachekeeperError):
+    """A prewarm or verify child process failed for a reason other than the compile itself."""
+
+    code = "prewarm_failed"
+    http_status = 500
+    exit_code = 2
+
+
+class ColdCompileBroken(CachekeeperError):
+    """A cold compile of the workload raised: exactly what a warm cache would have hidden."""
+
+    code = "cold_compile_broken"
+    http_status = 422
+    exit_code = 3
+
+
+def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:
+    out: list[type[CachekeeperError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERRORS: dict[str, type[CachekeeperError]] = {
+    cls.code: cls for cls in [CachekeeperError, *_all_subclasses(CachekeeperError)]
+}
+
+
+def error_for_code(code: str) -> type[CachekeeperError]:
+    """The exception class for a server's ``error`` code (``ServerError`` when unknown)."""
+    return ERRORS.get(code, ServerError)

@@ -1,0 +1,350 @@
+"""The environment fingerprint: what must match for an Inductor cache entry to be valid.
+
+Collected without importing torch (the pre-job hook must start fast): versions come from
+package metadata and from the text of ``torch/version.py``; GPUs from NVML (nvidia-ml-py)
+when present, else ``nvidia-smi``; the driver from NVML or ``/proc/driver/nvidia/version``.
+
+Matching (``compare``) is exact on every field but the driver; for the driver the default
+policy (``"newer"``) accepts a node driver at least as new as the builder's, since a kernel
+built by a newer ptxas can fail to load on an older driver, and no Inductor key holds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "SCHEMA",
+    "DriverPolicy",
+    "Mismatch",
+    "collect",
+    "canonical_json",
+    "digest_of",
+    "compare",
+    "is_compatible",
+    "format_mismatches",
+]
+
+SCHEMA = 1
+DriverPolicy = Literal["newer", "exact", "any"]
+
+# Environment variables that change Inductor/Dynamo keys or behaviour. Paths and pure
+# logging switches do not change what is compiled, so they stay out of the fingerprint.
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
+_ENV_IGNORED = frozenset(
+    {
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT",
+        "TORCH_COMPILE_DEBUG_DIR",
+    }
+)
+
+# Fields compared exactly, in the order an explanation lists them.
+_EXACT_FIELDS = ("torch", "triton", "cuda", "cuda_wheels", "python", "arch", "gpus", "env")
+
+
+def canonical_json(value: Any) -> str:
+    """The one JSON text that digests are computed over: sorted keys, no spaces, UTF-8."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest_of(fingerprint: Mapping[str, Any]) -> str:
+    """sha256 of the fingerprint's canonical JSON (lowercase hex)."""
+    return hashlib.sha256(canonical_json(dict(fingerprint)).encode()).hexdigest()
+
+
+def _installed_versions() -> dict[str, str]:
+    """{normalized distribution name: version} from ``*.dist-info`` folder names on sys.path.
+
+    Reading folder names instead of importlib.metadata keeps this at a few milliseconds
+    (importing importlib.metadata and parsing every METADATA file costs ~100 ms).
+    """
+    found: dict[str, str] = {}
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info") and "-" in name:
+                dist, _, version = name[: -len(".dist-info")].partition("-")
+                found.setdefault(dist.lower().replace("_", "-").replace(".", "-"), version)
+    return found
+
+
+def _torch_build(versions: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(torch version with local tag, CUDA version torch was built with), without import."""
+    spec = importlib.util.find_spec("torch") if "torch" not in sys.modules else None
+    if "torch" in sys.modules:  # already imported by the caller: read it, it costs nothing
+        torch = sys.modules["torch"]
+        return str(torch.__version__), getattr(torch.version, "cuda", None)
+    if spec is None or not spec.submodule_search_locations:
+        return versions.get("torch"), None
+    for location in spec.submodule_search_locations:
+        text_path = Path(location) / "version.py"
+        if text_path.is_file():
+            text = text_path.read_text(encoding="utf-8", errors="replace")
+            version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+            cuda = re.search(r"^cuda\s*(?::[^=]+)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+            return (
+                version.group(1) if version else versions.get("torch"),
+                cuda.group(1) if cuda else None,
+            )
+    return versions.get("torch"), None
+
+
+def _cuda_wheels(versions: Mapping[str, str]) -> dict[str, str]:
+    """Versions of installed ``nvidia-*`` wheels (cuBLAS, cuDNN, NVRTC, nvJitLink, ...)."""
+    return {
+        name: version
+        for name, version in sorted(versions.items())
+        if name.startswith("nvidia-") and name != "nvidia-ml-py"
+    }
+
+
+def _visible_indices(count: int, uuids: list[str]) -> list[int]:
+    """Physical GPU indices in the order CUDA_VISIBLE_DEVICES makes visible."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return list(range(count))
+    out: list[int] = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            break
+        if item.isdigit():
+            idx = int(item)
+            if idx >= count:
+                break
+            out.append(idx)
+        else:
+            matches = [i for i, u in enumerate(uuids) if u.startswith(item) or item in u]
+            if len(matches) != 1:
+                break
+            out.append(matches[0])
+    return out
+
+
+def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        count = pynvml.nvmlDeviceGetCount()
+        physical: list[dict[str, Any]] = []
+        uuids: list[str] = []
+        for i in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+            physical.append({"name": name, "capability": f"{major}.{minor}"})
+        gpus = [
+            {"index": visible, **physical[phys]}
+            for visible, phys in enumerate(_visible_indices(count, uuids))
+        ]
+        return gpus, driver
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _gpus_from_smi() -> tuple[list[dict[str, Any]], str | None] | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name,compute_cap,driver_version,uuid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    rows = [r for r in rows if len(r) >= 4]
+    if not rows:
+        return None
+    uuids = [r[3] for r in rows]
+    gpus = [
+        {"index": visible, "name": rows[phys][0], "capability": rows[phys][1]}
+        for visible, phys in enumerate(_visible_indices(len(rows), uuids))
+    ]
+    return gpus, rows[0][2]
+
+
+def _driver_from_proc() -> str | None:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
+    return found.group(1) if found else None
+
+
+def _compile_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in sorted(environ.items())
+        if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED
+    }
+
+
+def collect(
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """This machine's fingerprint as a plain dict (see the module docstring).
+
+    ``overrides`` replaces fields after collection. It exists for tests and for the
+    ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` variable (a JSON object) that the test suite uses
+    to simulate another environment; it is not a user-facing option.
+    """
+    env = os.environ if environ is None else environ
+    versions = _installed_versions()
+    torch_version, cuda = _torch_build(versions)
+    gpu_info = _gpus_from_nvml() or _gpus_from_smi()
+    gpus, driver = gpu_info if gpu_info else ([], None)
+    if driver is None:
+        driver = _driver_from_proc()
+    fingerprint: dict[str, Any] = {
+        "schema": SCHEMA,
+        "torch": torch_version,
+        "triton": versions.get("triton") or versions.get("pytorch-triton"),
+        "cuda": cuda,
+        "cuda_wheels": _cuda_wheels(versions),
+        "driver": driver,
+        "gpus": gpus,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "arch": platform.machine(),
+        "env": _compile_env(env),
+    }
+    raw_overrides = env.get("CACHEKEEPER_FINGERPRINT_OVERRIDES")
+    if raw_overrides:
+        fingerprint.update(json.loads(raw_overrides))
+    if overrides:
+        fingerprint.update(overrides)
+    return fingerprint
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One field on which a node and a snapshot's builder differ."""
+
+    field: str
+    node: Any
+    snapshot: Any
+
+    def describe(self) -> str:
+        return f"{self.field} {_short(self.node)} != {_short(self.snapshot)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"field": self.field, "node": self.node, "snapshot": self.snapshot}
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        return value
+    return canonical_json(value)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+def _gpu_models(gpus: Any) -> list[Any]:
+    return [{"name": g.get("name"), "capability": g.get("capability")} for g in gpus or []]
+
+
+def compare(
+    node: Mapping[str, Any],
+    snapshot: Mapping[str, Any],
+    *,
+    driver_policy: DriverPolicy = "newer",
+    devices: list[str] | None = None,
+    node_devices: list[str] | None = None,
+) -> list[Mismatch]:
+    """Fields on which ``node`` cannot use a cache built under ``snapshot``; empty = compatible.
+
+    ``devices`` are the devices a snapshot covers (``["cuda:0", "cuda:1"]`` or ``["cpu"]``).
+    When given, GPU models are compared only at the covered indices (a snapshot built on
+    cuda:0 of an 8-GPU builder suits a 1-GPU node of the same model), and the devices the
+    node will use (``node_devices``, default: every visible GPU index) must all be covered,
+    since Inductor's key holds the device index.
+    """
+    out: list[Mismatch] = []
+    for field in _EXACT_FIELDS:
+        a, b = node.get(field), snapshot.get(field)
+        if field == "gpus":
+            if devices is not None:
+                covered = {int(d.split(":", 1)[1]) for d in devices if d.startswith("cuda:")}
+                node_by_idx = {g.get("index"): g for g in a or []}
+                snap_by_idx = {g.get("index"): g for g in b or []}
+                both = sorted(covered & node_by_idx.keys() & snap_by_idx.keys())
+                a = _gpu_models([node_by_idx[i] for i in both])
+                b = _gpu_models([snap_by_idx[i] for i in both])
+            else:
+                a, b = _gpu_models(a), _gpu_models(b)
+        if a != b:
+            out.append(Mismatch(field, a, b))
+    if devices is not None:
+        wanted = node_devices
+        if wanted is None:
+            wanted = [f"cuda:{g.get('index')}" for g in node.get("gpus") or []] or ["cpu"]
+        uncovered = [d for d in wanted if d not in devices]
+        if uncovered:
+            out.append(Mismatch("devices", sorted(wanted), sorted(devices)))
+    node_driver, snap_driver = node.get("driver"), snapshot.get("driver")
+    if driver_policy != "any" and node_driver != snap_driver:
+        if driver_policy == "exact" or node_driver is None or snap_driver is None:
+            out.append(Mismatch("driver", node_driver, snap_driver))
+        elif _version_tuple(node_driver) < _version_tuple(snap_driver):
+            out.append(Mismatch("driver", node_driver, snap_driver))
+    return out
+
+
+def is_compatible(
+    node: Mapping[str, Any],
+    snapshot: Mapping[str, Any],
+    *,
+    driver_policy: DriverPolicy = "newer",
+    devices: list[str] | None = None,
+    node_devices: list[str] | None = None,
+) -> bool:
+    return not compare(
+        node, snapshot, driver_policy=driver_policy, devices=devices, node_devices=node_devices
+    )
+
+
+def format_mismatches(mismatches: list[Mismatch]) -> str:
+    """One line: ``torch 2.11.0+cu130 != 2.11.0+cu128; driver 570.1 != 580.2``."""
+    return "; ".join(m.describe() for m in mismatches)

@@ -1,0 +1,248 @@
+"""The snapshot manifest: what a snapshot holds, and the one place its validity is decided.
+
+A manifest is JSON::
+
+    {
+      "format": 1,
+      "workload": "drafter-gqa" | null,
+      "workload_digest": "<sha256 of the workload TOML>" | null,
+      "fingerprint": {...},                  # cachekeeper.fingerprint.collect()
+      "fingerprint_digest": "<sha256>",
+      "devices": ["cuda:0", "cuda:1"] | ["cpu"],
+      "files": [{"path": "fxgraph/ab/..", "digest": "<sha256>", "size_bytes": 123, "mode": 420}],
+      "stats": {...} | null,                 # prewarm / verify statistics (verified when
+                                             # stats["verify"]["effective"] is true)
+      "signature": {"key_id": "...", "signature": "<base64>"} | null
+    }
+
+A snapshot's id is the sha256 of the canonical JSON of the manifest *without* its
+signature, so signing a manifest does not change its id, and the signature covers the id.
+Files are sorted by path; blobs are content-addressed by ``digest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import PurePosixPath
+from typing import Any
+
+from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
+from cachekeeper.fingerprint import canonical_json, digest_of
+
+__all__ = [
+    "FORMAT",
+    "MAX_FILES",
+    "FileEntry",
+    "Manifest",
+    "check_relpath",
+    "is_digest",
+]
+
+FORMAT = 1
+MAX_FILES = 200_000
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_digest(value: object) -> bool:
+    """True for a lowercase sha256 hex string."""
+    return isinstance(value, str) and _DIGEST_RE.fullmatch(value) is not None
+
+
+def check_relpath(path: object) -> str:
+    """Return ``path`` if it is a safe relative POSIX path, else raise ``UnsafePath``.
+
+    Refused: non-strings, empty, absolute, backslashes, ``.``/``..`` components, empty
+    components (``a//b``), NUL or control characters, and names that are not valid UTF-8.
+    """
+    if not isinstance(path, str) or not path:
+        raise UnsafePath(f"manifest path {path!r} is not a non-empty string")
+    if "\\" in path or any(ord(c) < 32 for c in path):
+        raise UnsafePath(f"manifest path {path!r} contains a backslash or control character")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnsafePath(f"manifest path {path!r} is not valid UTF-8") from exc
+    if path.startswith("/"):
+        raise UnsafePath(f"manifest path {path!r} is absolute")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafePath(f"manifest path {path!r} contains '..', '.' or an empty component")
+    return str(PurePosixPath(path))
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One regular file of a snapshot."""
+
+    path: str
+    digest: str
+    size_bytes: int
+    mode: int = 0o644
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "digest": self.digest,
+            "size_bytes": self.size_bytes,
+            "mode": self.mode,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, index: int) -> FileEntry:
+        if not isinstance(raw, dict):
+            raise InvalidManifest(f"files[{index}] is not an object")
+        path = check_relpath(raw.get("path"))
+        digest = raw.get("digest")
+        if not is_digest(digest):
+            raise InvalidManifest(f"files[{index}] ({path}): digest {digest!r} is not sha256 hex")
+        size = raw.get("size_bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidManifest(f"files[{index}] ({path}): size_bytes {size!r} is invalid")
+        mode = raw.get("mode", 0o644)
+        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+            raise InvalidManifest(f"files[{index}] ({path}): mode {mode!r} is not 0..0o777")
+        return cls(path=path, digest=str(digest), size_bytes=size, mode=mode)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated snapshot manifest (see the module docstring for the JSON form)."""
+
+    files: tuple[FileEntry, ...]
+    fingerprint: dict[str, Any]
+    devices: tuple[str, ...] = ()
+    workload: str | None = None
+    workload_digest: str | None = None
+    stats: dict[str, Any] | None = None
+    signature: dict[str, Any] | None = None
+    format: int = FORMAT
+    fingerprint_digest: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint_digest:
+            object.__setattr__(self, "fingerprint_digest", digest_of(self.fingerprint))
+        files = tuple(sorted(self.files, key=lambda f: f.path))
+        object.__setattr__(self, "files", files)
+        _check_tree(files)
+
+    # -- identity -----------------------------------------------------------------------
+    def unsigned_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "workload": self.workload,
+            "workload_digest": self.workload_digest,
+            "fingerprint": self.fingerprint,
+            "fingerprint_digest": self.fingerprint_digest,
+            "devices": list(self.devices),
+            "files": [f.to_dict() for f in self.files],
+            "stats": self.stats,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        body = self.unsigned_dict()
+        body["signature"] = self.signature
+        return body
+
+    def signing_bytes(self) -> bytes:
+        """The bytes a signature covers: the canonical JSON without the signature."""
+        return canonical_json(self.unsigned_dict()).encode()
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(self.signing_bytes()).hexdigest()
+
+    def to_json(self) -> str:
+        return canonical_json(self.to_dict())
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+    @property
+    def digests(self) -> set[str]:
+        return {f.digest for f in self.files}
+
+    @property
+    def verified(self) -> bool:
+        verify = (self.stats or {}).get("verify") or {}
+        return bool(verify.get("effective"))
+
+    def with_signature(self, signature: dict[str, Any] | None) -> Manifest:
+        return replace(self, signature=signature)
+
+    # -- parsing ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: Any, *, max_files: int = MAX_FILES) -> Manifest:
+        """Validate and build; raises ``InvalidManifest`` (or a subclass) naming the problem."""
+        if not isinstance(raw, dict):
+            raise InvalidManifest("manifest is not a JSON object")
+        fmt = raw.get("format")
+        if fmt != FORMAT:
+            raise UnsupportedFormat(f"manifest format {fmt!r} is not supported (expected {FORMAT})")
+        files_raw = raw.get("files")
+        if not isinstance(files_raw, list):
+            raise InvalidManifest("manifest 'files' is not a list")
+        if len(files_raw) > max_files:
+            raise InvalidManifest(
+                f"manifest lists {len(files_raw)} files, over the limit of {max_files}"
+            )
+        fingerprint = raw.get("fingerprint")
+        if not isinstance(fingerprint, dict):
+            raise InvalidManifest("manifest 'fingerprint' is not an object")
+        devices = raw.get("devices", [])
+        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+            raise InvalidManifest("manifest 'devices' is not a list of strings")
+        workload = raw.get("workload")
+        if workload is not None and not isinstance(workload, str):
+            raise InvalidManifest("manifest 'workload' is not a string")
+        workload_digest = raw.get("workload_digest")
+        if workload_digest is not None and not is_digest(workload_digest):
+            raise InvalidManifest("manifest 'workload_digest' is not sha256 hex")
+        stats = raw.get("stats")
+        if stats is not None and not isinstance(stats, dict):
+            raise InvalidManifest("manifest 'stats' is not an object")
+        signature = raw.get("signature")
+        if signature is not None and not isinstance(signature, dict):
+            raise InvalidManifest("manifest 'signature' is not an object")
+        fp_digest = raw.get("fingerprint_digest") or digest_of(fingerprint)
+        if fp_digest != digest_of(fingerprint):
+            raise InvalidManifest("manifest 'fingerprint_digest' does not match its fingerprint")
+        files = tuple(FileEntry.from_dict(f, index=i) for i, f in enumerate(files_raw))
+        return cls(
+            files=files,
+            fingerprint=fingerprint,
+            devices=tuple(devices),
+            workload=workload,
+            workload_digest=workload_digest,
+            stats=stats,
+            signature=signature,
+            fingerprint_digest=fp_digest,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, max_files: int = MAX_FILES) -> Manifest:
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidManifest(f"manifest is not valid JSON: {exc}") from exc
+        return cls.from_dict(raw, max_files=max_files)
+
+
+def _check_tree(files: tuple[FileEntry, ...]) -> None:
+    """Refuse duplicate paths and a path that is also a directory of another path."""
+    seen: set[str] = set()
+    dirs: set[str] = set()
+    for entry in files:
+        if entry.path in seen:
+            raise InvalidManifest(f"manifest lists {entry.path!r} twice")
+        seen.add(entry.path)
+        parts = entry.path.split("/")
+        for i in range(1, len(parts)):
+            dirs.add("/".join(parts[:i]))
+    clash = seen & dirs
+    if clash:
+        raise InvalidManifest(f"manifest path {sorted(clash)[0]!r} is both a file and a folder")

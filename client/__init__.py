@@ -1,0 +1,1 @@
+"""The HTTP client and pre-job hook (installed as ``cachekeeper.client``). Never imports torch."""

@@ -1,0 +1,1 @@
+"""The cache server (installed as ``cachekeeper.server``). Never imports torch."""

@@ -1,0 +1,56 @@
+"""Session-wide fixtures shared by every test package.
+
+Cold CPU compiles of flex_attention take ~25 s on the 2-core CI machine, so the suite
+compiles as few distinct workloads as it can and shares them: ``compiled_cache`` is one
+real Inductor cache dir, compiled once per session in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = REPO / "tests" / "flex_probe.py"
+
+
+def run_probe(cache_dir: Path, *, extra_env: dict[str, str] | None = None) -> dict:
+    """Run tests/flex_probe.py in a fresh process on ``cache_dir``; return its counters."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), **(extra_env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def compiled_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Inductor cache dir holding one compiled CPU flex_attention (read-only use)."""
+    pytest.importorskip("torch")
+    cache = tmp_path_factory.mktemp("compiled") / "inductor"
+    counters = run_probe(cache)
+    assert counters["inductor"].get("fxgraph_cache_miss", 0) >= 1, counters
+    return cache
+
+
+@pytest.fixture
+def cache_copy(compiled_cache: Path, tmp_path: Path) -> Path:
+    """A private copy of ``compiled_cache`` a test may modify."""
+    dst = tmp_path / "cache-copy"
+    shutil.copytree(compiled_cache, dst, symlinks=True)
+    return dst
+
+
+@pytest.fixture
+def ck_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated CACHEKEEPER_HOME (local store) for one test."""
+    home = tmp_path / "ck-home"
+    monkeypatch.setenv("CACHEKEEPER_HOME", str(home))
+    return home
