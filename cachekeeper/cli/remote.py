@@ -1,0 +1,278 @@
+"""``push``, ``pull`` and ``prejob``: the commands that talk to the cache server.
+
+Kept light on purpose: ``prejob`` runs before every training job, so this module imports
+only click at load time; httpx, the restore code and rich (for push's progress bar) are
+imported inside the commands that use them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+
+__all__ = ["push_cmd", "pull_cmd", "prejob_cmd"]
+
+server_option = click.option(
+    "--server",
+    envvar="CACHEKEEPER_SERVER",
+    metavar="URL",
+    help="Cache server URL (default: $CACHEKEEPER_SERVER).",
+)
+token_option = click.option(
+    "--token",
+    envvar="CACHEKEEPER_TOKEN",
+    metavar="TOKEN",
+    help="Bearer token (default: $CACHEKEEPER_TOKEN).",
+)
+workload_option = click.option(
+    "--workload", required=True, metavar="NAME", help="The workload name the snapshot is for."
+)
+driver_policy_option = click.option(
+    "--driver-policy",
+    type=click.Choice(["newer", "exact", "any"]),
+    default="newer",
+    show_default=True,
+    help="Which builder drivers this node accepts (newer: not newer than this node's).",
+)
+devices_option = click.option(
+    "--devices",
+    metavar="LIST",
+    help="Devices the job will use, e.g. cuda:0,cuda:1 (default: every visible GPU).",
+)
+
+
+def _devices(raw: str | None) -> list[str] | None:
+    if not raw:
+        return None
+    out = [d.strip() for d in raw.split(",") if d.strip()]
+    for d in out:
+        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+            raise click.BadParameter(f"{d!r} is not 'cpu' or 'cuda:N'", param_hint="--devices")
+    return out
+
+
+def _require_server(server: str | None) -> str:
+    if not server:
+        raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
+    return server
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+@click.command("push")
+@click.argument("cache_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@workload_option
+@server_option
+@token_option
+@click.option("--workers", default=4, show_default=True, help="Uploads in flight at once.")
+@json_option
+@handle_errors
+def push_cmd(
+    cache_dir: Path,
+    workload: str,
+    server: str | None,
+    token: str | None,
+    workers: int,
+    as_json: bool,
+) -> None:
+    """Snapshot CACHE_DIR and upload it to the server as WORKLOAD's snapshot.
+
+    Only blobs the server lacks are uploaded (several at once, zstd-compressed); pushing
+    the same dir again uploads nothing. Prints what was uploaded and deduplicated.
+    """
+    from cachekeeper.client.api import CacheClient
+    from cachekeeper.client.push import push
+
+    with CacheClient(base_url=_require_server(server), token=token) as client:
+        with _progress_bar(enabled=not as_json and sys.stderr.isatty()) as progress:
+            report = push(
+                cache_dir, client=client, workload=workload, workers=workers, progress=progress
+            )
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    state = "published" if report.created else "already published"
+    click.echo(f"snapshot {report.snapshot_id} {state} for workload {report.workload!r}")
+    click.echo(
+        f"  uploaded     {report.uploaded_blobs} blobs, {_mb(report.uploaded_bytes)} "
+        f"({_mb(report.uploaded_wire_bytes)} compressed)"
+    )
+    click.echo(
+        f"  deduplicated {report.deduplicated_blobs} blobs, {_mb(report.deduplicated_bytes)}"
+    )
+
+
+class _progress_bar:
+    """A rich progress bar on stderr, or nothing (rich is imported only when shown)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return None
+        from rich.console import Console
+        from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
+
+        self._progress = Progress(
+            *Progress.get_default_columns(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("uploading", total=None)
+
+        def update(done: int, total: int) -> None:
+            self._progress.update(self._task, completed=done, total=total)
+
+        return update
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+@click.command("pull")
+@workload_option
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The Inductor cache dir to restore into (created if missing).",
+)
+@server_option
+@token_option
+@driver_policy_option
+@devices_option
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Overall limit (s).")
+@json_option
+@handle_errors
+def pull_cmd(
+    workload: str,
+    cache_dir: Path,
+    server: str | None,
+    token: str | None,
+    driver_policy: str,
+    devices: str | None,
+    timeout_s: float | None,
+    as_json: bool,
+) -> None:
+    """Fetch and restore the snapshot of WORKLOAD that matches this node.
+
+    Only files the dir lacks are downloaded (one archive stream); nothing already in the
+    dir is touched. Fails with the field-by-field difference when nothing matches.
+    """
+    from cachekeeper.client.api import CacheClient, Deadline
+    from cachekeeper.client.pull import pull
+
+    with CacheClient(base_url=_require_server(server), token=token) as client:
+        report = pull(
+            client=client,
+            workload=workload,
+            cache_dir=cache_dir,
+            driver_policy=driver_policy,
+            devices=_devices(devices),
+            deadline=Deadline(timeout_s),
+        )
+    if as_json:
+        emit_json(report.to_dict())
+    elif report.outcome == "already_restored":
+        click.echo(f"{report.cache_dir} already holds snapshot {report.snapshot_id}")
+    else:
+        click.echo(
+            f"restored snapshot {report.snapshot_id} into {report.cache_dir} "
+            f"({report.blobs_fetched} blobs fetched)"
+        )
+
+
+@click.command("prejob")
+@workload_option
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Cache dir (default: $TORCHINDUCTOR_CACHE_DIR, else a persistent "
+    "~/.cache/cachekeeper/inductor/<fingerprint>/ dir, under $CACHEKEEPER_HOME when set).",
+)
+@server_option
+@token_option
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Give up (and compile cold) after this many seconds in all.",
+)
+@click.option("--strict", is_flag=True, help="Exit non-zero when no cache was restored.")
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the export lines to this file (atomically).",
+)
+@driver_policy_option
+@devices_option
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON report on stdout instead of the export lines.",
+)
+@handle_errors
+def prejob_cmd(
+    workload: str,
+    cache_dir: Path | None,
+    server: str | None,
+    token: str | None,
+    timeout_s: float,
+    strict: bool,
+    env_file: Path | None,
+    driver_policy: str,
+    devices: str | None,
+    as_json: bool,
+) -> None:
+    """Pre-job hook: restore this node's cache of WORKLOAD and print the env to export.
+
+    Use it as eval "$(cachekeeper prejob --workload NAME)". It never fails the job: when
+    the server is down, slow, refuses, or has no matching snapshot, it prints one line on
+    stderr saying why, still prints the exports, and exits 0 (non-zero with --strict).
+    """
+    from cachekeeper.client.prejob import cold_line, export_lines, prejob, write_env_file
+
+    report = prejob(
+        workload=workload,
+        server=server,
+        token=token,
+        cache_dir=cache_dir,
+        timeout_s=timeout_s,
+        driver_policy=driver_policy,
+        devices=_devices(devices),
+    )
+    lines = export_lines(report.exports)
+    if report.cold:
+        echo_err(cold_line(report.reason or "unknown reason"))
+        if strict:
+            if as_json:
+                emit_json(report.to_dict())
+            sys.exit(report.error.exit_code if report.error is not None else 1)
+    elif report.outcome == "restored":
+        echo_err(
+            f"cachekeeper: restored snapshot {report.snapshot_id} into {report.cache_dir} "
+            f"({report.blobs_fetched} blobs) in {report.elapsed_s:.1f} s"
+        )
+    if env_file is not None:
+        write_env_file(env_file, lines)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(lines, nl=False)

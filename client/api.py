@@ -1,0 +1,409 @@
+"""``CacheClient``: the httpx client for the cache server's HTTP API (docs/api.md).
+
+Every call runs under a timeout: the smaller of the client's ``timeout_s`` and what is left
+of an optional ``Deadline``, so the pre-job hook can promise an overall bound. Connection
+errors, timeouts and 5xx answers are retried with jittered exponential backoff, never past
+the deadline. The server's ``{"error": code, "detail": ...}`` answers come back as the same
+exception class (``cachekeeper.errors.error_for_code``); transport failures become
+``ServerUnavailable``; an answer that is not the JSON the contract promises is a
+``ServerError``. Nothing here imports torch, and httpx is imported without its optional
+command-line module (rich, pygments), which would double the hook's start-up time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from cachekeeper.errors import CachekeeperError, ServerError, ServerUnavailable, error_for_code
+from cachekeeper.fingerprint import Mismatch
+from cachekeeper.manifest import Manifest, is_digest
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution"]
+
+# Answers worth another try: the server or a proxy in front of it is briefly unwell.
+_RETRY_STATUSES = frozenset({500, 502, 503, 504})
+_MAX_BACKOFF_S = 2.0
+_STREAM_CHUNK_BYTES = 1 << 20
+
+
+def _import_httpx() -> Any:
+    """Import httpx without ``httpx._main`` (its CLI: click + rich + pygments, ~100 ms)."""
+    if "httpx" in sys.modules:
+        return sys.modules["httpx"]
+    blocked = "httpx._main" not in sys.modules
+    if blocked:
+        sys.modules["httpx._main"] = None  # type: ignore[assignment]  # httpx falls back to a stub
+    try:
+        import httpx
+    finally:
+        if blocked and sys.modules.get("httpx._main") is None:
+            del sys.modules["httpx._main"]
+    return httpx
+
+
+class Deadline:
+    """A point in monotonic time that every call of one operation must finish by."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._at = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        """Seconds left (never negative), or None for no deadline."""
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= 0.0
+
+    def bound(self, timeout_s: float) -> float:
+        """``timeout_s`` shortened to what is left; raises ServerUnavailable when nothing is."""
+        left = self.remaining()
+        if left is None:
+            return timeout_s
+        if left <= 0.0:
+            raise ServerUnavailable(f"gave up after the {self.seconds:g} s deadline")
+        return min(timeout_s, left)
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A snapshot of the workload this node cannot use, and why."""
+
+    snapshot_id: str
+    mismatches: tuple[Mismatch, ...]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The server's answer to resolve: the best snapshot (a SUMMARY dict) or None."""
+
+    snapshot: dict[str, Any] | None
+    verified: bool
+    exact: bool
+    near_misses: tuple[NearMiss, ...]
+
+    @property
+    def snapshot_id(self) -> str | None:
+        return None if self.snapshot is None else str(self.snapshot["id"])
+
+
+class CacheClient:
+    """A synchronous client for one cache server. Use as a context manager, or ``close()``.
+
+    ``transport`` replaces httpx's network transport (tests pass ``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        httpx = _import_httpx()
+        if not base_url:
+            raise ServerUnavailable("no server configured (use --server or CACHEKEEPER_SERVER)")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"User-Agent": "cachekeeper-client"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        # Plain http needs no TLS context; building one loads the CA bundle (~100 ms).
+        verify = self.base_url.lower().startswith("https://")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            transport=transport,
+            verify=verify,
+            follow_redirects=False,
+            timeout=timeout_s,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the routes ---------------------------------------------------------------------
+    def health(self, *, deadline: Deadline | None = None) -> dict[str, Any]:
+        return _json_object(self._send("GET", "/healthz", deadline=deadline), "health")
+
+    def metrics(self, *, deadline: Deadline | None = None) -> str:
+        return str(self._send("GET", "/metrics", deadline=deadline).text)
+
+    def resolve(
+        self,
+        fingerprint: Mapping[str, Any],
+        *,
+        workload: str,
+        driver_policy: str = "newer",
+        devices: list[str] | None = None,
+        deadline: Deadline | None = None,
+    ) -> Resolution:
+        """The best snapshot of ``workload`` for ``fingerprint`` (a miss is a value)."""
+        body = {
+            "fingerprint": dict(fingerprint),
+            "workload": workload,
+            "driver_policy": driver_policy,
+            "devices": devices,
+        }
+        answer = _json_object(
+            self._send("POST", "/v1/resolve", json_body=body, deadline=deadline), "resolve"
+        )
+        return _parse_resolution(answer)
+
+    def missing_blobs(
+        self, digests: list[str] | set[str], *, deadline: Deadline | None = None
+    ) -> set[str]:
+        """Which of ``digests`` the server does not hold."""
+        body = {"digests": sorted(digests)}
+        answer = _json_object(
+            self._send("POST", "/v1/blobs/missing", json_body=body, deadline=deadline),
+            "blobs/missing",
+        )
+        missing = answer.get("missing")
+        if not isinstance(missing, list) or not all(is_digest(d) for d in missing):
+            raise ServerError("server's blobs/missing answer has no list of digests")
+        return set(missing)
+
+    def put_blob_zstd(
+        self,
+        digest: str,
+        open_frame: Callable[[], BinaryIO],
+        *,
+        deadline: Deadline | None = None,
+    ) -> dict[str, Any]:
+        """Upload one blob as its stored zstd frame (``open_frame`` reopens it per attempt)."""
+        return _json_object(
+            self._send(
+                "PUT",
+                f"/v1/blobs/{digest}",
+                open_body=open_frame,
+                headers={"Content-Encoding": "zstd", "Content-Type": "application/octet-stream"},
+                deadline=deadline,
+            ),
+            "blob upload",
+        )
+
+    def publish(self, manifest: Manifest, *, deadline: Deadline | None = None) -> dict[str, Any]:
+        """Publish a manifest whose blobs are all uploaded; answers the SUMMARY + created."""
+        return _json_object(
+            self._send("POST", "/v1/snapshots", json_body=manifest.to_dict(), deadline=deadline),
+            "publish",
+        )
+
+    def get_manifest(self, snapshot_id: str, *, deadline: Deadline | None = None) -> Manifest:
+        """The manifest of ``snapshot_id``, validated, and checked to have that id."""
+        answer = _json_object(
+            self._send("GET", f"/v1/snapshots/{snapshot_id}", deadline=deadline), "manifest"
+        )
+        manifest = Manifest.from_dict(answer)
+        if manifest.id != snapshot_id:
+            raise ServerError(f"server sent a manifest with id {manifest.id} for {snapshot_id}")
+        return manifest
+
+    @contextlib.contextmanager
+    def open_archive(
+        self,
+        snapshot_id: str,
+        digests: set[str] | list[str],
+        *,
+        deadline: Deadline | None = None,
+    ) -> Iterator[BinaryIO]:
+        """The snapshot's archive holding only ``digests``, as an uncompressed tar stream.
+
+        The stream is read as it arrives (nothing is buffered whole). A connection that
+        breaks or stalls mid-stream raises ``ServerUnavailable`` from ``read``.
+        """
+        import zstandard
+
+        response = self._send(
+            "POST",
+            f"/v1/snapshots/{snapshot_id}/archive",
+            json_body={"digests": sorted(digests)},
+            stream=True,
+            deadline=deadline,
+        )
+        try:
+            raw = _ResponseReader(response, deadline)
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+            yield reader  # type: ignore[misc]
+        finally:
+            response.close()
+
+    # -- transport ----------------------------------------------------------------------
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        open_body: Callable[[], BinaryIO] | None = None,
+        headers: dict[str, str] | None = None,
+        stream: bool = False,
+        deadline: Deadline | None = None,
+    ) -> httpx.Response:
+        """One request with retries; returns a 2xx response or raises a CachekeeperError."""
+        httpx = _import_httpx()
+        deadline = deadline or Deadline(None)
+        url = f"{self.base_url}{path}"
+        attempt = 0
+        while True:
+            timeout = deadline.bound(self.timeout_s)
+            body = open_body() if open_body is not None else None
+            try:
+                request = self._http.build_request(
+                    method,
+                    path,
+                    json=json_body,
+                    content=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(timeout),
+                )
+                response = self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                reason = f"{method} {url} failed: {_describe(exc)}"
+                if self._backoff(attempt, deadline):
+                    attempt += 1
+                    continue
+                raise ServerUnavailable(reason) from exc
+            finally:
+                if body is not None:
+                    body.close()
+            if response.status_code in _RETRY_STATUSES and self._backoff(attempt, deadline):
+                response.close()
+                attempt += 1
+                continue
+            if response.is_success:
+                return response
+            try:
+                if stream:
+                    response.read()
+            except httpx.TransportError as exc:
+                raise ServerUnavailable(f"{method} {url} failed: {_describe(exc)}") from exc
+            finally:
+                response.close()
+            raise _error_from(response, method=method, url=url)
+
+    def _backoff(self, attempt: int, deadline: Deadline) -> bool:
+        """Sleep before retry ``attempt + 1``; False when retries or time are used up."""
+        if attempt >= self.retries:
+            return False
+        delay = min(self.backoff_s * (2**attempt), _MAX_BACKOFF_S) * (0.5 + random.random() / 2)
+        left = deadline.remaining()
+        if left is not None and left <= delay:
+            return False
+        time.sleep(delay)
+        return True
+
+
+class _ResponseReader(io.RawIOBase):
+    """A streaming response body as a readable file, mapping transport errors."""
+
+    def __init__(self, response: httpx.Response, deadline: Deadline | None) -> None:
+        self._chunks = response.iter_raw(_STREAM_CHUNK_BYTES)
+        self._url = str(response.request.url)
+        self._deadline = deadline
+        self._pending = b""
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        httpx = _import_httpx()
+        while not self._pending and not self._done:
+            if self._deadline is not None and self._deadline.expired:
+                raise ServerUnavailable(
+                    f"download of {self._url} passed the {self._deadline.seconds:g} s deadline"
+                )
+            try:
+                self._pending = next(self._chunks)
+            except StopIteration:
+                self._done = True
+            except httpx.TransportError as exc:
+                raise ServerUnavailable(
+                    f"download of {self._url} was cut off: {_describe(exc)}"
+                ) from exc
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+
+
+def _error_from(response: httpx.Response, *, method: str, url: str) -> CachekeeperError:
+    """The exception for a non-2xx answer: the server's error class, or ServerError."""
+    status = response.status_code
+    try:
+        body = response.json()
+    except (ValueError, UnicodeDecodeError):
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        detail = body.get("detail")
+        extra = {k: v for k, v in body.items() if k not in ("error", "detail")}
+        cls = error_for_code(body["error"])
+        return cls(str(detail) if detail else f"{method} {url}: HTTP {status}", extra=extra)
+    snippet = response.text[:120].strip().replace("\n", " ")
+    return ServerError(f"{method} {url} answered HTTP {status}: {snippet!r}")
+
+
+def _json_object(response: httpx.Response, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(response.content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        snippet = response.content[:80]
+        raise ServerError(f"server's {what} answer is not JSON: {snippet!r}") from exc
+    if not isinstance(value, dict):
+        raise ServerError(f"server's {what} answer is not a JSON object")
+    return value
+
+
+def _parse_resolution(answer: dict[str, Any]) -> Resolution:
+    snapshot = answer.get("snapshot", "absent")
+    if snapshot == "absent" or not (snapshot is None or isinstance(snapshot, dict)):
+        raise ServerError("server's resolve answer has no 'snapshot' field")
+    if snapshot is not None and not is_digest(snapshot.get("id")):
+        raise ServerError("server's resolve answer names a snapshot without a valid id")
+    near: list[NearMiss] = []
+    for item in answer.get("near_misses") or []:
+        try:
+            mismatches = tuple(
+                Mismatch(str(m["field"]), m.get("node"), m.get("snapshot"))
+                for m in item.get("mismatches") or []
+            )
+            near.append(NearMiss(str(item["snapshot"]["id"]), mismatches))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ServerError("server's resolve answer has a malformed near miss") from exc
+    return Resolution(
+        snapshot=snapshot,
+        verified=bool(answer.get("verified")),
+        exact=bool(answer.get("exact")),
+        near_misses=tuple(near),
+    )

@@ -1,0 +1,249 @@
+"""The pre-job hook: restore this node's cache before training starts, never block the job.
+
+    eval "$(cachekeeper prejob --workload drafter-gqa)"
+
+1. Fingerprint this node (no torch import) and pick the cache dir: ``--cache-dir``, else
+   ``$TORCHINDUCTOR_CACHE_DIR``, else a persistent per-environment dir::
+
+       $CACHEKEEPER_HOME (default ~/.cache/cachekeeper)/
+         inductor/
+           <fingerprint digest[:16]>/      # TORCHINDUCTOR_CACHE_DIR for this environment
+
+   (not ``/tmp``, which many hosts wipe on reboot; one dir per fingerprint, so a new torch
+   build never writes into another build's cache).
+2. Resolve the workload with the fingerprint. If the dir already holds that snapshot
+   (``is_restored``, a marker and a stat), stop: this is the common, fast path.
+3. Otherwise take the dir's lock (other ranks of this node wait on it), check again, and
+   fetch only the blobs the dir lacks, in one archive stream.
+
+Every call runs under one deadline (``timeout_s``); the work also runs in a daemon thread
+that the hook stops waiting for at the deadline, so a stuck filesystem or server cannot
+hold the job. Whatever goes wrong, the outcome is ``cold`` with a one-line reason, and the
+exports are still printed; only ``--strict`` turns that into a non-zero exit. A restore
+abandoned half-way leaves only complete, verified files (the restore rules).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachekeeper.errors import CachekeeperError, ServerError, ServerUnavailable
+
+__all__ = [
+    "PrejobReport",
+    "prejob",
+    "default_cache_dir",
+    "export_lines",
+    "write_env_file",
+    "cold_line",
+]
+
+
+@dataclass(frozen=True)
+class PrejobReport:
+    """What the hook did. ``outcome``: "restored", "already_restored" or "cold"."""
+
+    workload: str
+    cache_dir: str
+    outcome: str
+    exports: dict[str, str]
+    elapsed_s: float
+    snapshot_id: str | None = None
+    blobs_fetched: int = 0
+    reason: str | None = None  # why the job compiles cold; None otherwise
+    error: CachekeeperError | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def cold(self) -> bool:
+        return self.outcome == "cold"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "cache_dir": self.cache_dir,
+            "outcome": self.outcome,
+            "exports": dict(self.exports),
+            "elapsed_s": round(self.elapsed_s, 4),
+            "snapshot_id": self.snapshot_id,
+            "blobs_fetched": self.blobs_fetched,
+            "reason": self.reason,
+            "error": None if self.error is None else self.error.code,
+        }
+
+
+def default_cache_dir(fingerprint_digest: str, *, environ: Mapping[str, str]) -> Path:
+    """``$TORCHINDUCTOR_CACHE_DIR``, else the per-fingerprint dir under the cachekeeper home."""
+    explicit = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    home = environ.get("CACHEKEEPER_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "cachekeeper"
+    return base / "inductor" / fingerprint_digest[:16]
+
+
+def export_lines(exports: Mapping[str, str]) -> str:
+    """``export NAME=value`` lines, shell-quoted, for ``eval "$(cachekeeper prejob ...)"``."""
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in exports.items())
+
+
+def write_env_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def cold_line(reason: str) -> str:
+    """The one stderr line a cold outcome prints."""
+    return f"cachekeeper: no cache restored ({reason}); this job will compile cold"
+
+
+@dataclass
+class _Outcome:
+    """Filled in by the worker thread."""
+
+    outcome: str = "cold"
+    snapshot_id: str | None = None
+    blobs_fetched: int = 0
+    error: CachekeeperError | None = None
+
+
+def _work(
+    result: _Outcome,
+    *,
+    server: str | None,
+    token: str | None,
+    workload: str,
+    fingerprint: dict[str, Any],
+    cache_dir: Path,
+    driver_policy: str,
+    devices: list[str] | None,
+    deadline: Any,
+    timeout_s: float,
+) -> None:
+    from .api import CacheClient
+    from .pull import resolve_snapshot, restore_snapshot
+
+    try:
+        with CacheClient(base_url=server or "", token=token, timeout_s=timeout_s) as client:
+            resolution = resolve_snapshot(
+                client,
+                workload=workload,
+                fingerprint=fingerprint,
+                driver_policy=driver_policy,
+                devices=devices,
+                deadline=deadline,
+            )
+            snapshot_id = resolution.snapshot_id
+            assert snapshot_id is not None
+            result.snapshot_id = snapshot_id
+            from cachekeeper.restore import is_restored
+
+            if is_restored(snapshot_id, cache_dir):
+                result.outcome = "already_restored"
+                return
+            done = restore_snapshot(client, snapshot_id, cache_dir, deadline=deadline)
+            result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
+    except CachekeeperError as exc:
+        result.error = exc
+    except Exception as exc:  # the hook must never fail the job on a bug or odd filesystem
+        result.error = ServerError(f"{type(exc).__name__}: {exc}")
+
+
+def prejob(
+    *,
+    workload: str,
+    server: str | None,
+    token: str | None = None,
+    cache_dir: Path | None = None,
+    timeout_s: float = 60.0,
+    driver_policy: str = "newer",
+    devices: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    fingerprint: dict[str, Any] | None = None,
+) -> PrejobReport:
+    """Run the hook; never raises for server or restore problems (see ``outcome``)."""
+    from .api import Deadline
+
+    started = time.monotonic()
+    env = os.environ if environ is None else environ
+    if fingerprint is None:
+        from cachekeeper.fingerprint import collect
+
+        fingerprint = collect(environ=env)
+    from cachekeeper.fingerprint import digest_of
+
+    target = (
+        Path(cache_dir)
+        if cache_dir is not None
+        else default_cache_dir(digest_of(fingerprint), environ=env)
+    )
+    target = target.expanduser().absolute()
+    exports = {"TORCHINDUCTOR_CACHE_DIR": str(target)}
+    deadline = Deadline(timeout_s)
+    result = _Outcome()
+    worker = threading.Thread(
+        target=_work,
+        name="cachekeeper-prejob",
+        daemon=True,
+        kwargs=dict(
+            result=result,
+            server=server,
+            token=token,
+            workload=workload,
+            fingerprint=fingerprint,
+            cache_dir=target,
+            driver_policy=driver_policy,
+            devices=devices,
+            deadline=deadline,
+            timeout_s=timeout_s,
+        ),
+    )
+    worker.start()
+    # The calls inside honour the deadline; this guard covers what cannot (a flock held
+    # by a stuck process, a hung filesystem). A restore abandoned here is still safe.
+    worker.join((deadline.remaining() or 0.0) + 0.25)
+    if worker.is_alive():
+        result = _Outcome(
+            error=ServerUnavailable(f"gave up waiting after the {timeout_s:g} s timeout")
+        )
+    error = result.error
+    return PrejobReport(
+        workload=workload,
+        cache_dir=str(target),
+        outcome="cold" if error is not None else result.outcome,
+        exports=exports,
+        elapsed_s=time.monotonic() - started,
+        snapshot_id=result.snapshot_id,
+        blobs_fetched=result.blobs_fetched,
+        reason=None if error is None else _reason(error),
+        error=error,
+    )
+
+
+def _reason(error: CachekeeperError) -> str:
+    from cachekeeper.errors import Forbidden, NoMatchingSnapshot, Unauthorized
+
+    if isinstance(error, ServerUnavailable):
+        return f"server unreachable: {error.detail}"
+    if isinstance(error, Unauthorized | Forbidden):
+        return f"server refused the token: {error.detail}"
+    if isinstance(error, NoMatchingSnapshot):
+        return error.detail
+    return f"{error.code}: {error.detail}"

@@ -1,0 +1,134 @@
+"""Push a cache dir to the server: snapshot locally, upload only the missing blobs, publish.
+
+The local store already holds every blob as a zstd frame, so an upload sends that frame
+as is (``Content-Encoding: zstd``) and the server decompresses and hashes it before
+storing. Pushing the same dir twice asks the server what it lacks, uploads nothing and
+publishes the identical manifest again (the server answers ``created: false``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cachekeeper.errors import BlobMissing
+from cachekeeper.manifest import Manifest
+from cachekeeper.store import LocalStore
+
+from .api import CacheClient, Deadline
+
+__all__ = ["PushReport", "push", "upload_missing"]
+
+# (wire bytes sent so far, wire bytes to send in all), called from the upload threads.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """What a push did. Sizes are uncompressed unless named ``*_wire_bytes``."""
+
+    snapshot_id: str
+    workload: str
+    created: bool  # False: the server already had this exact manifest
+    file_count: int
+    blob_count: int
+    uploaded_blobs: int
+    uploaded_bytes: int
+    uploaded_wire_bytes: int
+    deduplicated_blobs: int
+    deduplicated_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Uploaded:
+    blobs: int
+    bytes: int
+    wire_bytes: int
+
+
+def upload_missing(
+    manifest: Manifest,
+    *,
+    client: CacheClient,
+    store: LocalStore,
+    workers: int = 4,
+    progress: Progress | None = None,
+    deadline: Deadline | None = None,
+    only: set[str] | None = None,
+) -> _Uploaded:
+    """Upload the blobs of ``manifest`` the server lacks (or exactly ``only``), in parallel."""
+    sizes = {f.digest: f.size_bytes for f in manifest.files}
+    missing = only if only is not None else client.missing_blobs(set(sizes), deadline=deadline)
+    todo = sorted(missing)
+    wire = {d: store.blobs.size(d) or 0 for d in todo}
+    total_wire = sum(wire.values())
+    sent = 0
+    lock = threading.Lock()
+
+    def upload(digest: str) -> None:
+        nonlocal sent
+        client.put_blob_zstd(digest, lambda: store.blobs.open_raw(digest), deadline=deadline)
+        with lock:
+            sent += wire[digest]
+            if progress is not None:
+                progress(sent, total_wire)
+
+    if progress is not None:
+        progress(0, total_wire)
+    if todo:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+            # list() re-raises the first upload error after the pool drains.
+            list(pool.map(upload, todo))
+    return _Uploaded(len(todo), sum(sizes[d] for d in todo), total_wire)
+
+
+def push(
+    cache_dir: Path,
+    *,
+    client: CacheClient,
+    workload: str,
+    store: LocalStore | None = None,
+    workers: int = 4,
+    progress: Progress | None = None,
+    fingerprint: dict[str, Any] | None = None,
+) -> PushReport:
+    """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish."""
+    from cachekeeper.snapshot import snapshot_dir
+
+    store = store if store is not None else LocalStore()
+    manifest = snapshot_dir(
+        Path(cache_dir), store=store, workload=workload, fingerprint=fingerprint
+    )
+    done = upload_missing(manifest, client=client, store=store, workers=workers, progress=progress)
+    try:
+        summary = client.publish(manifest)
+    except BlobMissing as exc:
+        # A blob vanished server-side between the check and the publish (a gc): send it again.
+        again = {d for d in exc.extra.get("missing", []) if d in manifest.digests}
+        if not again:
+            raise
+        more = upload_missing(manifest, client=client, store=store, workers=workers, only=again)
+        done = _Uploaded(
+            done.blobs + more.blobs, done.bytes + more.bytes, done.wire_bytes + more.wire_bytes
+        )
+        summary = client.publish(manifest)
+    sizes = {f.digest: f.size_bytes for f in manifest.files}
+    return PushReport(
+        snapshot_id=manifest.id,
+        workload=workload,
+        created=bool(summary.get("created", True)),
+        file_count=len(manifest.files),
+        blob_count=len(sizes),
+        uploaded_blobs=done.blobs,
+        uploaded_bytes=done.bytes,
+        uploaded_wire_bytes=done.wire_bytes,
+        deduplicated_blobs=len(sizes) - done.blobs,
+        deduplicated_bytes=sum(sizes.values()) - done.bytes,
+    )
