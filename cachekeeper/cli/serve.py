@@ -1,0 +1,77 @@
+"""``cachekeeper serve``: run the cache server under uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cachekeeper.cli._common import handle_errors
+
+__all__ = ["serve_cmd"]
+
+
+@click.command("serve")
+@click.option("--host", default=None, help="Address to bind (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port to bind (default 8750).")
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Data dir for metadata and blobs (default $CACHEKEEPER_HOME/server or ~/.cache/cachekeeper/server).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="TOML config file (keys as in Settings: tokens, max_store_bytes, ...).",
+)
+@click.option(
+    "--token",
+    "tokens",
+    multiple=True,
+    metavar="TOKEN:SCOPE",
+    help="Add a bearer token with scope read|write|admin (repeatable). Prefer CACHEKEEPER_TOKENS.",
+)
+@click.option(
+    "--anonymous-read/--no-anonymous-read", default=None, help="Allow read routes without a token."
+)
+@handle_errors
+def serve_cmd(
+    host: str | None,
+    port: int | None,
+    data_dir: Path | None,
+    config_file: Path | None,
+    tokens: tuple[str, ...],
+    anonymous_read: bool | None,
+) -> None:
+    """Run the cache server (FastAPI under uvicorn) until interrupted.
+
+    Settings come from these options, then CACHEKEEPER_* environment variables, then the
+    --config file. With no tokens configured, every route is open.
+    """
+    import uvicorn
+
+    from cachekeeper.server.app import create_app
+    from cachekeeper.server.settings import load_settings, parse_tokens
+
+    try:
+        settings = load_settings(
+            config_file=config_file,
+            host=host,
+            port=port,
+            data_dir=data_dir,
+            anonymous_read=anonymous_read,
+            tokens=parse_tokens(",".join(tokens)) if tokens else None,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).splitlines()[0]) from exc
+    app = create_app(settings)
+    click.echo(
+        f"cachekeeper server on http://{settings.host}:{settings.port} (data {settings.data_dir},"
+        f" auth {'on' if settings.auth_enabled else 'off'})",
+        err=True,
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)

@@ -1,0 +1,66 @@
+"""Health, metrics and GC: ``/healthz``, ``/metrics``, ``POST /v1/gc``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from .auth import AdminScope
+from .deps import StorageDep, metrics_of
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["admin"])
+
+
+class Health(BaseModel):
+    status: str
+    version: str
+
+
+class GcRequest(BaseModel):
+    dry_run: bool = False
+
+
+class GcAnswer(BaseModel):
+    snapshots_evicted: list[str]
+    blobs_deleted: int
+    bytes_freed: int
+    dry_run: bool
+
+
+@router.get("/healthz", response_model=Health)
+def healthz(request: Request) -> dict[str, str]:
+    """Liveness: answers without touching the store."""
+    return {"status": "ok", "version": request.app.version}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
+    """Prometheus text exposition."""
+    counts = storage.catalog.counts()
+    gauges = {
+        "cachekeeper_store_bytes": float(counts["stored_bytes"]),
+        "cachekeeper_store_blobs": float(counts["blobs"]),
+        "cachekeeper_store_snapshots": float(counts["snapshots"]),
+    }
+    registry = metrics_of(request)
+    evicted = storage.evictions - registry.value("cachekeeper_evictions_total")
+    if evicted:
+        registry.inc("cachekeeper_evictions_total", evicted)
+    return PlainTextResponse(
+        registry.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
+
+
+@router.post("/v1/gc", response_model=GcAnswer)
+def gc(storage: StorageDep, _: AdminScope, body: GcRequest | None = None) -> dict[str, Any]:
+    """Evict LRU unpinned snapshots down to the cap, then delete unreferenced blobs."""
+    dry_run = body.dry_run if body is not None else False
+    plan = storage.plan_gc()
+    if not dry_run:
+        storage.execute_gc(plan)
+    return plan.to_dict(dry_run=dry_run)

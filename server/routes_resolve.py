@@ -1,0 +1,118 @@
+"""``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses.
+
+Ranking among compatible snapshots: verified before unverified, exact (same driver)
+before driver-compatible, newest first. Near misses are the incompatible snapshots of the
+workload with the fewest mismatching fields (newest first among equals), each with its
+field-by-field mismatches so the node can say why it missed. A miss is a value (200 with
+``"snapshot": null``), never an error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from cachekeeper.fingerprint import compare
+
+from .auth import ReadScope
+from .deps import StorageDep, metrics_of
+from .storage import Storage
+
+__all__ = ["router", "resolve"]
+
+router = APIRouter(prefix="/v1", tags=["resolve"])
+NEAR_MISSES = 3
+
+
+class ResolveRequest(BaseModel):
+    fingerprint: dict[str, Any]
+    workload: str | None = None
+    driver_policy: Literal["newer", "exact", "any"] = "newer"
+    devices: list[str] | None = Field(default=None, max_length=1024)
+
+
+class MismatchOut(BaseModel):
+    field: str
+    node: Any = None
+    snapshot: Any = None
+
+
+class NearMiss(BaseModel):
+    snapshot: dict[str, Any]
+    mismatches: list[MismatchOut]
+
+
+class ResolveAnswer(BaseModel):
+    snapshot: dict[str, Any] | None
+    verified: bool
+    exact: bool
+    near_misses: list[NearMiss]
+
+
+def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
+    """The resolve answer for ``body`` (see the module docstring)."""
+    from .db import summary_of
+
+    hits: list[tuple[tuple[int, int, str], dict[str, Any]]] = []
+    misses: list[tuple[tuple[int, str], dict[str, Any], list[dict[str, Any]]]] = []
+    parsed: dict[str, dict[str, Any]] = {}
+    for row in storage.catalog.candidates(body.workload):
+        fp = parsed.get(row["fingerprint_digest"])
+        if fp is None:
+            fp = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
+        devices = json.loads(row["devices"] or "[]") or None
+        mismatches = compare(
+            body.fingerprint,
+            fp,
+            driver_policy=body.driver_policy,
+            devices=devices,
+            node_devices=body.devices,
+        )
+        summary = summary_of(row)
+        if not mismatches:
+            exact = body.fingerprint.get("driver") == fp.get("driver")
+            hits.append(((int(summary["verified"]), int(exact), row["created_at"]), summary))
+        else:
+            misses.append(
+                ((len(mismatches), row["created_at"]), summary, [m.to_dict() for m in mismatches])
+            )
+    near = sorted(misses, key=lambda m: (m[0][0], _neg(m[0][1])))[:NEAR_MISSES]
+    near_out = [{"snapshot": s, "mismatches": mm} for _k, s, mm in near]
+    if not hits:
+        return {"snapshot": None, "verified": False, "exact": False, "near_misses": near_out}
+    (verified, exact, _created), best = max(hits, key=lambda h: h[0])
+    storage.catalog.touch_snapshot(best["id"])
+    return {
+        "snapshot": best,
+        "verified": bool(verified),
+        "exact": bool(exact),
+        "near_misses": near_out,
+    }
+
+
+def _neg(text: str) -> tuple[int, ...]:
+    """A key that sorts ISO timestamps newest first."""
+    return tuple(-ord(c) for c in text)
+
+
+@router.post("/resolve", response_model=ResolveAnswer)
+def resolve_route(
+    body: ResolveRequest, request: Request, storage: StorageDep, _: ReadScope
+) -> dict[str, Any]:
+    """The best snapshot for a node's fingerprint and workload, plus the nearest misses."""
+    try:
+        answer = resolve(storage, body)
+    except (TypeError, ValueError, AttributeError) as exc:
+        from cachekeeper.errors import InvalidManifest
+
+        raise InvalidManifest(f"fingerprint cannot be compared: {exc}") from exc
+    outcome = (
+        "miss"
+        if answer["snapshot"] is None
+        else ("verified" if answer["verified"] else "unverified")
+    )
+    metrics_of(request).inc("cachekeeper_resolves_total", outcome=outcome)
+    return answer

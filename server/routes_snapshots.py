@@ -1,0 +1,217 @@
+"""``/v1/snapshots``: publish a manifest, list, fetch, stream as an archive, delete, pin."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from cachekeeper.errors import InvalidManifest, PayloadTooLarge, SnapshotNotFound
+from cachekeeper.manifest import Manifest
+
+from .archive import archive_chunks
+from .auth import AdminScope, ReadScope, WriteScope
+from .deps import StorageDep, metrics_of, storage_of
+from .storage import Storage
+
+__all__ = ["router", "read_body"]
+
+router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
+
+SnapshotId = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the manifest's sha256")]
+
+
+class Summary(BaseModel):
+    id: str
+    workload: str | None
+    fingerprint_digest: str
+    devices: list[str]
+    verified: bool
+    signed: bool
+    size_bytes: int
+    file_count: int
+    created_at: str
+    last_used_at: str | None
+    pinned: bool
+
+
+class PublishAnswer(Summary):
+    created: bool
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[Summary]
+
+
+class ArchiveRequest(BaseModel):
+    digests: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(max_length=1_000_000)
+
+
+async def read_body(request: Request, *, limit: int, what: str) -> bytes:
+    """The whole request body, refusing (413) more than ``limit`` bytes before reading it all."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"{what} of {length} bytes is over the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"{what} is over the limit of {limit} bytes")
+    return bytes(body)
+
+
+def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidManifest(f"manifest is not valid JSON: {exc}") from exc
+    max_files = storage.settings.max_files
+    if (
+        isinstance(raw, dict)
+        and isinstance(raw.get("files"), list)
+        and len(raw["files"]) > max_files
+    ):
+        raise PayloadTooLarge(
+            f"manifest lists {len(raw['files'])} files, over the server's limit of {max_files}"
+        )
+    manifest = Manifest.from_dict(raw, max_files=max_files)
+    return storage.publish(manifest)
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=PublishAnswer,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"type": "object", "description": "a manifest"}}
+            },
+        }
+    },
+    responses={409: {"description": "blobs missing"}, 413: {"description": "too large"}},
+)
+async def publish_snapshot(request: Request, _: WriteScope) -> Response:
+    """Publish a manifest whose blobs are all uploaded; idempotent for an identical one."""
+    storage = storage_of(request)
+    body = await read_body(request, limit=storage.settings.max_manifest_bytes, what="manifest")
+    summary, created = await run_in_threadpool(_publish, storage, body)
+    if created:
+        metrics_of(request).inc("cachekeeper_snapshots_published_total")
+    return JSONResponse({**summary, "created": created}, status_code=201 if created else 200)
+
+
+@router.get("", response_model=SnapshotList)
+def list_snapshots(
+    storage: StorageDep,
+    _: ReadScope,
+    workload: str | None = None,
+    fingerprint_digest: str | None = None,
+    verified: bool | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> dict[str, Any]:
+    """Snapshots, newest first, optionally filtered."""
+    found = storage.catalog.list_summaries(
+        workload=workload, fingerprint_digest=fingerprint_digest, verified=verified, limit=limit
+    )
+    return {"snapshots": found}
+
+
+def _manifest_text(storage: Storage, snapshot_id: str) -> str:
+    row = storage.catalog.snapshot_row(snapshot_id, columns="manifest")
+    if row is None:
+        raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+    return str(row["manifest"])
+
+
+@router.get(
+    "/{snapshot_id}",
+    response_class=Response,
+    responses={200: {"content": {"application/json": {}}}},
+)
+def get_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: ReadScope) -> Response:
+    """The manifest JSON, signature included."""
+    return Response(_manifest_text(storage, snapshot_id), media_type="application/json")
+
+
+def _archive(
+    request: Request, storage: Storage, snapshot_id: str, wanted: list[str] | None
+) -> Response:
+    text = _manifest_text(storage, snapshot_id)
+    manifest = json.loads(text)
+    sizes = storage.catalog.snapshot_blobs(snapshot_id)
+    order = list(dict.fromkeys(f["digest"] for f in manifest["files"]))
+    if wanted is not None:
+        chosen = set(wanted)
+        order = [d for d in order if d in chosen]
+    storage.catalog.touch_snapshot(snapshot_id)
+    metrics = metrics_of(request)
+    metrics.inc("cachekeeper_archive_requests_total")
+    chunks = archive_chunks(
+        manifest_json=text.encode(),
+        blobs=[(d, sizes[d]) for d in order],
+        store=storage.blobs,
+        level=storage.settings.archive_level,
+        on_blob=lambda _d: metrics.inc("cachekeeper_archive_blobs_total"),
+    )
+    return StreamingResponse(
+        chunks, media_type="application/zstd", headers={"X-Cachekeeper-Snapshot": snapshot_id}
+    )
+
+
+_ARCHIVE_DOC: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/zstd": {}}, "description": "zstd(tar)"}
+}
+
+
+@router.get("/{snapshot_id}/archive", response_class=Response, responses=_ARCHIVE_DOC)
+def get_archive(
+    snapshot_id: SnapshotId, request: Request, storage: StorageDep, _: ReadScope
+) -> Response:
+    """The whole snapshot as one ``zstd(tar(manifest.json, blobs/<sha256>...))`` stream."""
+    return _archive(request, storage, snapshot_id, None)
+
+
+@router.post("/{snapshot_id}/archive", response_class=Response, responses=_ARCHIVE_DOC)
+def post_archive(
+    snapshot_id: SnapshotId,
+    body: ArchiveRequest,
+    request: Request,
+    storage: StorageDep,
+    _: ReadScope,
+) -> Response:
+    """The same stream holding only the named blobs (those not in the snapshot are ignored)."""
+    return _archive(request, storage, snapshot_id, body.digests)
+
+
+@router.delete("/{snapshot_id}", status_code=204, response_class=Response)
+def delete_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: AdminScope) -> Response:
+    """Remove a snapshot; blobs no other snapshot uses go at the next GC."""
+    if not storage.catalog.delete_snapshot(snapshot_id):
+        raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+    return Response(status_code=204)
+
+
+def _pin(storage: Storage, snapshot_id: str, *, pinned: bool) -> dict[str, Any]:
+    if not storage.catalog.set_pinned(snapshot_id, pinned=pinned):
+        raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+    summary = storage.catalog.summary(snapshot_id)
+    assert summary is not None
+    return summary
+
+
+@router.post("/{snapshot_id}/pin", response_model=Summary)
+def pin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+    """Keep a snapshot out of LRU eviction."""
+    return _pin(storage, snapshot_id, pinned=True)
+
+
+@router.delete("/{snapshot_id}/pin", response_model=Summary)
+def unpin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+    """Let LRU eviction take a snapshot again."""
+    return _pin(storage, snapshot_id, pinned=False)

@@ -1,0 +1,94 @@
+"""``/v1/workloads``: register workload TOML files (validated like the CLI does) for agents."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from cachekeeper.errors import WorkloadInvalid, WorkloadNotFound
+
+from .auth import AdminScope, ReadScope, WriteScope
+from .deps import StorageDep, storage_of
+from .routes_snapshots import read_body
+from .storage import Storage
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/workloads", tags=["workloads"])
+
+WorkloadName = Annotated[
+    str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="the workload's name")
+]
+
+
+class WorkloadInfo(BaseModel):
+    name: str
+    digest: str
+    updated_at: str
+
+
+class WorkloadList(BaseModel):
+    workloads: list[WorkloadInfo]
+
+
+@router.get("", response_model=WorkloadList)
+def list_workloads(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
+    """Every registered workload."""
+    return {"workloads": storage.catalog.list_workloads()}
+
+
+def _register(storage: Storage, name: str, body: bytes) -> dict[str, Any]:
+    from cachekeeper.workload import parse_workload  # the CLI's own parser, loaded lazily
+
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WorkloadInvalid(f"workload {name!r} is not UTF-8 text") from exc
+    workload = parse_workload(text, source=name)
+    if workload.name != name:
+        raise WorkloadInvalid(f"workload file names itself {workload.name!r}, not {name!r}")
+    digest = hashlib.sha256(body).hexdigest()
+    return storage.catalog.put_workload(name=name, toml=text, digest=digest)
+
+
+_TOML_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/toml": {"schema": {"type": "string"}},
+            "text/plain": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+@router.put("/{name}", response_model=WorkloadInfo, openapi_extra=_TOML_BODY)
+async def put_workload(name: WorkloadName, request: Request, _: WriteScope) -> dict[str, Any]:
+    """Register or replace a workload; the TOML must parse and name itself ``name``."""
+    storage = storage_of(request)
+    body = await read_body(request, limit=storage.settings.max_workload_bytes, what="workload")
+    return await run_in_threadpool(_register, storage, name, body)
+
+
+@router.get(
+    "/{name}", response_class=Response, responses={200: {"content": {"application/toml": {}}}}
+)
+def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Response:
+    """The workload's TOML text as registered."""
+    row = storage.catalog.workload_row(name)
+    if row is None:
+        raise WorkloadNotFound(f"no workload {name!r} is registered")
+    return Response(row["toml"], media_type="application/toml")
+
+
+@router.delete("/{name}", status_code=204, response_class=Response)
+def delete_workload(name: WorkloadName, storage: StorageDep, _: AdminScope) -> Response:
+    """Unregister a workload (its snapshots stay)."""
+    if not storage.catalog.delete_workload(name):
+        raise WorkloadNotFound(f"no workload {name!r} is registered")
+    return Response(status_code=204)

@@ -1,0 +1,73 @@
+"""A real uvicorn server on 127.0.0.1 (an OS-chosen port) in a thread, for tests and benches.
+
+handle = start_server(Settings(data_dir=tmp_path / "data"))
+httpx.get(f"{handle.url}/healthz")
+handle.stop()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from cachekeeper.server.app import create_app
+from cachekeeper.server.settings import Settings
+
+__all__ = ["LiveServer", "start_server"]
+
+
+@dataclass
+class LiveServer:
+    """A running server: ``url`` (no trailing slash), ``app``, ``settings``; ``stop()`` it."""
+
+    url: str
+    port: int
+    app: Any
+    settings: Settings
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> LiveServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(settings: Settings, *, timeout_s: float = 15.0) -> LiveServer:
+    """Build ``create_app(settings)`` and serve it on 127.0.0.1:0 until ``stop()``."""
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="cachekeeper-live-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("the live cachekeeper server did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return LiveServer(
+        url=f"http://127.0.0.1:{port}",
+        port=port,
+        app=app,
+        settings=settings,
+        server=server,
+        thread=thread,
+    )
