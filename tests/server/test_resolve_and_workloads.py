@@ -1,0 +1,101 @@
+"""Resolve ranking and near misses; workload registration with the CLI's parser."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import FINGERPRINT, make_snapshot, push
+
+
+def _resolve(c: httpx.Client, fingerprint: dict, workload: str, **extra: object) -> dict:
+    body = {"fingerprint": fingerprint, "workload": workload, **extra}
+    r = c.post("/v1/resolve", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ranking_verified_exact_newest(client: httpx.Client) -> None:
+    older_driver = dict(FINGERPRINT, driver="570.1")
+    other_torch = dict(FINGERPRINT, torch="2.12.0+cpu")
+    ids = {}
+    for name, fp, verified, n in [
+        ("unverified-exact", FINGERPRINT, None, 1),
+        ("verified-compat", older_driver, True, 2),
+        ("verified-exact-old", FINGERPRINT, True, 3),
+        ("verified-exact-new", FINGERPRINT, True, 4),
+        ("other-torch", other_torch, True, 5),
+    ]:
+        manifest, blobs = make_snapshot(
+            {f"{name}.bin": bytes([n]) * 10}, workload="rank", fingerprint=fp, verified=verified
+        )
+        assert push(client, manifest, blobs).status_code == 201
+        ids[name] = manifest.id
+
+    best = _resolve(client, FINGERPRINT, "rank")
+    assert best["snapshot"]["id"] == ids["verified-exact-new"]
+    assert best["verified"] and best["exact"]
+    # with every exact verified one gone, the driver-compatible verified one beats unverified
+    for name in ("verified-exact-new", "verified-exact-old"):
+        assert client.delete(f"/v1/snapshots/{ids[name]}").status_code == 204
+    best = _resolve(client, FINGERPRINT, "rank")
+    assert (
+        best["snapshot"]["id"] == ids["verified-compat"] and best["verified"] and not best["exact"]
+    )
+    # an exact driver policy refuses the older-driver build: the unverified exact one is served
+    best = _resolve(client, FINGERPRINT, "rank", driver_policy="exact")
+    assert best["snapshot"]["id"] == ids["unverified-exact"] and not best["verified"]
+
+    # a node with a different torch misses, and learns why, field by field
+    miss = _resolve(client, dict(FINGERPRINT, torch="2.99.0"), "rank")
+    assert miss["snapshot"] is None
+    nearest = miss["near_misses"][0]
+    assert nearest["snapshot"]["id"] == ids["other-torch"]
+    assert nearest["mismatches"] == [{"field": "torch", "node": "2.99.0", "snapshot": "2.12.0+cpu"}]
+    # a node asking for a GPU index no snapshot covers misses on 'devices'
+    miss = _resolve(client, FINGERPRINT, "rank", devices=["cuda:3"])
+    assert miss["snapshot"] is None
+    assert {m["field"] for m in miss["near_misses"][0]["mismatches"]} == {"devices"}
+    assert _resolve(client, FINGERPRINT, "no-such-workload") == {
+        "snapshot": None,
+        "verified": False,
+        "exact": False,
+        "near_misses": [],
+    }
+
+
+WORKLOAD = """
+name = "drafter-gqa"
+[[attention]]
+batch = 1
+q_heads = 4
+kv_heads = 2
+head_dim = 16
+seq_lens = [128]
+dtype = "float32"
+mask = "causal"
+"""
+
+
+def test_workload_routes(client: httpx.Client) -> None:
+    pytest.importorskip("cachekeeper.workload")
+    r = client.put("/v1/workloads/drafter-gqa", content=WORKLOAD)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["name"] == "drafter-gqa" and len(info["digest"]) == 64
+    got = client.get("/v1/workloads/drafter-gqa")
+    assert got.text == WORKLOAD and got.headers["content-type"].startswith("application/toml")
+    assert client.get("/v1/workloads").json()["workloads"] == [info]
+
+    bad = client.put(
+        "/v1/workloads/broken", content='name = "broken"\n[[attention]]\nbatch = "x"\n'
+    )
+    assert bad.status_code == 422 and bad.json()["error"] == "invalid_workload"
+    wrong_name = client.put("/v1/workloads/other", content=WORKLOAD)
+    assert wrong_name.status_code == 422 and "drafter-gqa" in wrong_name.json()["detail"]
+    not_toml = client.put("/v1/workloads/x", content=b"\xff\xfe")
+    assert not_toml.status_code == 422
+
+    assert client.delete("/v1/workloads/drafter-gqa").status_code == 204
+    gone = client.get("/v1/workloads/drafter-gqa")
+    assert gone.status_code == 404 and gone.json()["error"] == "workload_not_found"
