@@ -1,0 +1,114 @@
+"""``cachekeeper prewarm`` and ``cachekeeper verify``: thin adapters over cachekeeper.prewarm.
+
+Exit codes: 0 verified effective, 1 not effective, 2 error (bad workload, bad device,
+a child that crashed or timed out), 3 cold compile broken (prewarm only).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+
+__all__ = ["prewarm_cmd", "verify_cmd"]
+
+_DEVICE_HELP = (
+    "cpu, cuda (every visible GPU) or cuda:0,1,... [default: cuda when a GPU is visible, else cpu]"
+)
+
+
+def _devices(spec: str | None) -> list[str]:
+    from cachekeeper.prewarm import parse_devices, visible_gpus
+
+    if spec is None:
+        gpus = visible_gpus()
+        return parse_devices("cuda", visible=gpus) if gpus else ["cpu"]
+    return parse_devices(spec)
+
+
+def _progress(event: object) -> None:
+    echo_err(event.describe())  # type: ignore[attr-defined]
+
+
+@click.command(name="prewarm")
+@click.argument("workload", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The Inductor cache dir to fill (TORCHINDUCTOR_CACHE_DIR of the training job).",
+)
+@click.option("--device", "device", default=None, help=_DEVICE_HELP)
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
+@json_option
+@handle_errors
+def prewarm_cmd(
+    workload: Path, cache_dir: Path, device: str | None, timeout_s: float | None, as_json: bool
+) -> None:
+    """Cold-compile WORKLOAD on each device in fresh processes, merge into the cache dir
+    and verify it.
+
+    Each device compiles into an empty staging dir first; a cold compile that raises is
+    reported with its traceback, nothing is merged, and the exit code is 3. Progress goes
+    to stderr. Exit 0 when the merged cache verifies effective, 1 when it does not.
+    """
+    from cachekeeper.prewarm import prewarm
+    from cachekeeper.verify import format_prewarm
+    from cachekeeper.workload import load_workload
+
+    parsed = load_workload(workload)
+    report = prewarm(
+        parsed,
+        cache_dir,
+        devices=_devices(device),
+        progress=None if as_json else _progress,
+        timeout_s=timeout_s,
+    )
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(format_prewarm(report))
+    sys.exit(report.exit_code)
+
+
+@click.command(name="verify")
+@click.argument("workload", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The Inductor cache dir to check.",
+)
+@click.option("--device", "device", default=None, help=_DEVICE_HELP)
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
+@json_option
+@handle_errors
+def verify_cmd(
+    workload: Path, cache_dir: Path, device: str | None, timeout_s: float | None, as_json: bool
+) -> None:
+    """Prove a cache dir is effective for WORKLOAD: run it in a fresh process per device.
+
+    Effective only with zero FX-graph misses and bypasses, zero AOTAutograd misses and at
+    least one hit. Exit 0 when effective, 1 when not, 2 on error. A run that misses
+    compiles what it misses, and Inductor adds those entries to the cache dir.
+    """
+    from cachekeeper.prewarm import verify
+    from cachekeeper.verify import format_verify
+    from cachekeeper.workload import load_workload
+
+    parsed = load_workload(workload)
+    report = verify(
+        parsed,
+        cache_dir,
+        devices=_devices(device),
+        timeout_s=timeout_s,
+        progress=None if as_json else _progress,
+    )
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(format_verify(report))
+    sys.exit(report.exit_code)

@@ -1,0 +1,373 @@
+"""Workload files: parsing, every validation error, devices, mods and reports (no compiles)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachekeeper.errors import PrewarmFailed, WorkloadInvalid
+from cachekeeper.prewarm import parse_devices
+from cachekeeper.verify import DeviceRun, PrewarmReport, VerifyReport, is_effective
+from cachekeeper.workload import load_workload, parse_workload
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "workloads"
+
+BASE = """\
+name = "w"
+[[attention]]
+batch = 1
+q_heads = 4
+kv_heads = 2
+head_dim = 16
+seq_lens = [128]
+dtype = "float32"
+"""
+
+
+def _with(extra: str = "", *, drop: str | None = None, replace: tuple[str, str] | None = None):
+    text = BASE
+    if drop:
+        text = "\n".join(line for line in text.splitlines() if not line.startswith(drop)) + "\n"
+    if replace:
+        text = text.replace(*replace)
+    return text + extra
+
+
+def _error(text: str) -> str:
+    with pytest.raises(WorkloadInvalid) as info:
+        parse_workload(text, source="t.toml")
+    assert info.value.exit_code == 2
+    return str(info.value)
+
+
+def test_examples_parse() -> None:
+    gqa = load_workload(EXAMPLES / "gqa-doc-causal.toml")
+    assert gqa.name == "gqa-doc-causal"
+    (regime,) = gqa.regimes
+    assert (regime.batch, regime.q_heads, regime.kv_heads, regime.head_dim) == (1, 32, 8, 128)
+    assert regime.seq_lens == (4096, 8192)
+    assert regime.mask == "document_causal" and regime.mask_args == {"doc_len": 1024}
+    assert regime.dtype == "bfloat16" and regime.backward and regime.enable_gqa
+    assert regime.compile == {"dynamic": False}
+    drafter = load_workload(EXAMPLES / "drafter.toml")
+    masks = {r.mask for r in drafter.regimes}
+    assert {"sliding_window", "causal"} <= masks
+    assert any(r.score_mod == "softcap" for r in drafter.regimes)
+    tiny = load_workload(EXAMPLES / "cpu-tiny.toml")
+    assert tiny.regimes[0].dtype == "float32" and tiny.regimes[0].head_dim == 16
+
+
+def test_digest_is_sha256_of_text_and_defaults() -> None:
+    w = parse_workload(BASE, source="t.toml")
+    assert w.digest == hashlib.sha256(BASE.encode()).hexdigest()
+    assert w.text == BASE
+    r = w.regimes[0]
+    assert (r.mask, r.score_mod, r.backward, r.compile, r.kernel_options) == (
+        "none",
+        "none",
+        True,
+        {},
+        None,
+    )
+    no_kv = parse_workload(_with(drop="kv_heads"), source="t.toml").regimes[0]
+    assert no_kv.kv_heads == no_kv.q_heads and not no_kv.enable_gqa
+
+
+def test_the_gqa_error_message_names_file_table_and_field() -> None:
+    text = _with(replace=("q_heads = 4\nkv_heads = 2", "q_heads = 32\nkv_heads = 5"))
+    assert (
+        _error(text)
+        == "t.toml: attention[0].kv_heads: q_heads (32) must be a multiple of kv_heads (5)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("name = [", "t.toml: not valid TOML"),
+        (BASE.replace('name = "w"\n', ""), "t.toml: name: required field is missing"),
+        (BASE.replace('name = "w"', "name = 3"), "t.toml: name: expected a string, got an integer"),
+        (BASE.replace('name = "w"', 'name = "a/b"'), "t.toml: name: 'a/b' is not a valid"),
+        ('name = "w"\n', "t.toml: a workload needs at least one"),
+        (BASE + "colour = 1\n", "t.toml: attention[0].colour: unknown key"),
+        ('name = "w"\nextra = 1\n', "t.toml: extra: unknown key"),
+        ('name = "w"\nattention = 3\n', "t.toml: attention: must be an array of tables"),
+        (_with(drop="batch"), "t.toml: attention[0].batch: required field is missing"),
+        (
+            _with(replace=("batch = 1", 'batch = "1"')),
+            "attention[0].batch: expected an integer, got a string",
+        ),
+        (
+            _with(replace=("batch = 1", "batch = true")),
+            "attention[0].batch: expected an integer, got a boolean",
+        ),
+        (_with(replace=("batch = 1", "batch = 1.5")), "attention[0].batch: expected an integer"),
+        (
+            _with(replace=("batch = 1", "batch = 0")),
+            "attention[0].batch: must be a positive integer, got 0",
+        ),
+        (
+            _with(replace=("q_heads = 4", "q_heads = -4")),
+            "attention[0].q_heads: must be a positive integer",
+        ),
+        (
+            _with(replace=("kv_heads = 2", "kv_heads = 0")),
+            "attention[0].kv_heads: must be a positive integer",
+        ),
+        (
+            _with(replace=("head_dim = 16", "head_dim = 8")),
+            "attention[0].head_dim: flex_attention needs head_dim >= 16, got 8",
+        ),
+        (
+            _with(replace=("head_dim = 16", "head_dim = 0")),
+            "attention[0].head_dim: must be a positive integer",
+        ),
+        (
+            _with(replace=("seq_lens = [128]", "seq_lens = []")),
+            "attention[0].seq_lens: must list at least one",
+        ),
+        (
+            _with(replace=("seq_lens = [128]", "seq_lens = 128")),
+            "attention[0].seq_lens: expected an array",
+        ),
+        (
+            _with(replace=("seq_lens = [128]", "seq_lens = [128, 0]")),
+            "attention[0].seq_lens[1]: must be a positive integer, got 0",
+        ),
+        (
+            _with(replace=("seq_lens = [128]", 'seq_lens = ["x"]')),
+            "attention[0].seq_lens[0]: expected an integer",
+        ),
+        (_with(drop="dtype"), "attention[0].dtype: required field is missing"),
+        (
+            _with(replace=('"float32"', '"float64"')),
+            "attention[0].dtype: unknown dtype 'float64' (allowed: float32, float16, bfloat16)",
+        ),
+        (_with('mask = "diagonal"\n'), "attention[0].mask: unknown mask 'diagonal'"),
+        (_with("mask = 1\n"), "attention[0].mask: expected a string"),
+        (
+            _with('mask = "sliding_window"\n'),
+            "attention[0].mask_args.window: 'sliding_window' requires this argument",
+        ),
+        (
+            _with('mask = "document_causal"\n'),
+            "attention[0].mask_args.doc_len: 'document_causal' requires this argument",
+        ),
+        (
+            _with('mask = "prefix_lm"\n'),
+            "attention[0].mask_args.prefix_len: 'prefix_lm' requires this argument",
+        ),
+        (
+            _with('mask = "causal"\nmask_args = { window = 3 }\n'),
+            "attention[0].mask_args.window: unknown argument for 'causal'",
+        ),
+        (
+            _with('mask = "sliding_window"\nmask_args = { window = 0 }\n'),
+            "attention[0].mask_args.window: must be a positive integer",
+        ),
+        (
+            _with('mask = "sliding_window"\nmask_args = { window = "8" }\n'),
+            "attention[0].mask_args.window: expected an integer",
+        ),
+        (
+            _with('mask = "document_causal"\nmask_args = { doc_len = -1 }\n'),
+            "attention[0].mask_args.doc_len: must be a positive integer",
+        ),
+        (
+            _with('mask = "prefix_lm"\nmask_args = { prefix_len = -1 }\n'),
+            "attention[0].mask_args.prefix_len: must be >= 0",
+        ),
+        (_with('mask = "causal"\nmask_args = 3\n'), "attention[0].mask_args: expected a table"),
+        (_with('score_mod = "relu"\n'), "attention[0].score_mod: unknown score_mod 'relu'"),
+        (
+            _with('score_mod = "softcap"\n'),
+            "attention[0].score_args.cap: 'softcap' requires this argument",
+        ),
+        (
+            _with('score_mod = "softcap"\nscore_args = { cap = 0 }\n'),
+            "attention[0].score_args.cap: must be positive",
+        ),
+        (
+            _with('score_mod = "softcap"\nscore_args = { cap = "30" }\n'),
+            "attention[0].score_args.cap: expected a number",
+        ),
+        (
+            _with('score_mod = "alibi"\nscore_args = { slope = 1 }\n'),
+            "attention[0].score_args.slope: unknown argument for 'alibi'",
+        ),
+        (_with('mask = "my.mod:"\n'), "attention[0].mask: 'my.mod:' is not an import path"),
+        (_with('score_mod = "1pkg:f"\n'), "attention[0].score_mod: '1pkg:f' is not an import path"),
+        (_with("backward = 1\n"), "attention[0].backward: expected a boolean, got an integer"),
+        (
+            _with("compile = { dynamic = false, bogus = 1 }\n"),
+            "attention[0].compile.bogus: not a torch.compile option",
+        ),
+        (
+            _with('compile = { dynamic = "no" }\n'),
+            "attention[0].compile.dynamic: expected a boolean",
+        ),
+        (_with("compile = 3\n"), "attention[0].compile: expected a table"),
+        (_with("kernel_options = 3\n"), "attention[0].kernel_options: expected a table"),
+        (
+            _with("kernel_options = { BLOCK_M = [1] }\n"),
+            "attention[0].kernel_options.BLOCK_M: expected a number",
+        ),
+        (
+            'name = "w"\n[[entrypoint]]\nkwargs = {}\n',
+            "t.toml: entrypoint[0].target: required field is missing",
+        ),
+        (
+            'name = "w"\n[[entrypoint]]\ntarget = "warmup.step"\n',
+            "entrypoint[0].target: 'warmup.step' is not an import path",
+        ),
+        (
+            'name = "w"\n[[entrypoint]]\ntarget = "a.b:c"\nkwargs = 1\n',
+            "entrypoint[0].kwargs: expected a table",
+        ),
+        (
+            'name = "w"\n[[entrypoint]]\ntarget = "a.b:c"\nargs = []\n',
+            "entrypoint[0].args: unknown key",
+        ),
+    ],
+)
+def test_validation_errors(text: str, expected: str) -> None:
+    message = _error(text)
+    assert expected in message, message
+    assert "\n" not in message
+
+
+def test_second_table_is_named_by_its_index() -> None:
+    text = BASE + BASE.split("\n", 1)[1].replace('dtype = "float32"', 'dtype = "int8"')
+    assert "t.toml: attention[1].dtype: unknown dtype 'int8'" in _error(text)
+
+
+def test_valid_variants_parse() -> None:
+    text = _with(
+        'mask = "pkg.masks:make"\nmask_args = { anything = [1, 2] }\n'
+        'score_mod = "alibi"\nbackward = false\n'
+        'compile = { dynamic = true, fullgraph = true, mode = "max-autotune-no-cudagraphs" }\n'
+        "kernel_options = { BLOCK_M = 64, FORCE_USE_FLEX_ATTENTION = true }\n"
+        '[[entrypoint]]\ntarget = "my_trainer.warmup:Step.run"\nkwargs = { seq_len = 4096 }\n'
+    )
+    w = parse_workload(text, source="t.toml")
+    r = w.regimes[0]
+    assert r.mask == "pkg.masks:make" and r.mask_args == {"anything": [1, 2]}
+    assert r.kernel_options == {"BLOCK_M": 64, "FORCE_USE_FLEX_ATTENTION": True}
+    assert w.entrypoints[0].target == "my_trainer.warmup:Step.run"
+    assert w.entrypoints[0].kwargs == {"seq_len": 4096}
+    # non-power-of-two head dims are padded by Inductor and accepted
+    assert parse_workload(_with(replace=("head_dim = 16", "head_dim = 80")), source="t").regimes
+
+
+def test_load_workload_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadInvalid, match="cannot read workload file"):
+        load_workload(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(WorkloadInvalid, match="bad.toml: workload file is not valid UTF-8"):
+        load_workload(bad)
+
+
+def test_parser_and_mods_import_no_torch() -> None:
+    code = (
+        "import sys, cachekeeper.workload, cachekeeper.mods, cachekeeper.prewarm, "
+        "cachekeeper.verify, cachekeeper.cli.compile\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_parse_devices() -> None:
+    assert parse_devices("cpu", visible=[]) == ["cpu"]
+    assert parse_devices("cuda", visible=[0, 1, 2]) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert parse_devices("cuda:0,2", visible=[0, 1, 2]) == ["cuda:0", "cuda:2"]
+    assert parse_devices("cuda:1", visible=[0, 1]) == ["cuda:1"]
+    with pytest.raises(PrewarmFailed, match="no GPU is visible"):
+        parse_devices("cuda", visible=[])
+    with pytest.raises(PrewarmFailed, match=r"cuda:3 is not visible \(visible: 0,1\)"):
+        parse_devices("cuda:0,3", visible=[0, 1])
+    with pytest.raises(PrewarmFailed, match="'x' is not a GPU index"):
+        parse_devices("cuda:0,x", visible=[0])
+    with pytest.raises(PrewarmFailed, match="expected 'cpu', 'cuda'"):
+        parse_devices("tpu", visible=[0])
+
+
+def test_mod_factories_resolve_and_refuse(tmp_path: Path) -> None:
+    from cachekeeper import mods
+
+    assert mods.build_mask_mod("none", {}, field="f") is None
+    mask = mods.build_mask_mod("sliding_window", {"window": 4}, field="f")
+    assert mask is not None and mask(0, 0, 10, 7) and not mask(0, 0, 10, 6)
+    doc = mods.build_mask_mod("document_causal", {"doc_len": 8}, field="f")
+    assert doc is not None and doc(0, 0, 9, 8) and not doc(0, 0, 9, 7) and not doc(0, 0, 8, 9)
+    prefix = mods.build_mask_mod("prefix_lm", {"prefix_len": 4}, field="f")
+    assert prefix is not None and prefix(0, 0, 1, 3) and not prefix(0, 0, 5, 6)
+    with pytest.raises(
+        WorkloadInvalid, match=r"attention\[2\].mask: cannot import module 'no_such_pkg_xyz.m'"
+    ):
+        mods.build_mask_mod("no_such_pkg_xyz.m:f", {}, field="attention[2].mask")
+    with pytest.raises(WorkloadInvalid, match=r"f: 'cachekeeper.mods:nope': no attribute 'nope'"):
+        mods.load_object("cachekeeper.mods:nope", field="f")
+    with pytest.raises(WorkloadInvalid, match="is not callable"):
+        mods.load_object("cachekeeper.mods:__all__", field="f")
+    with pytest.raises(WorkloadInvalid, match=r"f: calling 'cachekeeper.mods:causal' with"):
+        mods.build_mask_mod("cachekeeper.mods:causal", {"x": 1}, field="f")
+
+
+def _run(mode: str, counters: dict[str, int], status: str = "ok") -> DeviceRun:
+    return DeviceRun.from_result(
+        {
+            "device": "cpu",
+            "mode": mode,
+            "status": status,
+            "regimes": [
+                {"name": "attention[0]", "label": "l", "seconds": 1.0, "counters": counters}
+            ],
+            "counters": counters,
+            "error": None,
+        },
+        seconds=2.0,
+    )
+
+
+def test_effective_rule() -> None:
+    hit = {"fxgraph_cache_hit": 2, "autograd_cache_hit": 2}
+    assert is_effective(hit)
+    assert not is_effective({})  # installed but unused never passes
+    assert not is_effective({**hit, "fxgraph_cache_miss": 1})
+    assert not is_effective({**hit, "fxgraph_cache_bypass": 1})
+    assert not is_effective({**hit, "autograd_cache_miss": 1})
+    assert not is_effective({"autograd_cache_hit": 1})
+    report = VerifyReport("w", "0" * 64, "/c", (_run("verify", hit),), 1.0)
+    assert (report.status, report.exit_code, report.devices[0].regimes[0].verdict) == (
+        "verified",
+        0,
+        "hit",
+    )
+    missed = VerifyReport("w", "0" * 64, "/c", (_run("verify", {"fxgraph_cache_miss": 1}),), 1.0)
+    assert (missed.status, missed.exit_code) == ("not_effective", 1)
+    crashed = VerifyReport("w", "0" * 64, "/c", (_run("verify", hit, "crashed"),), 1.0)
+    assert (crashed.status, crashed.exit_code) == ("failed", 2)
+
+
+def test_prewarm_report_status_and_stats() -> None:
+    compiled = _run("prewarm", {"fxgraph_cache_miss": 1, "autograd_cache_miss": 1})
+    ok_verify = VerifyReport("w", "0" * 64, "/c", (_run("verify", {"fxgraph_cache_hit": 1}),), 1.0)
+    report = PrewarmReport("w", "0" * 64, "/c", (compiled,), 3.0, verify=ok_verify)
+    assert report.status == "verified" and report.exit_code == 0
+    assert report.stats["verify"]["effective"] is True
+    assert report.stats["devices"] == ["cpu"]
+    assert report.stats["prewarm"]["devices"]["cpu"]["regimes"][0]["verdict"] == "compiled"
+    report.raise_for_status()
+    broken = PrewarmReport("w", "0" * 64, "/c", (_run("prewarm", {}, "error"),), 3.0)
+    assert broken.status == "cold_compile_broken" and broken.exit_code == 3
+    assert broken.stats["verify"]["effective"] is False
+    from cachekeeper.errors import ColdCompileBroken
+
+    with pytest.raises(ColdCompileBroken):
+        broken.raise_for_status()
