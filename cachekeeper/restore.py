@@ -1,0 +1,635 @@
+"""Restore a snapshot into a cache dir, safely (DESIGN section 5).
+
+The rules, and how this module keeps them:
+
+- **Nothing in the target is deleted or truncated.** A file already present with the
+  snapshot's digest is skipped; a different file (or a link, folder, ...) at a snapshot
+  path is kept as it was and reported in ``RestoreReport.conflicts``. Conflicts are a
+  report, not an error: the CLI prints one warning line per conflict and exits 0, because
+  a cache dir that already holds some other version of an entry is still a usable cache.
+- **Every byte is verified before it becomes visible.** Each blob streams into a temp
+  file in this process's staging folder, hashed while written; more bytes than declared
+  stop it at once (a decompression bomb is cut off at the declared size). Verified files
+  are flushed to disk (one ``syncfs`` per batch where Linux offers it, else ``fsync``
+  per file), chmod-ed to the manifest mode, then appear with ``os.link(tmp, final)``,
+  which fails rather than overwrite when someone created the file meanwhile (that file is
+  then classified as skipped or conflict). Where hard links are unsupported, an existence
+  check and ``os.replace`` are the fall-back.
+- **Manifest-level problems are refused before anything is written**: bad paths, links
+  and duplicates are refused by ``Manifest`` itself; here also paths inside our own
+  ``.cachekeeper/`` folder and one digest declared with two sizes. Blob-level problems
+  (missing, corrupt, too large, an archive member that is not a regular ``blobs/<sha256>``
+  of the manifest) raise a one-line error naming the entry; the files verified before it
+  stay, nothing partial is visible, and a rerun completes the restore.
+- **Concurrent restores** into one dir serialize on ``target_lock`` (flock on
+  ``.cachekeeper/lock``); the later ones find the work done and skip it. The lock only
+  avoids duplicate work: flock is a no-op on some NFS/Lustre mounts, and correctness
+  never depends on it (link-without-clobber does).
+- **Triton group files** (``__grp__*.json``) are verified against their digest, then
+  their absolute child paths are rewritten to the new root (see ``triton_groups``).
+
+Layout of what this module writes into a cache dir (snapshots exclude dot-names)::
+
+    cache_dir/.cachekeeper/
+      lock                       # flock target; empty
+      staging/<host>-<pid>-<rand>/  # this restore's temp files; removed when it ends, and
+                                 # by the next restore when that process is dead
+      restored/<snapshot id>     # marker written after a complete, conflict-free restore
+
+**Fast no-op check (``is_restored``)**: the pre-job hook calls it before anything else.
+It reads the marker (JSON listing each path and size) and ``stat``-s every path,
+checking existence and size (existence only for rewritten group files); no hashing. It
+takes a few milliseconds for thousands of files. A file changed in place with the same
+size is not detected by it; a full ``restore`` hashes and reports it as a conflict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+import zstandard
+
+from cachekeeper.archive import TarFormatError, TarMember, iter_tar
+from cachekeeper.blobstore import CHUNK_BYTES
+from cachekeeper.errors import (
+    BlobMissing,
+    BlobTooLarge,
+    DigestMismatch,
+    InvalidManifest,
+    UnsafePath,
+)
+from cachekeeper.manifest import FileEntry, Manifest, is_digest
+from cachekeeper.snapshot import (
+    BLOB_PREFIX,
+    MANIFEST_MEMBER,
+    hash_file,
+    open_archive_stream,
+    read_archive_manifest,
+    scan_dir,
+)
+from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
+
+__all__ = [
+    "BlobSource",
+    "RestoreReport",
+    "restore",
+    "restore_from_tar",
+    "restore_archive",
+    "merge_tree",
+    "needed_digests",
+    "is_restored",
+    "target_lock",
+    "STATE_DIR",
+]
+
+STATE_DIR = ".cachekeeper"
+_BATCH_BYTES = 128 << 20
+_BATCH_FILES = 1024
+_STAGING_RE = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+Progress = Callable[[int], None]
+
+
+class BlobSource(Protocol):
+    """Where restore reads blobs: ``open(digest)`` returns the uncompressed bytes."""
+
+    def open(self, digest: str) -> BinaryIO: ...
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restore did (or, with ``dry_run``, would do)."""
+
+    snapshot_id: str
+    written: int
+    skipped: int
+    conflicts: list[str]
+    bytes_written: int
+    dry_run: bool
+    planned: list[str] = field(default_factory=list)  # paths to write (dry runs only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "snapshot_id": self.snapshot_id,
+            "written": self.written,
+            "skipped": self.skipped,
+            "conflicts": list(self.conflicts),
+            "bytes_written": self.bytes_written,
+            "dry_run": self.dry_run,
+            "planned": list(self.planned),
+        }
+
+
+# -- the lock ----------------------------------------------------------------------------
+_held: dict[str, int] = {}
+_held_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def target_lock(cache_dir: Path) -> Iterator[None]:
+    """Exclusive flock on ``cache_dir/.cachekeeper/lock`` (re-entrant within a process).
+
+    It only avoids duplicate work; where flock is unsupported it silently does nothing.
+    """
+    state = Path(cache_dir) / STATE_DIR
+    state.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(state)
+    with _held_guard:
+        if _held.get(key):
+            _held[key] += 1
+            reentered = True
+        else:
+            reentered = False
+    if reentered:
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held[key] -= 1
+        return
+    fd = os.open(state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _held_guard:
+            _held[key] = 1
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held.pop(key, None)
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+# -- checks and planning -----------------------------------------------------------------
+def _check_manifest(manifest: Manifest) -> dict[str, list[FileEntry]]:
+    """Refuse what Manifest does not; group entries by digest."""
+    by_digest: dict[str, list[FileEntry]] = {}
+    for entry in manifest.files:
+        if entry.path.split("/", 1)[0] == STATE_DIR:
+            raise UnsafePath(f"manifest path {entry.path!r} is inside cachekeeper's own folder")
+        group = by_digest.setdefault(entry.digest, [])
+        if group and group[0].size_bytes != entry.size_bytes:
+            raise InvalidManifest(
+                f"manifest declares blob {entry.digest} as {group[0].size_bytes} bytes "
+                f"({group[0].path}) and as {entry.size_bytes} bytes ({entry.path})"
+            )
+        group.append(entry)
+    return by_digest
+
+
+def _is_present(entry: FileEntry, final: Path, paths: set[str], root: Path) -> bool | None:
+    """True: same file there; False: a different thing there (conflict); None: absent."""
+    try:
+        st = final.lstat()
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return False
+    if not final.is_file() or final.is_symlink():
+        return False
+    if st.st_size == entry.size_bytes and hash_file(final)[0] == entry.digest:
+        return True
+    if is_group_path(entry.path) and st.st_size < (16 << 20):
+        return looks_rewritten(final.read_bytes(), paths=paths, root=root)
+    return False
+
+
+@dataclass
+class _Plan:
+    todo: dict[str, list[FileEntry]]
+    skipped: int = 0
+    conflicts: list[str] = field(default_factory=list)
+
+
+def _plan(manifest: Manifest, cache_dir: Path) -> _Plan:
+    by_digest = _check_manifest(manifest)
+    paths = {e.path for e in manifest.files}
+    plan = _Plan(todo={})
+    for digest, entries in by_digest.items():
+        for entry in entries:
+            present = _is_present(entry, cache_dir / entry.path, paths, cache_dir)
+            if present is None:
+                plan.todo.setdefault(digest, []).append(entry)
+            elif present:
+                plan.skipped += 1
+            else:
+                plan.conflicts.append(entry.path)
+    return plan
+
+
+def needed_digests(manifest: Manifest, cache_dir: Path) -> set[str]:
+    """Digests of the manifest's files that ``cache_dir`` lacks (a stat per file)."""
+    _check_manifest(manifest)
+    root = Path(cache_dir)
+    return {e.digest for e in manifest.files if not os.path.lexists(root / e.path)}
+
+
+# -- staging and writing -----------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_stale_staging(staging_root: Path) -> None:
+    """Remove staging folders of dead restores on this host (only names we create)."""
+    if not staging_root.is_dir():
+        return
+    host = socket.gethostname()
+    for child in staging_root.iterdir():
+        found = _STAGING_RE.match(child.name)
+        if not found or found["host"] != host or not child.is_dir() or child.is_symlink():
+            continue
+        if not _pid_alive(int(found["pid"])):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sync_file_range.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_uint,
+        ]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _syncfs(fd: int) -> bool:
+    """Flush the filesystem holding ``fd`` (Linux); False where unavailable."""
+    libc = _libc()
+    return libc is not None and bool(libc.syncfs(fd) == 0)
+
+
+class _Writer:
+    """Writes verified blobs into staging, then makes them appear in the cache dir."""
+
+    def __init__(self, manifest: Manifest, cache_dir: Path, progress: Progress | None) -> None:
+        self.cache_dir = cache_dir
+        self.paths = {e.path for e in manifest.files}
+        self.progress = progress
+        staging_root = cache_dir / STATE_DIR / "staging"
+        _sweep_stale_staging(staging_root)
+        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.staging = staging_root / name
+        self.staging.mkdir(parents=True)
+        self.pending: list[tuple[Path, FileEntry]] = []
+        self.pending_bytes = 0
+        self.written = 0
+        self.bytes_written = 0
+        self.skipped = 0
+        self.conflicts: list[str] = []
+
+    def _tmp(self) -> Path:
+        return self.staging / uuid.uuid4().hex
+
+    def write_blob(self, digest: str, stream: BinaryIO, entries: list[FileEntry]) -> None:
+        """Stream one blob into staging, verify it, and queue every entry that uses it."""
+        first = entries[0]
+        declared = first.size_bytes
+        tmp = self._tmp()
+        hasher = hashlib.sha256()
+        total = 0
+        with open(tmp, "wb", buffering=0) as out:
+            while True:
+                chunk = stream.read(min(CHUNK_BYTES, declared - total + 1))
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > declared:
+                    raise BlobTooLarge(
+                        f"blob {digest} for {first.path} is larger than its declared "
+                        f"{declared} bytes"
+                    )
+                hasher.update(chunk)
+                out.write(chunk)
+        actual = hasher.hexdigest()
+        if total != declared or actual != digest:
+            raise DigestMismatch(
+                f"blob for {first.path} is corrupt: {total} bytes hashing to {actual}, "
+                f"expected {declared} bytes hashing to {digest}",
+                extra={"path": first.path, "expected": digest, "actual": actual},
+            )
+        tmp_used = False
+        for i, entry in enumerate(entries):
+            last = i == len(entries) - 1
+            if is_group_path(entry.path):
+                data = rewrite_group(tmp.read_bytes(), paths=self.paths, root=self.cache_dir)
+                target = self._tmp()
+                target.write_bytes(data)
+            elif last:
+                target = tmp
+                tmp_used = True
+            else:
+                target = self._tmp()
+                shutil.copyfile(tmp, target)
+            self.pending.append((target, entry))
+            self.pending_bytes += entry.size_bytes
+        if not tmp_used:
+            tmp.unlink()
+        if self.pending_bytes >= _BATCH_BYTES or len(self.pending) >= _BATCH_FILES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Make queued (verified) files durable, then visible."""
+        if not self.pending:
+            return
+        fd = os.open(self.staging, os.O_RDONLY)
+        try:
+            if not _syncfs(fd):
+                for tmp, _ in self.pending:
+                    with open(tmp, "rb") as fh:
+                        os.fsync(fh.fileno())
+        finally:
+            os.close(fd)
+        for tmp, entry in self.pending:
+            self._publish(tmp, entry)
+        if self.progress is not None:
+            self.progress(self.pending_bytes)
+        self.pending = []
+        self.pending_bytes = 0
+
+    def _publish(self, tmp: Path, entry: FileEntry) -> None:
+        final = self.cache_dir / entry.path
+        try:
+            os.chmod(tmp, entry.mode)
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                self.conflicts.append(entry.path)
+                return
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                self._classify_existing(entry, final)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                if os.path.lexists(final):  # no hard links here: check, then replace
+                    self._classify_existing(entry, final)
+                    return
+                os.replace(tmp, final)
+            self.written += 1
+            self.bytes_written += entry.size_bytes
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _classify_existing(self, entry: FileEntry, final: Path) -> None:
+        if _is_present(entry, final, self.paths, self.cache_dir):
+            self.skipped += 1
+        else:
+            self.conflicts.append(entry.path)
+
+    def close(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _write_marker(manifest: Manifest, cache_dir: Path) -> None:
+    folder = cache_dir / STATE_DIR / "restored"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = [[e.path, -1 if is_group_path(e.path) else e.size_bytes] for e in manifest.files]
+    tmp = folder / f".{uuid.uuid4().hex}.tmp"
+    tmp.write_text(json.dumps({"id": manifest.id, "files": files}), encoding="utf-8")
+    os.replace(tmp, folder / manifest.id)
+
+
+def is_restored(manifest_id: str, cache_dir: Path) -> bool:
+    """The pre-job hook's fast check: marker present and every file there with its size."""
+    if not is_digest(manifest_id):
+        return False
+    root = os.fspath(cache_dir)
+    try:
+        with open(os.path.join(root, STATE_DIR, "restored", manifest_id), "rb") as fh:
+            files = json.loads(fh.read())["files"]
+        stat = os.stat
+        for path, size in files:
+            st = stat(f"{root}/{path}")
+            if size >= 0 and st.st_size != size:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+# -- the restore paths -------------------------------------------------------------------
+def _report(
+    manifest: Manifest, plan: _Plan, writer: _Writer | None, *, dry_run: bool
+) -> RestoreReport:
+    if writer is None:
+        planned = sorted(e.path for entries in plan.todo.values() for e in entries)
+        return RestoreReport(
+            snapshot_id=manifest.id,
+            written=0,
+            skipped=plan.skipped,
+            conflicts=sorted(plan.conflicts),
+            bytes_written=0,
+            dry_run=dry_run,
+            planned=planned if dry_run else [],
+        )
+    return RestoreReport(
+        snapshot_id=manifest.id,
+        written=writer.written,
+        skipped=plan.skipped + writer.skipped,
+        conflicts=sorted(plan.conflicts + writer.conflicts),
+        bytes_written=writer.bytes_written,
+        dry_run=False,
+    )
+
+
+def _run(
+    manifest: Manifest,
+    cache_dir: Path,
+    feed: Callable[[_Plan, _Writer], None],
+    *,
+    dry_run: bool,
+    progress: Progress | None,
+) -> RestoreReport:
+    cache_dir = Path(cache_dir)
+    _check_manifest(manifest)  # refused before the target is touched at all
+    if dry_run:
+        plan = _plan(manifest, cache_dir) if cache_dir.is_dir() else _empty_plan(manifest)
+        return _report(manifest, plan, None, dry_run=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with target_lock(cache_dir):
+        plan = _plan(manifest, cache_dir)
+        if not plan.todo:
+            if not plan.conflicts:
+                _write_marker(manifest, cache_dir)
+            return _report(manifest, plan, None, dry_run=False)
+        writer = _Writer(manifest, cache_dir, progress)
+        try:
+            try:
+                feed(plan, writer)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    writer.flush()  # what is verified may stay; a rerun does the rest
+                raise
+            writer.flush()
+        finally:
+            writer.close()
+        report = _report(manifest, plan, writer, dry_run=False)
+        if not report.conflicts:
+            _write_marker(manifest, cache_dir)
+        return report
+
+
+def _empty_plan(manifest: Manifest) -> _Plan:
+    plan = _Plan(todo={})
+    for entry in manifest.files:
+        plan.todo.setdefault(entry.digest, []).append(entry)
+    return plan
+
+
+def restore(
+    manifest: Manifest,
+    source: BlobSource,
+    cache_dir: Path,
+    *,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RestoreReport:
+    """Restore ``manifest`` into ``cache_dir``, reading blobs from ``source``."""
+
+    def feed(plan: _Plan, writer: _Writer) -> None:
+        for digest, entries in list(plan.todo.items()):
+            try:
+                stream = source.open(digest)
+            except BlobMissing as exc:
+                raise BlobMissing(
+                    f"blob {digest} for {entries[0].path} is missing from the source",
+                    extra={"missing": [digest], "path": entries[0].path},
+                ) from exc
+            try:
+                with stream:
+                    writer.write_blob(digest, stream, entries)
+            except zstandard.ZstdError as exc:
+                raise DigestMismatch(
+                    f"blob {digest} for {entries[0].path} is corrupt: {exc}"
+                ) from exc
+            del plan.todo[digest]
+
+    return _run(manifest, cache_dir, feed, dry_run=dry_run, progress=progress)
+
+
+def restore_from_tar(
+    manifest: Manifest,
+    tar_stream: BinaryIO,
+    cache_dir: Path,
+    *,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RestoreReport:
+    """Restore from an uncompressed tar stream of ``blobs/<sha256>`` members (may be
+    non-seekable, e.g. an HTTP response); a ``manifest.json`` member is skipped."""
+    declared = {e.digest: e for e in manifest.files}
+
+    def feed(plan: _Plan, writer: _Writer) -> None:
+        for member in _members(tar_stream):
+            name = member.name
+            if name == MANIFEST_MEMBER and member.isreg():
+                continue
+            if not member.isreg():
+                raise UnsafePath(f"archive member {name!r} is not a regular file (link or device)")
+            digest = name[len(BLOB_PREFIX) :] if name.startswith(BLOB_PREFIX) else ""
+            if not is_digest(digest):
+                raise UnsafePath(f"archive member {name!r} is not named blobs/<sha256>")
+            entry = declared.get(digest)
+            if entry is None:
+                raise InvalidManifest(f"archive member {name!r} is not in the manifest")
+            if member.size > entry.size_bytes:
+                raise BlobTooLarge(
+                    f"blob {digest} for {entry.path} is {member.size} bytes in the "
+                    f"archive, larger than its declared {entry.size_bytes}"
+                )
+            entries = plan.todo.pop(digest, None)
+            if entries is None:
+                continue  # already present, or a repeated member
+            writer.write_blob(digest, member.stream, entries)  # type: ignore[arg-type]
+        if plan.todo:
+            missing = sorted(e.path for entries in plan.todo.values() for e in entries)
+            raise BlobMissing(
+                f"blob for {missing[0]} is missing from the snapshot stream "
+                f"({len(missing)} files lack their blob)",
+                extra={"missing": sorted(plan.todo)},
+            )
+
+    return _run(manifest, cache_dir, feed, dry_run=dry_run, progress=progress)
+
+
+def _members(stream: BinaryIO) -> Iterator[TarMember]:
+    members = iter_tar(stream)
+    while True:
+        try:
+            member = next(members)
+        except StopIteration:
+            return
+        except (TarFormatError, zstandard.ZstdError) as exc:
+            raise DigestMismatch(f"snapshot stream is corrupt: {exc}") from exc
+        yield member
+
+
+def restore_archive(
+    path: Path,
+    cache_dir: Path,
+    *,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RestoreReport:
+    """Restore a one-file archive (``snapshot.write_archive``) into ``cache_dir``."""
+    manifest = read_archive_manifest(path)
+    with open(path, "rb") as fh:
+        stream = open_archive_stream(fh)
+        try:
+            return restore_from_tar(manifest, stream, cache_dir, dry_run=dry_run, progress=progress)
+        except zstandard.ZstdError as exc:
+            raise DigestMismatch(f"{path} is corrupt: {exc}") from exc
+
+
+class _DirSource:
+    def __init__(self, by_digest: dict[str, Path]) -> None:
+        self.by_digest = by_digest
+
+    def open(self, digest: str) -> BinaryIO:
+        try:
+            return open(self.by_digest[digest], "rb")
+        except (KeyError, FileNotFoundError) as exc:
+            raise BlobMissing(f"blob {digest} is gone from the source dir") from exc
+
+
+def merge_tree(src_dir: Path, dst_dir: Path) -> RestoreReport:
+    """Merge ``src_dir`` into ``dst_dir`` under exactly the restore rules."""
+    by_digest: dict[str, Path] = {}
+    entries = []
+    for rel, path, mode in scan_dir(Path(src_dir)):
+        digest, size = hash_file(path)
+        by_digest.setdefault(digest, path)
+        entries.append(FileEntry(path=rel, digest=digest, size_bytes=size, mode=mode))
+    manifest = Manifest(files=tuple(entries), fingerprint={})
+    return restore(manifest, _DirSource(by_digest), dst_dir)

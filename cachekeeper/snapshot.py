@@ -1,0 +1,251 @@
+"""Snapshot a cache dir into the local store, and the one-file archive form.
+
+What enters a snapshot: every regular file under the root, except
+
+- ``locks/`` folders and ``*.lock`` files (Inductor's and Triton's file locks),
+- temp and partial files: names starting with ``.`` (this covers restore's own
+  ``.cachekeeper/`` folder and its staging files) or ending in ``.tmp`` / ``.partial``,
+- anything that is not a regular file (sockets, FIFOs, devices).
+
+A symbolic link anywhere under the root is refused with ``LinkInCacheDir`` naming it:
+following it could pull in files from outside the cache, and dropping it silently would
+make a snapshot that differs from the dir.
+
+Archive layout (a zstd-compressed tar, one frame, written multi-threaded)::
+
+    manifest.json           # first member: the manifest's canonical JSON
+    blobs/<sha256>          # each distinct blob once, uncompressed inside the tar
+
+An archive is written to a temp file next to the output and appears by ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import zstandard
+
+from cachekeeper import fingerprint as fingerprint_mod
+from cachekeeper.archive import TarFormatError, iter_tar
+from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
+from cachekeeper.errors import InvalidManifest, LinkInCacheDir, UnsupportedFormat
+from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.store import LocalStore
+
+__all__ = [
+    "MANIFEST_MEMBER",
+    "BLOB_PREFIX",
+    "MAX_MANIFEST_BYTES",
+    "is_excluded",
+    "scan_dir",
+    "hash_file",
+    "snapshot_dir",
+    "devices_of",
+    "write_archive",
+    "read_archive_manifest",
+    "open_archive_stream",
+]
+
+MANIFEST_MEMBER = "manifest.json"
+BLOB_PREFIX = "blobs/"
+MAX_MANIFEST_BYTES = 256 << 20
+TAR_BUFSIZE = 1 << 20
+_SMALL_FILE_BYTES = 8 << 20
+
+
+def is_excluded(name: str, *, is_dir: bool) -> bool:
+    """True for a directory entry name that never enters a snapshot (see module docstring)."""
+    if name.startswith("."):
+        return True
+    if is_dir:
+        return name == "locks"
+    return name.endswith((".lock", ".tmp", ".partial"))
+
+
+def scan_dir(root: Path) -> list[tuple[str, Path, int]]:
+    """``(relative posix path, absolute path, mode)`` of every file a snapshot takes.
+
+    Raises LinkInCacheDir for a symbolic link, naming it.
+    """
+    root = Path(root)
+    if root.is_symlink():
+        raise LinkInCacheDir(f"cache dir {root} is itself a symbolic link")
+    if not root.is_dir():
+        raise FileNotFoundError(f"cache dir {root} does not exist or is not a directory")
+    found: list[tuple[str, Path, int]] = []
+    stack: list[tuple[Path, str]] = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                if entry.is_symlink():
+                    raise LinkInCacheDir(f"{rel} in {root} is a symbolic link; refusing to follow")
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if is_excluded(entry.name, is_dir=is_dir):
+                    continue
+                if is_dir:
+                    stack.append((Path(entry.path), rel + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    mode = entry.stat(follow_symlinks=False).st_mode & 0o777
+                    found.append((rel, Path(entry.path), mode))
+    found.sort()
+    return found
+
+
+def hash_file(path: Path) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, read in large chunks."""
+    hasher = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            hasher.update(chunk)
+            size += len(chunk)
+    return hasher.hexdigest(), size
+
+
+def devices_of(root: Path, fingerprint: dict[str, Any]) -> list[str]:
+    """The devices a cache covers: ``["cpu"]`` without GPUs, else ``triton/<idx>`` folders,
+    else every GPU index of the fingerprint."""
+    gpus = fingerprint.get("gpus") or []
+    if not gpus:
+        return ["cpu"]
+    triton = Path(root) / "triton"
+    indices = (
+        sorted(int(p.name) for p in triton.iterdir() if p.is_dir() and p.name.isdigit())
+        if triton.is_dir()
+        else []
+    )
+    if indices:
+        return [f"cuda:{i}" for i in indices]
+    return [f"cuda:{g.get('index')}" for g in gpus]
+
+
+def _store_file(blobs: LocalBlobStore, path: Path) -> tuple[str, int]:
+    """Hash ``path`` and put it in ``blobs`` unless present; reads small files once."""
+    size = path.stat().st_size
+    if size <= _SMALL_FILE_BYTES:
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        if not blobs.has(digest):
+            blobs.put([data], digest=digest, size_bytes=len(data))
+        return digest, len(data)
+    digest, size = hash_file(path)
+    if not blobs.has(digest):
+        blobs.put_file(path, digest=digest)
+    return digest, size
+
+
+def snapshot_dir(
+    root: Path,
+    *,
+    store: LocalStore,
+    workload: str | None = None,
+    workload_digest: str | None = None,
+    devices: list[str] | None = None,
+    stats: dict[str, Any] | None = None,
+    fingerprint: dict[str, Any] | None = None,
+) -> Manifest:
+    """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest."""
+    root = Path(root)
+    files = scan_dir(root)
+    fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
+    entries = []
+    for rel, path, mode in files:
+        digest, size = _store_file(store.blobs, path)
+        entries.append(FileEntry(path=rel, digest=digest, size_bytes=size, mode=mode))
+    manifest = Manifest(
+        files=tuple(entries),
+        fingerprint=fp,
+        devices=tuple(devices if devices is not None else devices_of(root, fp)),
+        workload=workload,
+        workload_digest=workload_digest,
+        stats=stats,
+    )
+    store.save_manifest(manifest)
+    return manifest
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = 0
+    info.type = tarfile.REGTYPE
+    return info
+
+
+def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:
+    """Write the one-file archive of ``manifest`` to ``out``; returns its size in bytes."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
+    manifest_bytes = manifest.to_json().encode()
+    params = zstandard.ZstdCompressionParameters.from_level(level, threads=-1)
+    try:
+        with open(tmp, "wb") as raw:
+            compressor = zstandard.ZstdCompressor(compression_params=params)
+            with compressor.stream_writer(raw, closefd=False) as zout:
+                with tarfile.open(
+                    fileobj=zout, mode="w|", format=tarfile.PAX_FORMAT, bufsize=TAR_BUFSIZE
+                ) as tar:
+                    tar.addfile(
+                        _tarinfo(MANIFEST_MEMBER, len(manifest_bytes)), io.BytesIO(manifest_bytes)
+                    )
+                    seen: set[str] = set()
+                    for entry in manifest.files:
+                        if entry.digest in seen:
+                            continue
+                        seen.add(entry.digest)
+                        with blobs.open(entry.digest) as blob:
+                            tar.addfile(
+                                _tarinfo(BLOB_PREFIX + entry.digest, entry.size_bytes), blob
+                            )
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, out)
+        return out.stat().st_size
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def open_archive_stream(fh: BinaryIO) -> BinaryIO:
+    """The uncompressed tar bytes of an archive file object (a zstd stream reader)."""
+    reader = zstandard.ZstdDecompressor().stream_reader(fh, read_size=TAR_BUFSIZE, closefd=False)
+    return reader  # type: ignore[return-value]
+
+
+def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
+    """Read the first member of an uncompressed tar stream; it must be ``manifest.json``."""
+    try:
+        member = next(iter_tar(stream), None)
+        if member is None or member.name != MANIFEST_MEMBER or not member.isreg():
+            raise UnsupportedFormat(
+                f"{source}: the first member is not a regular {MANIFEST_MEMBER}"
+            )
+        if member.size > MAX_MANIFEST_BYTES:
+            raise InvalidManifest(
+                f"{source}: {MANIFEST_MEMBER} is {member.size} bytes, over {MAX_MANIFEST_BYTES}"
+            )
+        data = _read_all(member.stream, member.size)
+    except (TarFormatError, zstandard.ZstdError) as exc:
+        raise UnsupportedFormat(f"{source} is not a cachekeeper archive: {exc}") from exc
+    return Manifest.from_json(data)
+
+
+def _read_all(reader: Any, size: int) -> bytes:
+    parts = []
+    while chunk := reader.read(size):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def read_archive_manifest(path: Path) -> Manifest:
+    """The manifest of an archive file, reading only its first member."""
+    with open(path, "rb") as fh:
+        return read_manifest_member(open_archive_stream(fh), source=str(path))

@@ -1,0 +1,236 @@
+"""The local snapshot store: manifests plus a content-addressed blob directory.
+
+Layout (``home`` is ``$CACHEKEEPER_HOME``, else ``~/.cache/cachekeeper``, read when the
+store is created, never at import)::
+
+    home/
+      blobs/                    # LocalBlobStore: ab/cd/<sha256>.zst, zstd at rest
+      snapshots/
+        <manifest id>.json      # one manifest per snapshot (its canonical JSON)
+        .tmp-*                  # a manifest being written; never listed
+
+Repeated snapshots of the same cache share blobs, and so do restores and later pushes.
+
+Cache management is scan -> plan -> execute (as huggingface_hub's cache manager does):
+``list()`` returns frozen ``StoredSnapshot`` rows, ``plan_remove`` / ``plan_gc`` return a
+frozen ``DeletePlan`` with the bytes it would free, and only ``DeletePlan.execute()``
+touches disk, which is what makes ``--dry-run`` honest. Deletion removes manifests (the
+pointers) before blobs, and never a blob that a kept manifest references.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.errors import InvalidManifest, SnapshotNotFound
+from cachekeeper.manifest import Manifest
+
+__all__ = ["LocalStore", "StoredSnapshot", "DeletePlan", "default_home"]
+
+_MIN_PREFIX = 4
+
+
+def default_home() -> Path:
+    """``$CACHEKEEPER_HOME`` or ``~/.cache/cachekeeper``, read at call time."""
+    env = os.environ.get("CACHEKEEPER_HOME")
+    return Path(env) if env else Path.home() / ".cache" / "cachekeeper"
+
+
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """One snapshot in the local store, as ``ls`` shows it."""
+
+    id: str
+    workload: str | None
+    fingerprint_digest: str
+    devices: tuple[str, ...]
+    verified: bool
+    size_bytes: int
+    file_count: int
+    created_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "workload": self.workload,
+            "fingerprint_digest": self.fingerprint_digest,
+            "devices": list(self.devices),
+            "verified": self.verified,
+            "size_bytes": self.size_bytes,
+            "file_count": self.file_count,
+            "created_at": self.created_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True)
+class DeletePlan:
+    """What a removal would delete; nothing is touched until ``execute()``."""
+
+    store: LocalStore = field(repr=False, compare=False)
+    snapshot_ids: tuple[str, ...]
+    blob_digests: tuple[str, ...]
+    freed_bytes: int  # stored (compressed) bytes of the blobs plus the manifests
+
+    def execute(self) -> int:
+        """Delete manifests first, then blobs; returns the bytes actually freed."""
+        freed = 0
+        for snapshot_id in self.snapshot_ids:
+            path = self.store.manifest_path(snapshot_id)
+            try:
+                size = path.stat().st_size
+                path.unlink()
+                freed += size
+            except FileNotFoundError:
+                continue
+        # A manifest saved since the plan was made may reference a blob of the plan.
+        still_used = self.store.referenced_digests()
+        for digest in self.blob_digests:
+            if digest in still_used:
+                continue
+            size = self.store.blobs.size(digest) or 0
+            if self.store.blobs.delete(digest):
+                freed += size
+        return freed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "snapshot_ids": list(self.snapshot_ids),
+            "blob_count": len(self.blob_digests),
+            "freed_bytes": self.freed_bytes,
+        }
+
+
+class LocalStore:
+    """Manifests under ``home/snapshots`` and blobs under ``home/blobs``."""
+
+    def __init__(self, *, home: Path | None = None) -> None:
+        self.home = Path(home) if home is not None else default_home()
+        self.blobs = LocalBlobStore(self.home / "blobs")
+        self.snapshots_dir = self.home / "snapshots"
+
+    def manifest_path(self, snapshot_id: str) -> Path:
+        return self.snapshots_dir / f"{snapshot_id}.json"
+
+    # -- manifests ------------------------------------------------------------------------
+    def save_manifest(self, manifest: Manifest) -> None:
+        """Write the manifest atomically (temp file in the same folder, then os.replace)."""
+        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        final = self.manifest_path(manifest.id)
+        tmp = self.snapshots_dir / f".tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as out:
+                out.write(manifest.to_json())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _ids(self) -> list[str]:
+        if not self.snapshots_dir.is_dir():
+            return []
+        return sorted(
+            p.name[: -len(".json")]
+            for p in self.snapshots_dir.iterdir()
+            if p.name.endswith(".json") and not p.name.startswith(".")
+        )
+
+    def resolve_id(self, id_or_prefix: str) -> str:
+        """The full id for an id or a unique prefix of at least 4 characters."""
+        ids = self._ids()
+        if id_or_prefix in ids:
+            return id_or_prefix
+        if len(id_or_prefix) >= _MIN_PREFIX:
+            matches = [i for i in ids if i.startswith(id_or_prefix)]
+            if len(matches) == 1:
+                return matches[0]
+            if len(matches) > 1:
+                raise SnapshotNotFound(
+                    f"snapshot id prefix {id_or_prefix!r} is ambiguous ({len(matches)} match)"
+                )
+        raise SnapshotNotFound(f"no snapshot {id_or_prefix!r} in the local store {self.home}")
+
+    def load_manifest(self, id_or_prefix: str) -> Manifest:
+        snapshot_id = self.resolve_id(id_or_prefix)
+        try:
+            text = self.manifest_path(snapshot_id).read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            raise SnapshotNotFound(f"no snapshot {id_or_prefix!r} in the local store") from exc
+        return Manifest.from_json(text)
+
+    def list(self) -> list[StoredSnapshot]:
+        """Every readable snapshot, newest first (unreadable manifests are left out)."""
+        rows: list[StoredSnapshot] = []
+        for snapshot_id in self._ids():
+            path = self.manifest_path(snapshot_id)
+            try:
+                manifest = Manifest.from_json(path.read_text(encoding="utf-8"))
+                mtime = path.stat().st_mtime
+            except (OSError, InvalidManifest):
+                continue
+            rows.append(
+                StoredSnapshot(
+                    id=snapshot_id,
+                    workload=manifest.workload,
+                    fingerprint_digest=manifest.fingerprint_digest,
+                    devices=manifest.devices,
+                    verified=manifest.verified,
+                    size_bytes=manifest.size_bytes,
+                    file_count=len(manifest.files),
+                    created_at=datetime.fromtimestamp(mtime, tz=UTC),
+                )
+            )
+        rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        return rows
+
+    def referenced_digests(self, *, excluding: set[str] | None = None) -> set[str]:
+        """Blob digests referenced by every stored manifest except ``excluding``.
+
+        A manifest that cannot be parsed keeps every blob (we cannot tell what it needs),
+        so it raises instead of silently letting gc delete its blobs.
+        """
+        used: set[str] = set()
+        for snapshot_id in self._ids():
+            if excluding and snapshot_id in excluding:
+                continue
+            try:
+                text = self.manifest_path(snapshot_id).read_text(encoding="utf-8")
+            except FileNotFoundError:
+                continue
+            used |= Manifest.from_json(text).digests
+        return used
+
+    # -- deletion plans -------------------------------------------------------------------
+    def _plan(self, snapshot_ids: list[str], candidates: set[str]) -> DeletePlan:
+        kept = self.referenced_digests(excluding=set(snapshot_ids))
+        blobs = sorted(candidates - kept)
+        freed = sum(self.blobs.size(d) or 0 for d in blobs)
+        for snapshot_id in snapshot_ids:
+            try:
+                freed += self.manifest_path(snapshot_id).stat().st_size
+            except FileNotFoundError:
+                pass
+        return DeletePlan(
+            store=self,
+            snapshot_ids=tuple(snapshot_ids),
+            blob_digests=tuple(blobs),
+            freed_bytes=freed,
+        )
+
+    def plan_remove(self, ids: list[str]) -> DeletePlan:
+        """Plan removing these snapshots and the blobs only they reference."""
+        full = list(dict.fromkeys(self.resolve_id(i) for i in ids))
+        candidates: set[str] = set()
+        for snapshot_id in full:
+            candidates |= self.load_manifest(snapshot_id).digests
+        return self._plan(full, candidates)
+
+    def plan_gc(self) -> DeletePlan:
+        """Plan deleting every blob no stored manifest references."""
+        return self._plan([], set(self.blobs.digests()))
