@@ -70,18 +70,18 @@ def rewrite_group(data: bytes, *, paths: Collection[str], root: Path) -> bytes:
 
 
 def looks_rewritten(data: bytes, *, paths: Collection[str], root: Path) -> bool:
-    """True for a group file whose every child path already points at ``root/<manifest path>``.
+    """True for a group file that a restore into ``root`` already rewrote.
 
-    This is how a re-restore recognises a group file it rewrote earlier as present (its
-    bytes no longer match the original digest, by design).
+    That is: rewriting it again would change nothing, and at least one child path points
+    at ``root/<manifest path>``. This is how a re-restore recognises the group file as
+    present (its bytes no longer match the original digest, by design).
     """
     parsed = _child_paths(data)
-    if parsed is None or not parsed[1]:
+    if parsed is None:
         return False
     base = os.path.abspath(root) + "/"
-    for child in parsed[1].values():
-        if not isinstance(child, str) or not child.startswith(base):
-            return False
-        if child[len(base) :] not in paths:
-            return False
-    return True
+    inside = any(
+        isinstance(child, str) and child.startswith(base) and child[len(base) :] in paths
+        for child in parsed[1].values()
+    )
+    return inside and rewrite_group(data, paths=paths, root=root) == data
