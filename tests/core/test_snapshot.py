@@ -1,0 +1,154 @@
+"""Snapshots of real dirs: exclusions, refusals, the archive form, and a round-trip property."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachekeeper.errors import LinkInCacheDir
+from cachekeeper.restore import restore, restore_archive
+from cachekeeper.snapshot import (
+    read_archive_manifest,
+    scan_dir,
+    snapshot_dir,
+    write_archive,
+)
+from cachekeeper.store import LocalStore
+
+FP = {"schema": 1, "torch": "test", "gpus": []}
+
+
+def write(root: Path, rel: str, data: bytes = b"x") -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_scan_excludes_locks_temp_and_state(tmp_path: Path) -> None:
+    for rel in [
+        "fxgraph/ab/key/entry",
+        "locks/abc.lock",
+        "triton/0/h/k.lock",
+        "ab/c.py.tmp",
+        "ab/c.partial",
+        "ab/.hidden",
+        ".cachekeeper/restored/x",
+        ".cachekeeper/staging/h-1-0123abcd/f",
+        "ab/c.py",
+    ]:
+        write(tmp_path, rel)
+    os.mkfifo(tmp_path / "ab" / "fifo")
+    assert [rel for rel, _, _ in scan_dir(tmp_path)] == ["ab/c.py", "fxgraph/ab/key/entry"]
+
+
+def test_link_in_cache_dir_is_refused_naming_it(tmp_path: Path) -> None:
+    write(tmp_path, "ab/c.py")
+    (tmp_path / "ab" / "link.py").symlink_to(tmp_path / "ab" / "c.py")
+    with pytest.raises(LinkInCacheDir, match="ab/link.py"):
+        scan_dir(tmp_path)
+
+
+def test_linked_folder_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    write(outside, "secret")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "triton").symlink_to(outside)
+    with pytest.raises(LinkInCacheDir, match="triton"):
+        scan_dir(cache)
+
+
+def test_snapshot_dedups_blobs_and_records_modes(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write(src, "a", b"same")
+    write(src, "b/c", b"same")
+    write(src, "run.so", b"elf")
+    os.chmod(src / "run.so", 0o755)
+    store = LocalStore(home=tmp_path / "home")
+    manifest = snapshot_dir(src, store=store, fingerprint=FP, workload="w")
+    assert [f.path for f in manifest.files] == ["a", "b/c", "run.so"]
+    assert {f.path: f.mode for f in manifest.files}["run.so"] == 0o755
+    assert len(list(store.blobs.digests())) == 2
+    assert manifest.devices == ("cpu",)
+    assert store.load_manifest(manifest.id) == manifest
+    # the same dir again: same id, nothing new stored
+    assert snapshot_dir(src, store=store, fingerprint=FP, workload="w").id == manifest.id
+
+
+def test_devices_follow_triton_index_folders_on_gpu_builders(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write(src, "triton/0/h/k.cubin")
+    write(src, "triton/3/h/k.cubin")
+    fp = {**FP, "gpus": [{"index": i, "name": "H200", "capability": "9.0"} for i in range(4)]}
+    manifest = snapshot_dir(src, store=LocalStore(home=tmp_path / "h"), fingerprint=fp)
+    assert manifest.devices == ("cuda:0", "cuda:3")
+
+
+def test_archive_layout_manifest_first_then_each_blob_once(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write(src, "a", b"same")
+    write(src, "b", b"same")
+    write(src, "c", b"other")
+    store = LocalStore(home=tmp_path / "home")
+    manifest = snapshot_dir(src, store=store, fingerprint=FP)
+    out = tmp_path / "snap.tar.zst"
+    size = write_archive(manifest, store.blobs, out)
+    assert size == out.stat().st_size
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+    with open(out, "rb") as fh:
+        reader = zstandard.ZstdDecompressor().stream_reader(fh)
+        names = [m.name for m in tarfile.open(fileobj=reader, mode="r|")]
+    assert names[0] == "manifest.json"
+    assert sorted(names[1:]) == sorted(f"blobs/{d}" for d in manifest.digests)
+    assert read_archive_manifest(out) == manifest
+
+
+_names = st.text(alphabet="abcxyz019_-", min_size=1, max_size=8)
+_trees = st.dictionaries(
+    keys=st.lists(_names, min_size=1, max_size=3).map("/".join),
+    values=st.binary(max_size=3000),
+    max_size=12,
+)
+
+
+def _valid_tree(files: dict[str, bytes]) -> dict[str, bytes]:
+    """Drop paths that are also a folder of another path (a tree cannot hold both)."""
+    folders = {"/".join(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)}
+    return {p: d for p, d in files.items() if p not in folders}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(files=_trees, via_archive=st.booleans())
+def test_snapshot_restore_round_trips_any_tree(files: dict[str, bytes], via_archive: bool) -> None:
+    files = _valid_tree(files)
+    work = Path(tempfile.mkdtemp(prefix="ck-prop-"))
+    try:
+        src = work / "src"
+        src.mkdir()
+        for rel, data in files.items():
+            write(src, rel, data)
+        store = LocalStore(home=work / "home")
+        manifest = snapshot_dir(src, store=store, fingerprint=FP)
+        dst = work / "dst"
+        if via_archive:
+            write_archive(manifest, store.blobs, work / "a.tar.zst")
+            report = restore_archive(work / "a.tar.zst", dst)
+        else:
+            report = restore(manifest, store.blobs, dst)
+        assert report.written == len(files) and report.conflicts == []
+        restored = {
+            p.relative_to(dst).as_posix(): p.read_bytes()
+            for p in dst.rglob("*")
+            if p.is_file() and not p.relative_to(dst).as_posix().startswith(".cachekeeper")
+        }
+        assert restored == files
+    finally:
+        shutil.rmtree(work)
