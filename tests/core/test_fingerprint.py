@@ -1,0 +1,77 @@
+"""The fingerprint: collected without torch, canonical, compared field by field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cachekeeper.fingerprint import collect, compare, digest_of, format_mismatches, is_compatible
+
+BASE = {
+    "schema": 1,
+    "torch": "2.11.0+cu130",
+    "triton": "3.6.0",
+    "cuda": "13.0",
+    "cuda_wheels": {"nvidia-cublas": "13.0.1"},
+    "driver": "580.159.04",
+    "gpus": [{"index": 0, "name": "H200", "capability": "9.0"}],
+    "python": "3.11",
+    "arch": "x86_64",
+    "env": {},
+}
+
+
+def test_collect_does_not_import_torch() -> None:
+    code = (
+        "import sys, json; from cachekeeper.fingerprint import collect; fp = collect(); "
+        "print(json.dumps({'torch_loaded': 'torch' in sys.modules, 'fp': fp}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    body = json.loads(out.stdout)
+    assert body["torch_loaded"] is False
+    assert body["fp"]["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert body["fp"]["torch"]  # torch is installed here; its version comes from files
+
+
+def test_digest_is_canonical() -> None:
+    reordered = dict(reversed(list(BASE.items())))
+    assert digest_of(BASE) == digest_of(reordered)
+    assert digest_of(BASE) != digest_of({**BASE, "torch": "2.11.0+cu128"})
+
+
+def test_env_overrides_and_compile_env() -> None:
+    fp = collect(
+        environ={
+            "TORCHINDUCTOR_MAX_AUTOTUNE": "1",
+            "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",
+            "CACHEKEEPER_FINGERPRINT_OVERRIDES": json.dumps({"torch": "fake"}),
+        }
+    )
+    assert fp["env"] == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+    assert fp["torch"] == "fake"
+
+
+def test_compare_is_exact_except_driver() -> None:
+    assert compare(BASE, BASE) == []
+    other = {**BASE, "torch": "2.11.0+cu128", "cuda": "12.8"}
+    fields = [m.field for m in compare(other, BASE)]
+    assert fields == ["torch", "cuda"]
+    assert "torch 2.11.0+cu128 != 2.11.0+cu130" in format_mismatches(compare(other, BASE))
+
+
+def test_driver_policies() -> None:
+    newer = {**BASE, "driver": "590.1"}
+    older = {**BASE, "driver": "570.1"}
+    assert is_compatible(newer, BASE)
+    assert [m.field for m in compare(older, BASE)] == ["driver"]
+    assert not is_compatible(newer, BASE, driver_policy="exact")
+    assert is_compatible(older, BASE, driver_policy="any")
+
+
+def test_devices_must_be_covered() -> None:
+    node = {**BASE, "gpus": [{"index": i, "name": "H200", "capability": "9.0"} for i in range(2)]}
+    assert [m.field for m in compare(node, node, devices=["cuda:0"])] == ["devices"]
+    assert compare(node, node, devices=["cuda:0"], node_devices=["cuda:0"]) == []
+    cpu = {**BASE, "gpus": []}
+    assert compare(cpu, cpu, devices=["cpu"]) == []
