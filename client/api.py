@@ -326,7 +326,7 @@ class _ResponseReader(io.RawIOBase):
         self._chunks = response.iter_raw(_STREAM_CHUNK_BYTES)
         self._url = str(response.request.url)
         self._deadline = deadline
-        self._pending = b""
+        self._pending = memoryview(b"")  # a view, so handing out a chunk copies it once
         self._done = False
 
     def readable(self) -> bool:
@@ -340,7 +340,7 @@ class _ResponseReader(io.RawIOBase):
                     f"download of {self._url} passed the {self._deadline.seconds:g} s deadline"
                 )
             try:
-                self._pending = next(self._chunks)
+                self._pending = memoryview(next(self._chunks))
             except StopIteration:
                 self._done = True
             except httpx.TransportError as exc:
