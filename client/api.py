@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from cachekeeper.errors import CachekeeperError, ServerError, ServerUnavailable, error_for_code
 from cachekeeper.fingerprint import Mismatch
@@ -247,9 +247,9 @@ class CacheClient:
             deadline=deadline,
         )
         try:
-            raw = _ResponseReader(response, deadline)
+            raw = cast(BinaryIO, _ResponseReader(response, deadline))
             reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            yield reader  # type: ignore[misc]
+            yield cast(BinaryIO, reader)
         finally:
             response.close()
 

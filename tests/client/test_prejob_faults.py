@@ -343,3 +343,18 @@ def test_default_cache_dir_is_per_fingerprint_under_home(tiny, tmp_path):
         timeout=60,
     )
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={tmp_path / 'explicit'}\n"
+
+
+def test_a_lock_held_by_a_stuck_process_does_not_hold_the_job(tiny, snapshot, tmp_path):
+    import fcntl
+
+    cache = tmp_path / "cache"
+    (cache / ".cachekeeper").mkdir(parents=True)
+    with open(cache / ".cachekeeper" / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a rank that hangs while holding the node's lock
+        proc, elapsed = run_prejob("--server", tiny.url, "--cache-dir", str(cache),
+                                   "--timeout", "2")  # fmt: skip
+    assert proc.returncode == 0
+    assert "gave up waiting after the 2 s timeout" in proc.stderr
+    assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\n"
+    assert elapsed < 2 + 3
