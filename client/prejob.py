@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachekeeper.errors import CachekeeperError, ServerError, ServerUnavailable
+from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
 __all__ = [
     "PrejobReport",
@@ -180,8 +180,10 @@ def _work(
             result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
     except CachekeeperError as exc:
         result.error = exc
-    except Exception as exc:  # the hook must never fail the job on a bug or odd filesystem
-        result.error = ServerError(f"{type(exc).__name__}: {exc}")
+    except OSError as exc:  # an unwritable or full cache dir: the job still runs, cold
+        result.error = CachekeeperError(f"cannot restore into {cache_dir}: {exc}")
+    except Exception as exc:  # the hook must never fail the job on a bug
+        result.error = CachekeeperError(f"unexpected {type(exc).__name__}: {exc}")
 
 
 def _quick_resolve(

@@ -358,3 +358,11 @@ def test_a_lock_held_by_a_stuck_process_does_not_hold_the_job(tiny, snapshot, tm
     assert "gave up waiting after the 2 s timeout" in proc.stderr
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\n"
     assert elapsed < 2 + 3
+
+
+def test_a_cache_dir_that_cannot_be_created_gives_a_cold_start(tiny, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    cache = tmp_path / "a-file" / "cache"
+    report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=10)
+    assert report.cold
+    assert (report.reason or "").startswith(f"error: cannot restore into {cache}")
