@@ -15,9 +15,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from cachekeeper.errors import InvalidManifest
 from cachekeeper.fingerprint import compare
 
 from .auth import ReadScope
+from .db import summary_of
 from .deps import StorageDep, metrics_of
 from .storage import Storage
 
@@ -54,8 +56,6 @@ class ResolveAnswer(BaseModel):
 
 def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
     """The resolve answer for ``body`` (see the module docstring)."""
-    from .db import summary_of
-
     hits: list[tuple[tuple[int, int, str], dict[str, Any]]] = []
     misses: list[tuple[tuple[int, str], dict[str, Any], list[dict[str, Any]]]] = []
     parsed: dict[str, dict[str, Any]] = {}
@@ -106,8 +106,6 @@ def resolve_route(
     try:
         answer = resolve(storage, body)
     except (TypeError, ValueError, AttributeError) as exc:
-        from cachekeeper.errors import InvalidManifest
-
         raise InvalidManifest(f"fingerprint cannot be compared: {exc}") from exc
     outcome = (
         "miss"
