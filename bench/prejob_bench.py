@@ -11,6 +11,10 @@
 4. ``cachekeeper prejob`` when the dir already holds the snapshot (the no-op path every
    job start takes). Target: under 300 ms. ``python -c pass`` is shown for scale.
 
+Two more rows split the cold path into its parts (informational, no target): the archive
+download alone (``curl`` to /dev/null, the server's side and loopback), and
+``cachekeeper restore ARCHIVE`` from the local file (the restore code alone).
+
 Each case is timed ``--repeat`` times and the median reported; ratios are against the
 baseline measured in the same run. Results print as a table (``--json`` for a JSON object).
 """
@@ -99,11 +103,16 @@ def main() -> None:
             )
             warm = [CK, "prejob", "--workload", "absent", "--cache-dir", str(work / "warm")]
             subprocess.run(warm, env=env, capture_output=True)  # writes the byte-code
-            baseline, cold, noop, bare = [], [], [], []
+            baseline, cold, noop, bare, download, local = [], [], [], [], [], []
+            archive_url = f"{server.url}/v1/snapshots/{pushed.snapshot_id}/archive"
             for i in range(args.repeat):
                 dst = work / f"tar-{i}"
                 dst.mkdir()
                 baseline.append(timed(f"zstd -q -d -c '{archive}' | tar -x -C '{dst}'", shell=True))
+                shutil.rmtree(dst)
+                download.append(timed(["curl", "-sSf", "-o", "/dev/null", archive_url]))
+                dst = work / f"restore-{i}"
+                local.append(timed([CK, "restore", str(archive), "--cache-dir", str(dst)], env=env))
                 shutil.rmtree(dst)
                 dst = work / f"prejob-{i}"
                 cold.append(
@@ -135,7 +144,15 @@ def main() -> None:
             "cold_ratio": statistics.median(cold) / statistics.median(baseline),
             "prejob_noop_s": statistics.median(noop),
             "python_startup_s": statistics.median(bare),
-            "runs": {"baseline": baseline, "cold": cold, "noop": noop},
+            "download_only_s": statistics.median(download),
+            "local_restore_s": statistics.median(local),
+            "runs": {
+                "baseline": baseline,
+                "cold": cold,
+                "noop": noop,
+                "download": download,
+                "local_restore": local,
+            },
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -150,6 +167,10 @@ def main() -> None:
     print(
         f"prejob, empty dir (loopback)    {result['prejob_cold_s']:.2f} s   "
         f"{result['cold_ratio']:.2f}x   (target <= 1.5x)"
+    )
+    print(f"  of which: archive download only (curl)   {result['download_only_s']:.2f} s")
+    print(
+        f"  of which: cachekeeper restore of the local archive   {result['local_restore_s']:.2f} s"
     )
     print(
         f"prejob, already restored        {result['prejob_noop_s'] * 1000:.0f} ms"
