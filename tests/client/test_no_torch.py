@@ -26,3 +26,10 @@ def test_client_and_prejob_help_do_not_import_torch_or_server_stack():
     assert proc.returncode == 0, proc.stderr
     assert "Pre-job hook" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY="
+
+
+def test_public_names_resolve():
+    import cachekeeper.client as client
+
+    for name in client.__all__:
+        assert isinstance(getattr(client, name), type), name
