@@ -58,7 +58,9 @@ import shutil
 import socket
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -101,6 +103,8 @@ __all__ = [
 STATE_DIR = ".cachekeeper"
 _BATCH_BYTES = 128 << 20
 _BATCH_FILES = 1024
+_POOLED_BYTES = 4 << 20  # blobs up to this size are hashed and written by a thread pool
+_MAX_IN_FLIGHT = 64
 _STAGING_RE = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 Progress = Callable[[int], None]
@@ -305,85 +309,138 @@ class _Writer:
         self.bytes_written = 0
         self.skipped = 0
         self.conflicts: list[str] = []
+        self._made_dirs: set[Path] = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
+        self._futures: deque[Future[None]] = deque()
 
     def _tmp(self) -> Path:
         return self.staging / uuid.uuid4().hex
 
     def write_blob(self, digest: str, stream: BinaryIO, entries: list[FileEntry]) -> None:
-        """Stream one blob into staging, verify it, and queue every entry that uses it."""
+        """Read one blob, verify it in staging, and queue every entry that uses it.
+
+        Small blobs are read here and hashed/written by the thread pool (file creation is
+        the slow part of restoring thousands of small files); large ones stream here.
+        """
         first = entries[0]
         declared = first.size_bytes
-        tmp = self._tmp()
-        hasher = hashlib.sha256()
-        total = 0
-        with open(tmp, "wb", buffering=0) as out:
-            while True:
-                chunk = stream.read(min(CHUNK_BYTES, declared - total + 1))
-                if not chunk:
-                    break
+        if declared <= _POOLED_BYTES:
+            parts, total = [], 0
+            while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
                 total += len(chunk)
                 if total > declared:
-                    raise BlobTooLarge(
-                        f"blob {digest} for {first.path} is larger than its declared "
-                        f"{declared} bytes"
-                    )
-                hasher.update(chunk)
-                out.write(chunk)
-        actual = hasher.hexdigest()
-        if total != declared or actual != digest:
+                    raise self._too_large(digest, first)
+                parts.append(chunk)
+            self._futures.append(self._pool.submit(self._store, digest, b"".join(parts), entries))
+            if len(self._futures) > _MAX_IN_FLIGHT:
+                self._futures.popleft().result()
+        else:
+            tmp = self._tmp()
+            hasher = hashlib.sha256()
+            total = 0
+            with open(tmp, "wb", buffering=0) as out:
+                while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
+                    total += len(chunk)
+                    if total > declared:
+                        raise self._too_large(digest, first)
+                    hasher.update(chunk)
+                    out.write(chunk)
+            self._check(digest, first, total, hasher.hexdigest())
+            self._queue(tmp, entries)
+        if self.pending_bytes >= _BATCH_BYTES or len(self.pending) >= _BATCH_FILES:
+            self.flush()
+
+    @staticmethod
+    def _too_large(digest: str, entry: FileEntry) -> BlobTooLarge:
+        return BlobTooLarge(
+            f"blob {digest} for {entry.path} is larger than its declared {entry.size_bytes} bytes"
+        )
+
+    @staticmethod
+    def _check(digest: str, entry: FileEntry, total: int, actual: str) -> None:
+        if total != entry.size_bytes or actual != digest:
             raise DigestMismatch(
-                f"blob for {first.path} is corrupt: {total} bytes hashing to {actual}, "
-                f"expected {declared} bytes hashing to {digest}",
-                extra={"path": first.path, "expected": digest, "actual": actual},
+                f"blob for {entry.path} is corrupt: {total} bytes hashing to {actual}, "
+                f"expected {entry.size_bytes} bytes hashing to {digest}",
+                extra={"path": entry.path, "expected": digest, "actual": actual},
             )
+
+    def _store(self, digest: str, data: bytes, entries: list[FileEntry]) -> None:
+        """(pool thread) Verify a small blob's bytes, write them to staging, queue them."""
+        self._check(digest, entries[0], len(data), hashlib.sha256(data).hexdigest())
+        tmp = self._tmp()
+        with open(tmp, "wb", buffering=0) as out:
+            out.write(data)
+        self._queue(tmp, entries)
+
+    def _queue(self, tmp: Path, entries: list[FileEntry]) -> None:
+        """Queue a verified staging file for every entry that uses it."""
+        queued: list[tuple[Path, FileEntry]] = []
         tmp_used = False
         for i, entry in enumerate(entries):
-            last = i == len(entries) - 1
+            parent = (self.cache_dir / entry.path).parent
+            if parent not in self._made_dirs:  # folders early, off the publishing thread
+                with contextlib.suppress(FileExistsError, NotADirectoryError):
+                    parent.mkdir(parents=True, exist_ok=True)
+                    self._made_dirs.add(parent)
             if is_group_path(entry.path):
                 data = rewrite_group(tmp.read_bytes(), paths=self.paths, root=self.cache_dir)
                 target = self._tmp()
                 target.write_bytes(data)
-            elif last:
-                target = tmp
-                tmp_used = True
+            elif i == len(entries) - 1:
+                target, tmp_used = tmp, True
             else:
                 target = self._tmp()
                 shutil.copyfile(tmp, target)
-            self.pending.append((target, entry))
-            self.pending_bytes += entry.size_bytes
+            queued.append((target, entry))
         if not tmp_used:
             tmp.unlink()
-        if self.pending_bytes >= _BATCH_BYTES or len(self.pending) >= _BATCH_FILES:
-            self.flush()
+        with self._lock:
+            self.pending.extend(queued)
+            self.pending_bytes += sum(e.size_bytes for _, e in queued)
+
+    def _drain(self) -> BaseException | None:
+        """Wait for every pooled write; return the first error (the rest are queued)."""
+        error: BaseException | None = None
+        while self._futures:
+            exc = self._futures.popleft().exception()
+            if exc is not None and error is None:
+                error = exc
+        return error
 
     def flush(self) -> None:
-        """Make queued (verified) files durable, then visible."""
-        if not self.pending:
-            return
-        fd = os.open(self.staging, os.O_RDONLY)
-        try:
-            if not _syncfs(fd):
-                for tmp, _ in self.pending:
-                    with open(tmp, "rb") as fh:
-                        os.fsync(fh.fileno())
-        finally:
-            os.close(fd)
-        for tmp, entry in self.pending:
-            self._publish(tmp, entry)
-        if self.progress is not None:
-            self.progress(self.pending_bytes)
-        self.pending = []
-        self.pending_bytes = 0
+        """Make queued (verified) files durable, then visible; re-raise a pooled error."""
+        error = self._drain()
+        if self.pending:
+            fd = os.open(self.staging, os.O_RDONLY)
+            try:
+                if not _syncfs(fd):
+                    for tmp, _ in self.pending:
+                        with open(tmp, "rb") as fh:
+                            os.fsync(fh.fileno())
+            finally:
+                os.close(fd)
+            for tmp, entry in self.pending:
+                self._publish(tmp, entry)
+            if self.progress is not None:
+                self.progress(self.pending_bytes)
+            self.pending = []
+            self.pending_bytes = 0
+        if error is not None:
+            raise error
 
     def _publish(self, tmp: Path, entry: FileEntry) -> None:
         final = self.cache_dir / entry.path
         try:
             os.chmod(tmp, entry.mode)
-            try:
-                final.parent.mkdir(parents=True, exist_ok=True)
-            except (FileExistsError, NotADirectoryError):
-                self.conflicts.append(entry.path)
-                return
+            if final.parent not in self._made_dirs:
+                try:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    self.conflicts.append(entry.path)
+                    return
+                self._made_dirs.add(final.parent)
             try:
                 os.link(tmp, final)
             except FileExistsError:
@@ -408,6 +465,8 @@ class _Writer:
             self.conflicts.append(entry.path)
 
     def close(self) -> None:
+        self._drain()
+        self._pool.shutdown(wait=True)
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
