@@ -31,3 +31,10 @@ def fx_traces_compiled(*, size: int, device: str = "cpu") -> None:
         return compiled(x) + 1
 
     torch.fx.symbolic_trace(outer)
+
+
+def sleep(*, seconds: float) -> None:
+    """Hang for ``seconds`` (the timeout test's entrypoint)."""
+    import time
+
+    time.sleep(seconds)
