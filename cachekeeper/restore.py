@@ -46,21 +46,12 @@ size is not detected by it; a full ``restore`` hashes and reports it as a confli
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
-import functools
-import hashlib
 import json
 import os
-import re
-import shutil
-import socket
 import threading
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -68,7 +59,6 @@ from typing import Any, BinaryIO, Protocol
 import zstandard
 
 from cachekeeper.archive import TarFormatError, TarMember, iter_tar
-from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.errors import (
     BlobMissing,
     BlobTooLarge,
@@ -77,6 +67,7 @@ from cachekeeper.errors import (
     UnsafePath,
 )
 from cachekeeper.manifest import FileEntry, Manifest, is_digest
+from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present
 from cachekeeper.snapshot import (
     BLOB_PREFIX,
     MANIFEST_MEMBER,
@@ -85,7 +76,7 @@ from cachekeeper.snapshot import (
     read_archive_manifest,
     scan_dir,
 )
-from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
+from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
     "BlobSource",
@@ -99,15 +90,6 @@ __all__ = [
     "target_lock",
     "STATE_DIR",
 ]
-
-STATE_DIR = ".cachekeeper"
-_BATCH_BYTES = 128 << 20
-_BATCH_FILES = 1024
-_POOLED_BYTES = 4 << 20  # blobs up to this size are hashed and written by a thread pool
-_MAX_IN_FLIGHT = 64
-_STAGING_RE = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
-
-Progress = Callable[[int], None]
 
 
 class BlobSource(Protocol):
@@ -199,23 +181,6 @@ def _check_manifest(manifest: Manifest) -> dict[str, list[FileEntry]]:
     return by_digest
 
 
-def _is_present(entry: FileEntry, final: Path, paths: set[str], root: Path) -> bool | None:
-    """True: same file there; False: a different thing there (conflict); None: absent."""
-    try:
-        st = final.lstat()
-    except FileNotFoundError:
-        return None
-    except NotADirectoryError:
-        return False
-    if not final.is_file() or final.is_symlink():
-        return False
-    if st.st_size == entry.size_bytes and hash_file(final)[0] == entry.digest:
-        return True
-    if is_group_path(entry.path) and st.st_size < (16 << 20):
-        return looks_rewritten(final.read_bytes(), paths=paths, root=root)
-    return False
-
-
 @dataclass
 class _Plan:
     todo: dict[str, list[FileEntry]]
@@ -229,7 +194,7 @@ def _plan(manifest: Manifest, cache_dir: Path) -> _Plan:
     plan = _Plan(todo={})
     for digest, entries in by_digest.items():
         for entry in entries:
-            present = _is_present(entry, cache_dir / entry.path, paths, cache_dir)
+            present = is_present(entry, cache_dir / entry.path, paths, cache_dir)
             if present is None:
                 plan.todo.setdefault(digest, []).append(entry)
             elif present:
@@ -244,230 +209,6 @@ def needed_digests(manifest: Manifest, cache_dir: Path) -> set[str]:
     _check_manifest(manifest)
     root = Path(cache_dir)
     return {e.digest for e in manifest.files if not os.path.lexists(root / e.path)}
-
-
-# -- staging and writing -----------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sweep_stale_staging(staging_root: Path) -> None:
-    """Remove staging folders of dead restores on this host (only names we create)."""
-    if not staging_root.is_dir():
-        return
-    host = socket.gethostname()
-    for child in staging_root.iterdir():
-        found = _STAGING_RE.match(child.name)
-        if not found or found["host"] != host or not child.is_dir() or child.is_symlink():
-            continue
-        if not _pid_alive(int(found["pid"])):
-            shutil.rmtree(child, ignore_errors=True)
-
-
-@functools.cache
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.sync_file_range.argtypes = [
-            ctypes.c_int,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_uint,
-        ]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-def _syncfs(fd: int) -> bool:
-    """Flush the filesystem holding ``fd`` (Linux); False where unavailable."""
-    libc = _libc()
-    return libc is not None and bool(libc.syncfs(fd) == 0)
-
-
-class _Writer:
-    """Writes verified blobs into staging, then makes them appear in the cache dir."""
-
-    def __init__(self, manifest: Manifest, cache_dir: Path, progress: Progress | None) -> None:
-        self.cache_dir = cache_dir
-        self.paths = {e.path for e in manifest.files}
-        self.progress = progress
-        staging_root = cache_dir / STATE_DIR / "staging"
-        _sweep_stale_staging(staging_root)
-        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.staging = staging_root / name
-        self.staging.mkdir(parents=True)
-        self.pending: list[tuple[Path, FileEntry]] = []
-        self.pending_bytes = 0
-        self.written = 0
-        self.bytes_written = 0
-        self.skipped = 0
-        self.conflicts: list[str] = []
-        self._made_dirs: set[Path] = set()
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
-        self._futures: deque[Future[None]] = deque()
-
-    def _tmp(self) -> Path:
-        return self.staging / uuid.uuid4().hex
-
-    def write_blob(self, digest: str, stream: BinaryIO, entries: list[FileEntry]) -> None:
-        """Read one blob, verify it in staging, and queue every entry that uses it.
-
-        Small blobs are read here and hashed/written by the thread pool (file creation is
-        the slow part of restoring thousands of small files); large ones stream here.
-        """
-        first = entries[0]
-        declared = first.size_bytes
-        if declared <= _POOLED_BYTES:
-            parts, total = [], 0
-            while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
-                total += len(chunk)
-                if total > declared:
-                    raise self._too_large(digest, first)
-                parts.append(chunk)
-            self._futures.append(self._pool.submit(self._store, digest, b"".join(parts), entries))
-            if len(self._futures) > _MAX_IN_FLIGHT:
-                self._futures.popleft().result()
-        else:
-            tmp = self._tmp()
-            hasher = hashlib.sha256()
-            total = 0
-            with open(tmp, "wb", buffering=0) as out:
-                while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
-                    total += len(chunk)
-                    if total > declared:
-                        raise self._too_large(digest, first)
-                    hasher.update(chunk)
-                    out.write(chunk)
-            self._check(digest, first, total, hasher.hexdigest())
-            self._queue(tmp, entries)
-        if self.pending_bytes >= _BATCH_BYTES or len(self.pending) >= _BATCH_FILES:
-            self.flush()
-
-    @staticmethod
-    def _too_large(digest: str, entry: FileEntry) -> BlobTooLarge:
-        return BlobTooLarge(
-            f"blob {digest} for {entry.path} is larger than its declared {entry.size_bytes} bytes"
-        )
-
-    @staticmethod
-    def _check(digest: str, entry: FileEntry, total: int, actual: str) -> None:
-        if total != entry.size_bytes or actual != digest:
-            raise DigestMismatch(
-                f"blob for {entry.path} is corrupt: {total} bytes hashing to {actual}, "
-                f"expected {entry.size_bytes} bytes hashing to {digest}",
-                extra={"path": entry.path, "expected": digest, "actual": actual},
-            )
-
-    def _store(self, digest: str, data: bytes, entries: list[FileEntry]) -> None:
-        """(pool thread) Verify a small blob's bytes, write them to staging, queue them."""
-        self._check(digest, entries[0], len(data), hashlib.sha256(data).hexdigest())
-        tmp = self._tmp()
-        with open(tmp, "wb", buffering=0) as out:
-            out.write(data)
-        self._queue(tmp, entries)
-
-    def _queue(self, tmp: Path, entries: list[FileEntry]) -> None:
-        """Queue a verified staging file for every entry that uses it."""
-        queued: list[tuple[Path, FileEntry]] = []
-        tmp_used = False
-        for i, entry in enumerate(entries):
-            parent = (self.cache_dir / entry.path).parent
-            if parent not in self._made_dirs:  # folders early, off the publishing thread
-                with contextlib.suppress(FileExistsError, NotADirectoryError):
-                    parent.mkdir(parents=True, exist_ok=True)
-                    self._made_dirs.add(parent)
-            if is_group_path(entry.path):
-                data = rewrite_group(tmp.read_bytes(), paths=self.paths, root=self.cache_dir)
-                target = self._tmp()
-                target.write_bytes(data)
-            elif i == len(entries) - 1:
-                target, tmp_used = tmp, True
-            else:
-                target = self._tmp()
-                shutil.copyfile(tmp, target)
-            queued.append((target, entry))
-        if not tmp_used:
-            tmp.unlink()
-        with self._lock:
-            self.pending.extend(queued)
-            self.pending_bytes += sum(e.size_bytes for _, e in queued)
-
-    def _drain(self) -> BaseException | None:
-        """Wait for every pooled write; return the first error (the rest are queued)."""
-        error: BaseException | None = None
-        while self._futures:
-            exc = self._futures.popleft().exception()
-            if exc is not None and error is None:
-                error = exc
-        return error
-
-    def flush(self) -> None:
-        """Make queued (verified) files durable, then visible; re-raise a pooled error."""
-        error = self._drain()
-        if self.pending:
-            fd = os.open(self.staging, os.O_RDONLY)
-            try:
-                if not _syncfs(fd):
-                    for tmp, _ in self.pending:
-                        with open(tmp, "rb") as fh:
-                            os.fsync(fh.fileno())
-            finally:
-                os.close(fd)
-            for tmp, entry in self.pending:
-                self._publish(tmp, entry)
-            if self.progress is not None:
-                self.progress(self.pending_bytes)
-            self.pending = []
-            self.pending_bytes = 0
-        if error is not None:
-            raise error
-
-    def _publish(self, tmp: Path, entry: FileEntry) -> None:
-        final = self.cache_dir / entry.path
-        try:
-            os.chmod(tmp, entry.mode)
-            if final.parent not in self._made_dirs:
-                try:
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    self.conflicts.append(entry.path)
-                    return
-                self._made_dirs.add(final.parent)
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                self._classify_existing(entry, final)
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                    raise
-                if os.path.lexists(final):  # no hard links here: check, then replace
-                    self._classify_existing(entry, final)
-                    return
-                os.replace(tmp, final)
-            self.written += 1
-            self.bytes_written += entry.size_bytes
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _classify_existing(self, entry: FileEntry, final: Path) -> None:
-        if _is_present(entry, final, self.paths, self.cache_dir):
-            self.skipped += 1
-        else:
-            self.conflicts.append(entry.path)
-
-    def close(self) -> None:
-        self._drain()
-        self._pool.shutdown(wait=True)
-        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _write_marker(manifest: Manifest, cache_dir: Path) -> None:
@@ -499,7 +240,7 @@ def is_restored(manifest_id: str, cache_dir: Path) -> bool:
 
 # -- the restore paths -------------------------------------------------------------------
 def _report(
-    manifest: Manifest, plan: _Plan, writer: _Writer | None, *, dry_run: bool
+    manifest: Manifest, plan: _Plan, writer: Writer | None, *, dry_run: bool
 ) -> RestoreReport:
     if writer is None:
         planned = sorted(e.path for entries in plan.todo.values() for e in entries)
@@ -525,7 +266,7 @@ def _report(
 def _run(
     manifest: Manifest,
     cache_dir: Path,
-    feed: Callable[[_Plan, _Writer], None],
+    feed: Callable[[_Plan, Writer], None],
     *,
     dry_run: bool,
     progress: Progress | None,
@@ -542,7 +283,7 @@ def _run(
             if not plan.conflicts:
                 _write_marker(manifest, cache_dir)
             return _report(manifest, plan, None, dry_run=False)
-        writer = _Writer(manifest, cache_dir, progress)
+        writer = Writer(manifest, cache_dir, progress)
         try:
             try:
                 feed(plan, writer)
@@ -576,7 +317,7 @@ def restore(
 ) -> RestoreReport:
     """Restore ``manifest`` into ``cache_dir``, reading blobs from ``source``."""
 
-    def feed(plan: _Plan, writer: _Writer) -> None:
+    def feed(plan: _Plan, writer: Writer) -> None:
         for digest, entries in list(plan.todo.items()):
             try:
                 stream = source.open(digest)
@@ -609,7 +350,7 @@ def restore_from_tar(
     non-seekable, e.g. an HTTP response); a ``manifest.json`` member is skipped."""
     declared = {e.digest: e for e in manifest.files}
 
-    def feed(plan: _Plan, writer: _Writer) -> None:
+    def feed(plan: _Plan, writer: Writer) -> None:
         for member in _members(tar_stream):
             name = member.name
             if name == MANIFEST_MEMBER and member.isreg():

@@ -20,6 +20,7 @@ pointers) before blobs, and never a blob that a kept manifest references.
 
 from __future__ import annotations
 
+import builtins
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -207,7 +208,7 @@ class LocalStore:
         return used
 
     # -- deletion plans -------------------------------------------------------------------
-    def _plan(self, snapshot_ids: list[str], candidates: set[str]) -> DeletePlan:
+    def _plan(self, snapshot_ids: builtins.list[str], candidates: set[str]) -> DeletePlan:
         kept = self.referenced_digests(excluding=set(snapshot_ids))
         blobs = sorted(candidates - kept)
         freed = sum(self.blobs.size(d) or 0 for d in blobs)
@@ -223,7 +224,7 @@ class LocalStore:
             freed_bytes=freed,
         )
 
-    def plan_remove(self, ids: list[str]) -> DeletePlan:
+    def plan_remove(self, ids: builtins.list[str]) -> DeletePlan:
         """Plan removing these snapshots and the blobs only they reference."""
         full = list(dict.fromkeys(self.resolve_id(i) for i in ids))
         candidates: set[str] = set()
