@@ -304,6 +304,8 @@ def _reason(error: CachekeeperError) -> str:
     from cachekeeper.errors import Forbidden, NoMatchingSnapshot, Unauthorized
 
     if isinstance(error, ServerUnavailable):
+        if error.detail.startswith("no server configured"):
+            return error.detail
         return f"server unreachable: {error.detail}"
     if isinstance(error, Unauthorized | Forbidden):
         return f"server refused the token: {error.detail}"

@@ -220,7 +220,7 @@ def test_no_server_configured_is_a_cold_start_not_a_failure(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 0
-    assert "no server configured" in proc.stderr
+    assert proc.stderr.startswith("cachekeeper: no cache restored (no server configured")
 
 
 def answer_500(route: str, handler) -> bool:
