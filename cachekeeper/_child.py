@@ -132,21 +132,11 @@ class _Runner:
                 block_mask = create_block_mask(
                     mask_mod, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=self.device
                 )
-            q = torch.randn(
-                regime.batch, regime.q_heads, seq, regime.head_dim,
-                device=self.device, dtype=dtype, requires_grad=backward,
-            )  # fmt: skip
-            k, v = (
-                torch.randn(
-                    regime.batch,
-                    regime.kv_heads,
-                    seq,
-                    regime.head_dim,
-                    device=self.device,
-                    dtype=dtype,
-                    requires_grad=backward,
-                )  # fmt: skip
-                for _ in range(2)
+            shape = (regime.batch, regime.q_heads, seq, regime.head_dim)
+            kv_shape = (regime.batch, regime.kv_heads, seq, regime.head_dim)
+            q, k, v = (
+                torch.randn(*s, device=self.device, dtype=dtype, requires_grad=backward)
+                for s in (shape, kv_shape, kv_shape)
             )
             kwargs: dict[str, Any] = {
                 "score_mod": score_mod,
