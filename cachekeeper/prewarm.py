@@ -152,7 +152,7 @@ def prewarm(
     verify_report = verify(
         workload, cache_dir, devices=devices, timeout_s=timeout_s, progress=progress
     )
-    return PrewarmReport(
+    report = PrewarmReport(
         workload=workload.name,
         workload_digest=workload.digest,
         cache_dir=str(cache_dir),
@@ -161,6 +161,16 @@ def prewarm(
         merged=merged,
         verify=verify_report,
     )
+    from cachekeeper.provenance import record_prewarm
+
+    record_prewarm(
+        cache_dir,
+        workload=workload.name,
+        workload_digest=workload.digest,
+        devices=list(devices),
+        stats=report.stats,
+    )
+    return report
 
 
 def verify(

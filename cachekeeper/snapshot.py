@@ -152,8 +152,20 @@ def snapshot_dir(
     stats: dict[str, Any] | None = None,
     fingerprint: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest."""
+    """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest.
+
+    With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
+    ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``.
+    """
     root = Path(root)
+    if workload is not None and stats is None:
+        from cachekeeper.provenance import load_prewarm_record
+
+        record = load_prewarm_record(root, workload)
+        if record is not None:
+            stats = record.get("stats")
+            workload_digest = workload_digest or record.get("workload_digest")
+            devices = devices if devices is not None else record.get("devices")
     files = scan_dir(root)
     fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
     entries = []

@@ -180,6 +180,24 @@ def test_n_devices_run_in_parallel_children_and_all_verify(tiny_two_devices) -> 
     assert sum(r.seconds for r in runs) > report.seconds - report.verify.seconds
 
 
+def test_a_snapshot_of_the_prewarmed_dir_carries_the_verify_stats_and_devices(
+    tiny_two_devices, tmp_path: Path
+) -> None:
+    from cachekeeper.snapshot import snapshot_dir
+    from cachekeeper.store import LocalStore
+
+    report, cache = tiny_two_devices
+    store = LocalStore(home=tmp_path / "home")
+    manifest = snapshot_dir(cache, store=store, workload="cpu-tiny")
+    assert manifest.verified
+    assert manifest.devices == ("cuda:0", "cuda:1")
+    assert manifest.workload_digest == load_workload(TINY).digest
+    assert manifest.stats == json.loads(json.dumps(report.stats))
+    assert not [f.path for f in manifest.files if f.path.startswith(".cachekeeper")]
+    # someone's own warm cache, or another workload's name: no record, so unverified
+    assert not snapshot_dir(cache, store=store, workload="other").verified
+
+
 def test_cli_verify_passes_on_the_prewarmed_cache(tiny_two_devices) -> None:
     _, cache = tiny_two_devices
     proc = _cli("verify", str(TINY), "--cache-dir", str(cache), "--device", "cpu", "--json")

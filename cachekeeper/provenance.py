@@ -1,0 +1,70 @@
+"""What a prewarm proved about a cache dir, kept in the dir for the snapshot made from it.
+
+``cachekeeper prewarm`` writes, after its verify run::
+
+    <cache_dir>/.cachekeeper/prewarm/<workload>.json
+      {"workload", "workload_digest", "devices": [...], "stats": {...}, "recorded_at"}
+
+and ``snapshot_dir(..., workload=NAME)`` (so ``cachekeeper snapshot`` and ``push``) reads it
+to fill the manifest's ``stats`` (verified when ``stats["verify"]["effective"]``),
+``workload_digest`` and covered ``devices``. ``.cachekeeper/`` never enters a snapshot.
+A later prewarm of the same workload on other devices adds its devices to the record;
+the stats are those of the latest prewarm. A dir that was never prewarmed by cachekeeper
+(someone's own warm cache) has no record: its snapshot is unverified, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["record_prewarm", "load_prewarm_record"]
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _record_path(cache_dir: Path, workload: str) -> Path:
+    return Path(cache_dir) / ".cachekeeper" / "prewarm" / f"{_SAFE.sub('_', workload)}.json"
+
+
+def load_prewarm_record(cache_dir: Path, workload: str) -> dict[str, Any] | None:
+    """The record a prewarm of ``workload`` left in ``cache_dir``, or None."""
+    try:
+        record = json.loads(_record_path(cache_dir, workload).read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("workload") != workload:
+        return None
+    return record
+
+
+def record_prewarm(
+    cache_dir: Path,
+    *,
+    workload: str,
+    workload_digest: str,
+    devices: list[str],
+    stats: dict[str, Any],
+) -> Path:
+    """Write (atomically) what a prewarm proved; devices accumulate across prewarms."""
+    path = _record_path(cache_dir, workload)
+    previous = load_prewarm_record(cache_dir, workload)
+    if previous and previous.get("workload_digest") == workload_digest:
+        devices = sorted(set(devices) | set(previous.get("devices") or []))
+    record = {
+        "workload": workload,
+        "workload_digest": workload_digest,
+        "devices": sorted(devices),
+        "stats": stats,
+        "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
