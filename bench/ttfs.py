@@ -160,6 +160,7 @@ def bench(workload: Path, *, device: str, runs: int, work: Path) -> dict[str, An
         "versions": _versions(),
         "prewarm_s": round(prewarm_s, 2),
         "prewarm_status": prewarm_report.get("status"),
+        "prewarm_report": prewarm_report,
         "cache_bytes": cache_bytes,
         "cache_files": cache_files,
         "megacache_bytes": mega.stat().st_size if mega.exists() else 0,
