@@ -35,7 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-CK = str(Path(sys.executable).parent / "cachekeeper")
+_SCRIPT = Path(sys.executable).parent / "cachekeeper"
+# The venv's console script when there is one, else the same entry point through -m.
+CK = str(_SCRIPT) if _SCRIPT.exists() else shutil.which("cachekeeper")
+CK_ARGS = [CK] if CK else [sys.executable, "-m", "cachekeeper"]
 
 
 def timed(cmd: list[str] | str, *, env: dict[str, str] | None = None, shell: bool = False) -> float:
@@ -101,7 +104,7 @@ def main() -> None:
                 CACHEKEEPER_HOME=str(work / "node-home"),
                 PYTHONPYCACHEPREFIX=str(work / "pycache"),
             )
-            warm = [CK, "prejob", "--workload", "absent", "--cache-dir", str(work / "warm")]
+            warm = [*CK_ARGS, "prejob", "--workload", "absent", "--cache-dir", str(work / "warm")]
             subprocess.run(warm, env=env, capture_output=True)  # writes the byte-code
             baseline, cold, noop, bare, download, local = [], [], [], [], [], []
             archive_url = f"{server.url}/v1/snapshots/{pushed.snapshot_id}/archive"
@@ -112,11 +115,11 @@ def main() -> None:
                 shutil.rmtree(dst)
                 download.append(timed(["curl", "-sSf", "-o", "/dev/null", archive_url]))
                 dst = work / f"restore-{i}"
-                local.append(timed([CK, "restore", str(archive), "--cache-dir", str(dst)], env=env))
+                local.append(timed([*CK_ARGS, "restore", str(archive), "--cache-dir", str(dst)], env=env))
                 shutil.rmtree(dst)
                 dst = work / f"prejob-{i}"
                 cold.append(
-                    timed([CK, "prejob", "--workload", "bench", "--cache-dir", str(dst)], env=env)
+                    timed([*CK_ARGS, "prejob", "--workload", "bench", "--cache-dir", str(dst)], env=env)
                 )
                 if i < args.repeat - 1:
                     shutil.rmtree(dst)
@@ -127,7 +130,7 @@ def main() -> None:
             for _ in range(args.noop_repeat):
                 noop.append(
                     timed(
-                        [CK, "prejob", "--workload", "bench", "--cache-dir", str(restored)],
+                        [*CK_ARGS, "prejob", "--workload", "bench", "--cache-dir", str(restored)],
                         env=env,
                     )
                 )

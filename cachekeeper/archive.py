@@ -13,11 +13,14 @@ the member's type so that links and devices can be refused.
 
 from __future__ import annotations
 
+import io
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["TarMember", "TarFormatError", "iter_tar", "REGULAR"]
+__all__ = ["TarMember", "TarFormatError", "iter_tar", "REGULAR", "ReadAhead"]
 
 BLOCK = 512
 REGULAR = "0"
@@ -185,3 +188,80 @@ def _skip(stream: BinaryIO, n: int) -> None:
         if not data:
             raise TarFormatError("tar stream ends inside a member")
         n -= len(data)
+
+
+class ReadAhead(io.RawIOBase):
+    """A reader that pulls ``source`` in a background thread, ``depth`` chunks ahead.
+
+    zstandard (and socket reads) release the GIL, so decompressing the next megabytes
+    overlaps with hashing and writing the current ones, as ``zstd -d | tar -x`` overlaps
+    its two processes. Errors in the background read are raised by the next ``read``.
+    """
+
+    def __init__(self, source: BinaryIO, *, chunk_bytes: int = 1 << 20, depth: int = 16) -> None:
+        super().__init__()
+        self._source = source
+        self._chunk_bytes = chunk_bytes
+        self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=depth)
+        self._buffer = b""
+        self._offset = 0
+        self._eof = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="ck-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                chunk = self._source.read(self._chunk_bytes)
+                self._put(chunk)
+                if not chunk:
+                    return
+        except BaseException as exc:  # handed to the reader, raised there
+            self._put(exc)
+
+    def _put(self, item: bytes | BaseException) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def readable(self) -> bool:
+        return True
+
+    def _next(self) -> bool:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._eof = True
+            raise item
+        if not item:
+            self._eof = True
+            return False
+        self._buffer, self._offset = item, 0
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            parts = [self._buffer[self._offset :]]
+            self._buffer, self._offset = b"", 0
+            while not self._eof and self._next():
+                parts.append(self._buffer)
+                self._buffer, self._offset = b"", 0
+            return b"".join(parts)
+        parts = []
+        wanted = size
+        while wanted > 0:
+            if self._offset >= len(self._buffer):
+                if self._eof or not self._next():
+                    break
+            piece = self._buffer[self._offset : self._offset + wanted]
+            self._offset += len(piece)
+            wanted -= len(piece)
+            parts.append(piece)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        self._stop.set()
+        super().close()

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import zstandard
 
 from cachekeeper import fingerprint as fingerprint_mod
-from cachekeeper.archive import TarFormatError, iter_tar
+from cachekeeper.archive import ReadAhead, TarFormatError, iter_tar
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
 from cachekeeper.errors import InvalidManifest, LinkInCacheDir, UnsupportedFormat
 from cachekeeper.manifest import FileEntry, Manifest
@@ -151,13 +151,21 @@ def snapshot_dir(
     devices: list[str] | None = None,
     stats: dict[str, Any] | None = None,
     fingerprint: dict[str, Any] | None = None,
+    sign_key: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest.
+
+    With ``sign_key`` (an Ed25519 ``PREFIX.key``), the manifest is signed before it is
+    saved; the key is read first, so a bad key fails before any hashing.
 
     With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
     ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``.
     """
     root = Path(root)
+    if sign_key is not None:
+        from cachekeeper.signing import load_signing_key
+
+        load_signing_key(sign_key)  # fail early on a missing or wrong key
     if workload is not None and stats is None:
         from cachekeeper.provenance import load_prewarm_record
 
@@ -180,6 +188,10 @@ def snapshot_dir(
         workload_digest=workload_digest,
         stats=stats,
     )
+    if sign_key is not None:
+        from cachekeeper.signing import sign_manifest
+
+        manifest = sign_manifest(manifest, sign_key)
     store.save_manifest(manifest)
     return manifest
 
@@ -228,8 +240,10 @@ def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level
 
 def open_archive_stream(fh: BinaryIO) -> BinaryIO:
     """The uncompressed tar bytes of an archive file object (a zstd stream reader)."""
-    reader = zstandard.ZstdDecompressor().stream_reader(fh, read_size=TAR_BUFSIZE, closefd=False)
-    return reader  # type: ignore[return-value]
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        fh, read_size=TAR_BUFSIZE, closefd=False, read_across_frames=True
+    )
+    return ReadAhead(reader)  # type: ignore[arg-type, return-value]
 
 
 def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
