@@ -25,6 +25,13 @@ The rules, and how this module keeps them:
   ``.cachekeeper/lock``); the later ones find the work done and skip it. The lock only
   avoids duplicate work: flock is a no-op on some NFS/Lustre mounts, and correctness
   never depends on it (link-without-clobber does).
+- **Signed snapshots** (``trusted_keys``, see ``cachekeeper.signing``): with a trust list,
+  the manifest's signature is checked before the target is touched at all (an unsigned,
+  untrusted or tampered manifest raises ``SignatureInvalid``), and the restore becomes
+  all-or-nothing: every blob is verified in staging first, and files appear only once
+  all of them verified, so one changed byte in any blob leaves the target as it was.
+  The marker then records the key that signed the snapshot, so ``is_restored`` with
+  ``trusted_key_ids`` accepts only a dir a trusted restore completed.
 - **Triton group files** (``__grp__*.json``) are verified against their digest, then
   their absolute child paths are rewritten to the new root (see ``triton_groups``).
 
@@ -51,7 +58,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -68,6 +75,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.manifest import FileEntry, Manifest, is_digest
 from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present
+from cachekeeper.signing import TrustedKey, verify_manifest
 from cachekeeper.snapshot import (
     BLOB_PREFIX,
     MANIFEST_MEMBER,
@@ -211,23 +219,33 @@ def needed_digests(manifest: Manifest, cache_dir: Path) -> set[str]:
     return {e.digest for e in manifest.files if not os.path.lexists(root / e.path)}
 
 
-def _write_marker(manifest: Manifest, cache_dir: Path) -> None:
+def _write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) -> None:
     folder = cache_dir / STATE_DIR / "restored"
     folder.mkdir(parents=True, exist_ok=True)
     files = [[e.path, -1 if is_group_path(e.path) else e.size_bytes] for e in manifest.files]
     tmp = folder / f".{uuid.uuid4().hex}.tmp"
-    tmp.write_text(json.dumps({"id": manifest.id, "files": files}), encoding="utf-8")
+    body = {"id": manifest.id, "files": files, "key_id": key_id}
+    tmp.write_text(json.dumps(body), encoding="utf-8")
     os.replace(tmp, folder / manifest.id)
 
 
-def is_restored(manifest_id: str, cache_dir: Path) -> bool:
-    """The pre-job hook's fast check: marker present and every file there with its size."""
+def is_restored(
+    manifest_id: str, cache_dir: Path, *, trusted_key_ids: Collection[str] | None = None
+) -> bool:
+    """The pre-job hook's fast check: marker present and every file there with its size.
+
+    With ``trusted_key_ids`` (non-empty), the marker must also say that a restore which
+    verified the signature of one of those keys wrote it.
+    """
     if not is_digest(manifest_id):
         return False
     root = os.fspath(cache_dir)
     try:
         with open(os.path.join(root, STATE_DIR, "restored", manifest_id), "rb") as fh:
-            files = json.loads(fh.read())["files"]
+            marker = json.loads(fh.read())
+        if trusted_key_ids and marker.get("key_id") not in trusted_key_ids:
+            return False
+        files = marker["files"]
         stat = os.stat
         for path, size in files:
             st = stat(f"{root}/{path}")
@@ -270,9 +288,12 @@ def _run(
     *,
     dry_run: bool,
     progress: Progress | None,
+    trusted_keys: Sequence[TrustedKey] | None,
 ) -> RestoreReport:
     cache_dir = Path(cache_dir)
-    _check_manifest(manifest)  # refused before the target is touched at all
+    # Both refused before the target is touched at all.
+    key_id = verify_manifest(manifest, trusted_keys) if trusted_keys else None
+    _check_manifest(manifest)
     if dry_run:
         plan = _plan(manifest, cache_dir) if cache_dir.is_dir() else _empty_plan(manifest)
         return _report(manifest, plan, None, dry_run=True)
@@ -281,22 +302,24 @@ def _run(
         plan = _plan(manifest, cache_dir)
         if not plan.todo:
             if not plan.conflicts:
-                _write_marker(manifest, cache_dir)
+                _write_marker(manifest, cache_dir, key_id=key_id)
             return _report(manifest, plan, None, dry_run=False)
-        writer = Writer(manifest, cache_dir, progress)
+        # Signed: all-or-nothing (nothing appears until every blob verified).
+        writer = Writer(manifest, cache_dir, progress, hold=key_id is not None)
         try:
             try:
                 feed(plan, writer)
             except BaseException:
-                with contextlib.suppress(Exception):
-                    writer.flush()  # what is verified may stay; a rerun does the rest
+                if key_id is None:
+                    with contextlib.suppress(Exception):
+                        writer.flush()  # what is verified may stay; a rerun does the rest
                 raise
             writer.flush()
         finally:
             writer.close()
         report = _report(manifest, plan, writer, dry_run=False)
         if not report.conflicts:
-            _write_marker(manifest, cache_dir)
+            _write_marker(manifest, cache_dir, key_id=key_id)
         return report
 
 
@@ -314,8 +337,12 @@ def restore(
     *,
     dry_run: bool = False,
     progress: Progress | None = None,
+    trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> RestoreReport:
-    """Restore ``manifest`` into ``cache_dir``, reading blobs from ``source``."""
+    """Restore ``manifest`` into ``cache_dir``, reading blobs from ``source``.
+
+    With ``trusted_keys`` (non-empty), only a manifest signed by one of them is restored.
+    """
 
     def feed(plan: _Plan, writer: Writer) -> None:
         for digest, entries in list(plan.todo.items()):
@@ -335,7 +362,9 @@ def restore(
                 ) from exc
             del plan.todo[digest]
 
-    return _run(manifest, cache_dir, feed, dry_run=dry_run, progress=progress)
+    return _run(
+        manifest, cache_dir, feed, dry_run=dry_run, progress=progress, trusted_keys=trusted_keys
+    )
 
 
 def restore_from_tar(
@@ -345,6 +374,7 @@ def restore_from_tar(
     *,
     dry_run: bool = False,
     progress: Progress | None = None,
+    trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> RestoreReport:
     """Restore from an uncompressed tar stream of ``blobs/<sha256>`` members (may be
     non-seekable, e.g. an HTTP response); a ``manifest.json`` member is skipped."""
@@ -380,7 +410,9 @@ def restore_from_tar(
                 extra={"missing": sorted(plan.todo)},
             )
 
-    return _run(manifest, cache_dir, feed, dry_run=dry_run, progress=progress)
+    return _run(
+        manifest, cache_dir, feed, dry_run=dry_run, progress=progress, trusted_keys=trusted_keys
+    )
 
 
 def _members(stream: BinaryIO) -> Iterator[TarMember]:
@@ -401,13 +433,21 @@ def restore_archive(
     *,
     dry_run: bool = False,
     progress: Progress | None = None,
+    trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> RestoreReport:
     """Restore a one-file archive (``snapshot.write_archive``) into ``cache_dir``."""
     manifest = read_archive_manifest(path)
     with open(path, "rb") as fh:
         stream = open_archive_stream(fh)
         try:
-            return restore_from_tar(manifest, stream, cache_dir, dry_run=dry_run, progress=progress)
+            return restore_from_tar(
+                manifest,
+                stream,
+                cache_dir,
+                dry_run=dry_run,
+                progress=progress,
+                trusted_keys=trusted_keys,
+            )
         except zstandard.ZstdError as exc:
             raise DigestMismatch(f"{path} is corrupt: {exc}") from exc
 

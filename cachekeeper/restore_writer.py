@@ -107,8 +107,12 @@ def _syncfs(fd: int) -> bool:
 class Writer:
     """Writes verified blobs into staging, then makes them appear in the cache dir."""
 
-    def __init__(self, manifest: Manifest, cache_dir: Path, progress: Progress | None) -> None:
+    def __init__(
+        self, manifest: Manifest, cache_dir: Path, progress: Progress | None, *, hold: bool = False
+    ) -> None:
+        """``hold``: publish nothing before the final ``flush`` (all-or-nothing restores)."""
         self.cache_dir = cache_dir
+        self.hold = hold
         self.paths = {e.path for e in manifest.files}
         self.progress = progress
         staging_root = cache_dir / STATE_DIR / "staging"
@@ -161,6 +165,8 @@ class Writer:
                     out.write(chunk)
             self._check(digest, first, total, hasher.hexdigest())
             self._queue(tmp, entries)
+        if self.hold:
+            return
         if self.pending_bytes >= _BATCH_BYTES or len(self.pending) >= _BATCH_FILES:
             self.flush()
 
@@ -225,6 +231,8 @@ class Writer:
     def flush(self) -> None:
         """Make queued (verified) files durable, then visible; re-raise a pooled error."""
         error = self._drain()
+        if error is not None and self.hold:
+            raise error  # all-or-nothing: a failed blob publishes nothing
         if self.pending:
             fd = os.open(self.staging, os.O_RDONLY)
             try:

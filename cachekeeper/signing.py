@@ -25,6 +25,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cachekeeper.errors import CachekeeperError, SignatureInvalid
 from cachekeeper.manifest import Manifest
@@ -33,6 +34,7 @@ __all__ = [
     "ALGORITHM",
     "TrustedKey",
     "generate_keypair",
+    "load_signing_key",
     "sign_manifest",
     "verify_manifest",
     "load_public_key",
@@ -88,8 +90,8 @@ def generate_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, str]:
     return key_path, pub_path, _key_id(_raw_public(private.public_key()))
 
 
-def sign_manifest(manifest: Manifest, key_path: str | os.PathLike[str]) -> Manifest:
-    """The same manifest (same id) with an Ed25519 signature by the key at ``key_path``."""
+def load_signing_key(key_path: str | os.PathLike[str]) -> Any:
+    """The Ed25519 private key at ``key_path``; one-line error when unreadable or wrong."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -99,6 +101,12 @@ def sign_manifest(manifest: Manifest, key_path: str | os.PathLike[str]) -> Manif
         raise CachekeeperError(f"cannot read signing key {key_path}: {exc}") from exc
     if not isinstance(private, Ed25519PrivateKey):
         raise CachekeeperError(f"signing key {key_path} is not an Ed25519 private key")
+    return private
+
+
+def sign_manifest(manifest: Manifest, key_path: str | os.PathLike[str]) -> Manifest:
+    """The same manifest (same id) with an Ed25519 signature by the key at ``key_path``."""
+    private = load_signing_key(key_path)
     signature = private.sign(manifest.signing_bytes())
     return manifest.with_signature(
         {
@@ -109,17 +117,35 @@ def sign_manifest(manifest: Manifest, key_path: str | os.PathLike[str]) -> Manif
     )
 
 
-def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+# DER SubjectPublicKeyInfo of an Ed25519 key: this fixed 12-byte header, then the raw key.
+_ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
 
+
+def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
+    """Read a ``PREFIX.pub`` file (PEM SubjectPublicKeyInfo, Ed25519).
+
+    Parsed with the standard library (an Ed25519 key's DER form is a fixed header plus the
+    32 raw bytes), so the pre-job hook's no-op path can check key ids without importing
+    ``cryptography`` (about 90 ms); the signature check itself imports it.
+    """
     try:
-        public = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (OSError, ValueError, TypeError) as exc:
+        text = Path(path).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
         raise CachekeeperError(f"cannot read trusted key {path}: {exc}") from exc
-    if not isinstance(public, Ed25519PublicKey):
+    lines = [line.strip() for line in text.strip().splitlines()]
+    if (
+        len(lines) < 3
+        or lines[0] != "-----BEGIN PUBLIC KEY-----"
+        or lines[-1] != "-----END PUBLIC KEY-----"
+    ):
+        raise CachekeeperError(f"trusted key {path} is not a PEM public key")
+    try:
+        der = base64.b64decode("".join(lines[1:-1]), validate=True)
+    except ValueError as exc:
+        raise CachekeeperError(f"trusted key {path} is not a PEM public key: {exc}") from exc
+    if len(der) != len(_ED25519_SPKI_PREFIX) + 32 or not der.startswith(_ED25519_SPKI_PREFIX):
         raise CachekeeperError(f"trusted key {path} is not an Ed25519 public key")
-    raw = _raw_public(public)
+    raw = der[len(_ED25519_SPKI_PREFIX) :]
     return TrustedKey(key_id=_key_id(raw), raw=raw, source=str(path))
 
 

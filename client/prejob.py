@@ -33,7 +33,7 @@ import shlex
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,9 +139,15 @@ def _work(
     devices: list[str] | None,
     deadline: Any,
     timeout_s: float,
+    trust: Sequence[str | os.PathLike[str]],
 ) -> None:
     try:
         from cachekeeper.restore import is_restored
+        from cachekeeper.signing import load_trusted_keys
+
+        # A trust file that cannot be read refuses every snapshot (a cold start saying so).
+        trusted_keys = load_trusted_keys(trust)
+        key_ids = {k.key_id for k in trusted_keys}
 
         quick = _quick_resolve(
             server,
@@ -154,7 +160,7 @@ def _work(
             },
             timeout_s=deadline.bound(timeout_s) / 2,  # leave the full client time to retry
         )
-        if quick is not None and is_restored(quick, cache_dir):
+        if quick is not None and is_restored(quick, cache_dir, trusted_key_ids=key_ids):
             result.snapshot_id, result.outcome = quick, "already_restored"
             return
 
@@ -173,10 +179,12 @@ def _work(
             snapshot_id = resolution.snapshot_id
             assert snapshot_id is not None
             result.snapshot_id = snapshot_id
-            if is_restored(snapshot_id, cache_dir):
+            if is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
                 result.outcome = "already_restored"
                 return
-            done = restore_snapshot(client, snapshot_id, cache_dir, deadline=deadline)
+            done = restore_snapshot(
+                client, snapshot_id, cache_dir, deadline=deadline, trusted_keys=trusted_keys
+            )
             result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
     except CachekeeperError as exc:
         result.error = exc
@@ -240,8 +248,14 @@ def prejob(
     devices: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
     fingerprint: dict[str, Any] | None = None,
+    trust: Sequence[str | os.PathLike[str]] = (),
 ) -> PrejobReport:
-    """Run the hook; never raises for server or restore problems (see ``outcome``)."""
+    """Run the hook; never raises for server or restore problems (see ``outcome``).
+
+    With ``trust`` (public key files), a snapshot not signed by one of them is not restored (a cold
+    start whose reason says why), and the no-op path accepts only a dir that a restore
+    verified against one of them.
+    """
     from .api import Deadline
 
     started = time.monotonic()
@@ -276,6 +290,7 @@ def prejob(
             devices=devices,
             deadline=deadline,
             timeout_s=timeout_s,
+            trust=tuple(trust),
         ),
     )
     worker.start()
@@ -301,7 +316,7 @@ def prejob(
 
 
 def _reason(error: CachekeeperError) -> str:
-    from cachekeeper.errors import Forbidden, NoMatchingSnapshot, Unauthorized
+    from cachekeeper.errors import Forbidden, NoMatchingSnapshot, SignatureInvalid, Unauthorized
 
     if isinstance(error, ServerUnavailable):
         if error.detail.startswith("no server configured"):
@@ -311,4 +326,6 @@ def _reason(error: CachekeeperError) -> str:
         return f"server refused the token: {error.detail}"
     if isinstance(error, NoMatchingSnapshot):
         return error.detail
+    if isinstance(error, SignatureInvalid):
+        return f"refused an untrusted snapshot: {error.detail}"
     return f"{error.code}: {error.detail}"

@@ -13,9 +13,10 @@ fetches, the others wait on it and find the work done.
 from __future__ import annotations
 
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from cachekeeper.errors import (
     BlobMissing,
@@ -29,6 +30,9 @@ from cachekeeper.fingerprint import format_mismatches
 from cachekeeper.manifest import Manifest
 
 from .api import CacheClient, Deadline, Resolution
+
+if TYPE_CHECKING:
+    from cachekeeper.signing import TrustedKey
 
 __all__ = ["PullReport", "RestoreOutcome", "pull", "resolve_snapshot", "restore_snapshot"]
 
@@ -122,11 +126,14 @@ def restore_snapshot(
     *,
     deadline: Deadline | None = None,
     attempts: int = 3,
+    trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> RestoreOutcome:
     """Make ``cache_dir`` hold ``snapshot_id``, fetching only what it lacks.
 
     A file of the snapshot that exists with other content is kept (a conflict, reported);
-    the rest of the snapshot is still restored.
+    the rest of the snapshot is still restored. With ``trusted_keys`` (non-empty), the
+    manifest's signature is checked before anything is downloaded or written
+    (``SignatureInvalid`` otherwise), and the restore is all-or-nothing.
     """
     from cachekeeper.restore import (
         is_restored,
@@ -135,25 +142,36 @@ def restore_snapshot(
         restore_from_tar,
         target_lock,
     )
+    from cachekeeper.signing import verify_manifest
 
+    key_ids = {k.key_id for k in trusted_keys or ()}
     cache_dir = Path(cache_dir)
+    if key_ids:  # refuse before the target is touched at all
+        manifest: Manifest = client.get_manifest(snapshot_id, deadline=deadline)
+        verify_manifest(manifest, trusted_keys or ())
+        if is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
+            return RestoreOutcome("already_restored")
     cache_dir.mkdir(parents=True, exist_ok=True)
     with target_lock(cache_dir):
-        if is_restored(snapshot_id, cache_dir):  # another process did it while we waited
+        # another process may have done it while we waited
+        if is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
             return RestoreOutcome("already_restored")
-        manifest: Manifest = client.get_manifest(snapshot_id, deadline=deadline)
+        if not key_ids:
+            manifest = client.get_manifest(snapshot_id, deadline=deadline)
         fetched = 0
         last: CachekeeperError = ServerError(f"restore of {snapshot_id} did not complete")
         for attempt in range(1, attempts + 1):
             needed = needed_digests(manifest, cache_dir)
             try:
                 if not needed:
-                    report = restore(manifest, _NoBlobs(), cache_dir)
+                    report = restore(manifest, _NoBlobs(), cache_dir, trusted_keys=trusted_keys)
                 else:
                     with client.open_archive(snapshot_id, needed, deadline=deadline) as stream:
-                        report = restore_from_tar(manifest, stream, cache_dir)
+                        report = restore_from_tar(
+                            manifest, stream, cache_dir, trusted_keys=trusted_keys
+                        )
                     fetched += len(needed)
-                if report.conflicts or is_restored(snapshot_id, cache_dir):
+                if report.conflicts or is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
                     return RestoreOutcome("restored", fetched, attempt, tuple(report.conflicts))
             except _RETRYABLE as exc:
                 last = exc
@@ -174,8 +192,12 @@ def pull(
     devices: list[str] | None = None,
     deadline: Deadline | None = None,
     attempts: int = 3,
+    trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> PullReport:
-    """Resolve this node's snapshot of ``workload`` and restore it into ``cache_dir``."""
+    """Resolve this node's snapshot of ``workload`` and restore it into ``cache_dir``.
+
+    With ``trusted_keys`` (non-empty), only a snapshot signed by one of them is restored.
+    """
     from cachekeeper.fingerprint import collect
 
     fp = fingerprint if fingerprint is not None else collect()
@@ -190,7 +212,12 @@ def pull(
     snapshot_id = resolution.snapshot_id
     assert snapshot_id is not None
     done = restore_snapshot(
-        client, snapshot_id, Path(cache_dir), deadline=deadline, attempts=attempts
+        client,
+        snapshot_id,
+        Path(cache_dir),
+        deadline=deadline,
+        attempts=attempts,
+        trusted_keys=trusted_keys,
     )
     return PullReport(
         snapshot_id=snapshot_id,

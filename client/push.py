@@ -8,6 +8,7 @@ publishes the identical manifest again (the server answers ``created: false``).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -98,13 +99,21 @@ def push(
     workers: int = 4,
     progress: Progress | None = None,
     fingerprint: dict[str, Any] | None = None,
+    sign_key: str | os.PathLike[str] | None = None,
 ) -> PushReport:
-    """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish."""
+    """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish.
+
+    With ``sign_key``, the published manifest carries an Ed25519 signature by that key.
+    """
     from cachekeeper.snapshot import snapshot_dir
 
     store = store if store is not None else LocalStore()
     manifest = snapshot_dir(
-        Path(cache_dir), store=store, workload=workload, fingerprint=fingerprint
+        Path(cache_dir),
+        store=store,
+        workload=workload,
+        fingerprint=fingerprint,
+        sign_key=sign_key,
     )
     done = upload_missing(manifest, client=client, store=store, workers=workers, progress=progress)
     try:

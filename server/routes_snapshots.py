@@ -79,6 +79,11 @@ def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
             f"manifest lists {len(raw['files'])} files, over the server's limit of {max_files}"
         )
     manifest = Manifest.from_dict(raw, max_files=max_files)
+    if storage.settings.require_signatures:
+        from cachekeeper.signing import load_trusted_keys, verify_manifest
+
+        # Read per publish (two tiny files): a rotated key needs no restart.
+        verify_manifest(manifest, load_trusted_keys(storage.settings.trusted_keys))
     return storage.publish(manifest)
 
 
@@ -94,7 +99,11 @@ def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
             },
         }
     },
-    responses={409: {"description": "blobs missing"}, 413: {"description": "too large"}},
+    responses={
+        409: {"description": "blobs missing"},
+        413: {"description": "too large"},
+        422: {"description": "invalid manifest, or signature_invalid when signatures are required"},
+    },
 )
 async def publish_snapshot(request: Request, _: WriteScope) -> Response:
     """Publish a manifest whose blobs are all uploaded; idempotent for an identical one."""

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachekeeper.manifest import MAX_FILES
@@ -82,11 +82,34 @@ class Settings(BaseSettings):
     # zstd level for the small files an archive stream recompresses (big blobs are spliced).
     archive_level: int = 1
     log_level: str = "info"
+    # Public keys (``PREFIX.pub`` files) whose signatures a publish may carry, and whether
+    # a publish must carry one: with require_signatures, an unsigned, untrusted or
+    # tampered manifest is refused (422 signature_invalid). The environment names them
+    # as CACHEKEEPER_TRUSTED_KEYS, paths separated by os.pathsep, like the client.
+    trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    require_signatures: bool = False
 
     @field_validator("tokens", mode="before")
     @classmethod
     def _tokens(cls, value: Any) -> dict[str, str]:
         return parse_tokens(value)
+
+    @field_validator("trusted_keys", mode="before")
+    @classmethod
+    def _trusted_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _signatures_need_keys(self) -> Settings:
+        if self.require_signatures and not self.trusted_keys:
+            raise ValueError("require_signatures is set but no trusted_keys are configured")
+        if self.trusted_keys:
+            from cachekeeper.signing import load_trusted_keys
+
+            load_trusted_keys(self.trusted_keys)  # an unreadable key fails at start-up
+        return self
 
     @property
     def auth_enabled(self) -> bool:

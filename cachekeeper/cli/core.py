@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.manifest import Manifest
 
 __all__ = [
@@ -151,16 +152,23 @@ def explain_cmd(snapshot: str, driver_policy: str, as_json: bool) -> None:
     help="Also write the one-file archive here (.tar.zst).",
 )
 @click.option("--workload", help="Workload name to record in the manifest.")
+@sign_key_option
 @json_option
 @handle_errors
-def snapshot_cmd(cache_dir: Path, output: Path | None, workload: str | None, as_json: bool) -> None:
+def snapshot_cmd(
+    cache_dir: Path,
+    output: Path | None,
+    workload: str | None,
+    sign_key: Path | None,
+    as_json: bool,
+) -> None:
     """Snapshot CACHE_DIR into the local store (and, with -o, into one archive file)."""
     from cachekeeper.snapshot import snapshot_dir, write_archive
     from cachekeeper.store import LocalStore
 
     store = LocalStore()
     try:
-        manifest = snapshot_dir(cache_dir, store=store, workload=workload)
+        manifest = snapshot_dir(cache_dir, store=store, workload=workload, sign_key=sign_key)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from exc
     archive_bytes = write_archive(manifest, store.blobs, output) if output else None
@@ -171,6 +179,7 @@ def snapshot_cmd(cache_dir: Path, output: Path | None, workload: str | None, as_
         "archive": str(output) if output else None,
         "archive_bytes": archive_bytes,
         "devices": list(manifest.devices),
+        "signed_by": (manifest.signature or {}).get("key_id"),
     }
     if as_json:
         emit_json(result)
@@ -190,29 +199,44 @@ def snapshot_cmd(cache_dir: Path, output: Path | None, workload: str | None, as_
     help="The cache dir to restore into (created if missing).",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be written; write nothing.")
+@trust_option
 @json_option
 @handle_errors
-def restore_cmd(snapshot: str, cache_dir: Path, dry_run: bool, as_json: bool) -> None:
+def restore_cmd(
+    snapshot: str, cache_dir: Path, dry_run: bool, trust: tuple[Path, ...], as_json: bool
+) -> None:
     """Restore SNAPSHOT (archive file or local store id) into a cache dir, safely.
 
     Nothing present is deleted or overwritten: identical files are skipped, different
-    ones are kept and reported as conflicts (exit code stays 0).
+    ones are kept and reported as conflicts (exit code stays 0). With a trust list
+    (--trust or CACHEKEEPER_TRUSTED_KEYS), only a snapshot signed by one of those keys
+    is restored, and all of it or nothing.
     """
     from cachekeeper.restore import restore, restore_archive
     from cachekeeper.store import LocalStore
 
+    trusted = trusted_keys(trust)
     path = Path(snapshot)
     if path.is_file():
         from cachekeeper.snapshot import read_archive_manifest
 
         total = read_archive_manifest(path).size_bytes
         with _progress(total, "restoring") as progress:
-            report = restore_archive(path, cache_dir, dry_run=dry_run, progress=progress)
+            report = restore_archive(
+                path, cache_dir, dry_run=dry_run, progress=progress, trusted_keys=trusted
+            )
     else:
         store = LocalStore()
         manifest = store.load_manifest(snapshot)
         with _progress(manifest.size_bytes, "restoring") as progress:
-            report = restore(manifest, store.blobs, cache_dir, dry_run=dry_run, progress=progress)
+            report = restore(
+                manifest,
+                store.blobs,
+                cache_dir,
+                dry_run=dry_run,
+                progress=progress,
+                trusted_keys=trusted,
+            )
     if as_json:
         emit_json(report.to_dict())
     else:

@@ -1,10 +1,51 @@
-"""``cachekeeper keygen``: create a signing key pair."""
+"""``cachekeeper keygen``, and the ``--sign-key`` / ``--trust`` options other commands share."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from cachekeeper.cli._common import emit_json, handle_errors, json_option
+
+if TYPE_CHECKING:
+    from cachekeeper.signing import TrustedKey
+
+__all__ = ["keygen_cmd", "sign_key_option", "trust_option", "trust_paths", "trusted_keys"]
+
+sign_key_option = click.option(
+    "--sign-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="PREFIX.key",
+    help="Sign the manifest with this Ed25519 private key (from `cachekeeper keygen`).",
+)
+# No exists=True: a missing key file is a one-line error from the library (and, for
+# prejob, a cold start rather than a failed job).
+trust_option = click.option(
+    "--trust",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE.pub",
+    help="Accept only snapshots signed by this public key (repeatable; default: "
+    "$CACHEKEEPER_TRUSTED_KEYS, paths separated by ':'). Without any, nothing is checked.",
+)
+
+
+def trust_paths(trust: tuple[Path, ...]) -> list[str]:
+    """The ``--trust`` files, else those CACHEKEEPER_TRUSTED_KEYS names (may be none)."""
+    if trust:
+        return [os.fspath(p) for p in trust]
+    raw = os.environ.get("CACHEKEEPER_TRUSTED_KEYS", "")
+    return [p for p in raw.split(os.pathsep) if p.strip()]
+
+
+def trusted_keys(trust: tuple[Path, ...]) -> list[TrustedKey]:
+    """The trusted public keys, loaded (a one-line error names an unreadable one)."""
+    from cachekeeper.signing import load_trusted_keys
+
+    return load_trusted_keys(trust_paths(trust))
 
 
 @click.command("keygen")

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+from cachekeeper.cli.keys import sign_key_option, trust_option, trust_paths, trusted_keys
 
 __all__ = ["push_cmd", "pull_cmd", "prejob_cmd"]
 
@@ -72,6 +73,7 @@ def _mb(n: int) -> str:
 @server_option
 @token_option
 @click.option("--workers", default=4, show_default=True, help="Uploads in flight at once.")
+@sign_key_option
 @json_option
 @handle_errors
 def push_cmd(
@@ -80,6 +82,7 @@ def push_cmd(
     server: str | None,
     token: str | None,
     workers: int,
+    sign_key: Path | None,
     as_json: bool,
 ) -> None:
     """Snapshot CACHE_DIR and upload it to the server as WORKLOAD's snapshot.
@@ -93,7 +96,12 @@ def push_cmd(
     with CacheClient(base_url=_require_server(server), token=token) as client:
         with _progress_bar(enabled=not as_json and sys.stderr.isatty()) as progress:
             report = push(
-                cache_dir, client=client, workload=workload, workers=workers, progress=progress
+                cache_dir,
+                client=client,
+                workload=workload,
+                workers=workers,
+                progress=progress,
+                sign_key=sign_key,
             )
     if as_json:
         emit_json(report.to_dict())
@@ -156,6 +164,7 @@ class _progress_bar:
 @driver_policy_option
 @devices_option
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Overall limit (s).")
+@trust_option
 @json_option
 @handle_errors
 def pull_cmd(
@@ -166,16 +175,20 @@ def pull_cmd(
     driver_policy: str,
     devices: str | None,
     timeout_s: float | None,
+    trust: tuple[Path, ...],
     as_json: bool,
 ) -> None:
     """Fetch and restore the snapshot of WORKLOAD that matches this node.
 
     Only files the dir lacks are downloaded (one archive stream); nothing already in the
-    dir is touched. Fails with the field-by-field difference when nothing matches.
+    dir is touched. Fails with the field-by-field difference when nothing matches. With
+    a trust list (--trust or CACHEKEEPER_TRUSTED_KEYS), a snapshot not signed by one of
+    those keys is refused and nothing is written.
     """
     from cachekeeper.client.api import CacheClient, Deadline
     from cachekeeper.client.pull import pull
 
+    trusted = trusted_keys(trust)
     with CacheClient(base_url=_require_server(server), token=token) as client:
         report = pull(
             client=client,
@@ -184,6 +197,7 @@ def pull_cmd(
             driver_policy=driver_policy,
             devices=_devices(devices),
             deadline=Deadline(timeout_s),
+            trusted_keys=trusted,
         )
     if as_json:
         emit_json(report.to_dict())
@@ -222,6 +236,7 @@ def pull_cmd(
 )
 @driver_policy_option
 @devices_option
+@trust_option
 @click.option(
     "--json",
     "as_json",
@@ -239,6 +254,7 @@ def prejob_cmd(
     env_file: Path | None,
     driver_policy: str,
     devices: str | None,
+    trust: tuple[Path, ...],
     as_json: bool,
 ) -> None:
     """Pre-job hook: restore this node's cache of WORKLOAD and print the env to export.
@@ -246,6 +262,8 @@ def prejob_cmd(
     Use it as eval "$(cachekeeper prejob --workload NAME)". It never fails the job: when
     the server is down, slow, refuses, or has no matching snapshot, it prints one line on
     stderr saying why, still prints the exports, and exits 0 (non-zero with --strict).
+    With a trust list (--trust or CACHEKEEPER_TRUSTED_KEYS), an unsigned, untrusted or
+    tampered snapshot is not restored: that too is a cold start with its reason.
     """
     from cachekeeper.client.prejob import cold_line, export_lines, prejob, write_env_file
 
@@ -257,6 +275,7 @@ def prejob_cmd(
         timeout_s=timeout_s,
         driver_policy=driver_policy,
         devices=_devices(devices),
+        trust=trust_paths(trust),
     )
     lines = export_lines(report.exports)
     if report.cold:
