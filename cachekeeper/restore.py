@@ -381,8 +381,12 @@ def restore_from_tar(
     declared = {e.digest: e for e in manifest.files}
 
     def feed(plan: _Plan, writer: Writer) -> None:
+        seen: set[str] = set()
         for member in _members(tar_stream):
             name = member.name
+            if name in seen:
+                raise InvalidManifest(f"archive member {name!r} appears twice")
+            seen.add(name)
             if name == MANIFEST_MEMBER and member.isreg():
                 continue
             if not member.isreg():
@@ -400,7 +404,7 @@ def restore_from_tar(
                 )
             entries = plan.todo.pop(digest, None)
             if entries is None:
-                continue  # already present, or a repeated member
+                continue  # already present in the target
             writer.write_blob(digest, member.stream, entries)  # type: ignore[arg-type]
         if plan.todo:
             missing = sorted(e.path for entries in plan.todo.values() for e in entries)

@@ -35,7 +35,7 @@ from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.archive import ReadAhead, TarFormatError, iter_tar
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
 from cachekeeper.errors import InvalidManifest, LinkInCacheDir, UnsupportedFormat
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.manifest import MAX_FILES, FileEntry, Manifest
 from cachekeeper.store import LocalStore
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "devices_of",
     "write_archive",
     "read_archive_manifest",
+    "check_entry_count",
     "open_archive_stream",
 ]
 
@@ -261,7 +262,23 @@ def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
         data = _read_all(member.stream, member.size)
     except (TarFormatError, zstandard.ZstdError) as exc:
         raise UnsupportedFormat(f"{source} is not a cachekeeper archive: {exc}") from exc
+    check_entry_count(data, source=source)
     return Manifest.from_json(data)
+
+
+def check_entry_count(data: bytes, *, source: str, max_files: int = MAX_FILES) -> None:
+    """Refuse a manifest listing more than ``max_files`` files before parsing it.
+
+    Counting the ``"digest"`` keys is a scan of the bytes; parsing first would build
+    millions of objects for a hostile manifest. (A key spelled with JSON escapes slips
+    past this count, and is then refused by ``Manifest.from_dict`` after parsing, which
+    the byte limit bounds.)
+    """
+    listed = data.count(b'"digest"')
+    if listed > max_files:
+        raise InvalidManifest(
+            f"{source}: manifest lists about {listed} files, over the limit of {max_files}"
+        )
 
 
 def _read_all(reader: Any, size: int) -> bytes:

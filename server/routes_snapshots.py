@@ -65,11 +65,16 @@ async def read_body(request: Request, *, limit: int, what: str) -> bytes:
 
 
 def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
+    max_files = storage.settings.max_files
+    listed = body.count(b'"digest"')  # a scan, before parsing builds millions of objects
+    if listed > max_files:
+        raise PayloadTooLarge(
+            f"manifest lists about {listed} files, over the server's limit of {max_files}"
+        )
     try:
         raw = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidManifest(f"manifest is not valid JSON: {exc}") from exc
-    max_files = storage.settings.max_files
     if (
         isinstance(raw, dict)
         and isinstance(raw.get("files"), list)
