@@ -253,6 +253,96 @@ class CacheClient:
         finally:
             response.close()
 
+    # -- workloads and agents (the agent daemon's routes) -------------------------------
+    def list_workloads(self, *, deadline: Deadline | None = None) -> list[dict[str, Any]]:
+        """Every registered workload: ``[{"name", "digest", "updated_at"}, ...]``."""
+        answer = _json_object(self._send("GET", "/v1/workloads", deadline=deadline), "workloads")
+        workloads = answer.get("workloads")
+        if not isinstance(workloads, list) or not all(
+            isinstance(w, dict) and isinstance(w.get("name"), str) for w in workloads
+        ):
+            raise ServerError("server's workloads answer has no list of workloads")
+        return workloads
+
+    def get_workload(self, name: str, *, deadline: Deadline | None = None) -> str:
+        """The TOML text of workload ``name`` as registered."""
+        return str(self._send("GET", f"/v1/workloads/{name}", deadline=deadline).text)
+
+    def register_agent(
+        self,
+        *,
+        name: str,
+        fingerprint: Mapping[str, Any],
+        fingerprint_digest: str,
+        devices: list[str],
+        gpus: list[dict[str, Any]],
+        version: str,
+        deadline: Deadline | None = None,
+    ) -> dict[str, Any]:
+        """Register (or refresh) this agent for its environment; the answer has its ``id``."""
+        body = {
+            "name": name,
+            "fingerprint": dict(fingerprint),
+            "fingerprint_digest": fingerprint_digest,
+            "devices": devices,
+            "gpus": gpus,
+            "version": version,
+        }
+        answer = _json_object(
+            self._send("POST", "/v1/agents", json_body=body, deadline=deadline), "agents"
+        )
+        if not isinstance(answer.get("id"), str):
+            raise ServerError("server's agent registration answer has no id")
+        return answer
+
+    def heartbeat(self, agent_id: str, *, deadline: Deadline | None = None) -> dict[str, Any]:
+        """Tell the server agent ``agent_id`` is alive."""
+        return _json_object(
+            self._send("POST", f"/v1/agents/{agent_id}/heartbeat", deadline=deadline),
+            "heartbeat",
+        )
+
+    def report_event(
+        self,
+        agent_id: str,
+        *,
+        workload: str,
+        fingerprint_digest: str,
+        status: str,
+        detail: str = "",
+        traceback_tail: list[str] | tuple[str, ...] = (),
+        snapshot_id: str | None = None,
+        seconds: float | None = None,
+        deadline: Deadline | None = None,
+    ) -> dict[str, Any]:
+        """Report one build outcome (``built``, ``skipped``, ``building``, ...) of an agent."""
+        body = {
+            "workload": workload,
+            "fingerprint_digest": fingerprint_digest,
+            "status": status,
+            "detail": detail,
+            "traceback_tail": list(traceback_tail),
+            "snapshot_id": snapshot_id,
+            "seconds": seconds,
+        }
+        return _json_object(
+            self._send("POST", f"/v1/agents/{agent_id}/events", json_body=body, deadline=deadline),
+            "agent event",
+        )
+
+    def list_agents(self, *, deadline: Deadline | None = None) -> list[dict[str, Any]]:
+        """Every registered agent with its last heartbeat (``last_seen_at``)."""
+        answer = _json_object(self._send("GET", "/v1/agents", deadline=deadline), "agents")
+        return list(answer.get("agents") or [])
+
+    def fleet_status(
+        self, *, workload: str | None = None, deadline: Deadline | None = None
+    ) -> list[dict[str, Any]]:
+        """``GET /v1/status``: warm / building / broken / failed / missing per pair."""
+        path = "/v1/status" if workload is None else f"/v1/status?workload={workload}"
+        answer = _json_object(self._send("GET", path, deadline=deadline), "status")
+        return list(answer.get("status") or [])
+
     # -- transport ----------------------------------------------------------------------
     def _send(
         self,

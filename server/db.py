@@ -9,7 +9,11 @@ Tables::
                     created_at, last_access_at
     snapshot_blobs  (snapshot_id, digest): which blobs each snapshot references
     workloads       name, toml, digest (sha256 of the TOML text), updated_at
-    agents, events  created empty here; their routes live in their own router modules
+    agents          id, name, fingerprint_digest, fingerprint (JSON), devices (JSON),
+                    registered_at, last_seen_at, info (JSON: gpus, version)
+    events          an audit log (snapshot.published, ...)
+    agent_events    what agents report per (workload, fingerprint_digest): building, built,
+                    skipped, cold_compile_broken, failed (see routes_agents)
 
 Each thread gets its own connection (``check_same_thread=False``, opened lazily); WAL is
 enabled once by ``Catalog.create``. Writes take ``Catalog.write_lock`` and stay short, so
@@ -119,11 +123,35 @@ def _create_agents_events(db: sqlite_utils.Database) -> None:
     db.table("events").create_index(["at"], if_not_exists=True)
 
 
+def _create_agent_events(db: sqlite_utils.Database) -> None:
+    db.table("agent_events").create(
+        {
+            "id": int,
+            "at": str,
+            "agent_id": str,
+            "workload": str,
+            "fingerprint_digest": str,
+            "status": str,
+            "detail": str,
+            "traceback_tail": str,
+            "snapshot_id": str,
+            "seconds": float,
+        },
+        pk="id",
+        not_null=["at", "agent_id", "workload", "fingerprint_digest", "status"],
+        if_not_exists=True,
+    )
+    db.table("agent_events").create_index(
+        ["workload", "fingerprint_digest", "id"], if_not_exists=True
+    )
+
+
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,
     _create_workloads,
     _create_agents_events,
+    _create_agent_events,
 ]
 
 

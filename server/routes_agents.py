@@ -1,0 +1,325 @@
+"""``/v1/agents`` and ``/v1/status``: builder agents, what they report, and the fleet's state.
+
+An agent registers once per environment: its id is derived from its name and its
+fingerprint digest (``sha256(name + "\\n" + digest)[:16]``), so registering again is
+idempotent (it refreshes ``last_seen_at``, devices, GPUs and version) and an agent whose
+torch, Triton, CUDA wheels or driver changed registers as a new id. Reports go to
+``agent_events``, one row per report; nothing is ever updated in place.
+
+``GET /v1/status`` answers one row per (workload, fingerprint digest) the server knows of:
+every registered workload for every registered agent's fingerprint, plus any pair an
+event or a verified snapshot names. Its ``status`` is decided by the newest fact about the
+pair, an agent's report or the publication of a verified snapshot with that exact
+fingerprint digest:
+
+- ``building``: the newest fact is an agent's ``building`` report (see ``last_event.at``
+  and the agent's ``last_seen_at`` to tell a build in progress from an agent that died);
+- ``warm``: the newest fact is a verified snapshot, or a ``built``/``skipped`` report whose
+  snapshot is still stored;
+- ``broken``: the newest report is ``cold_compile_broken`` (the workload raised during a
+  cold compile: exactly what a warm cache would hide);
+- ``failed``: the newest report is ``failed`` (crash, timeout, verify not effective,
+  push failed, abandoned on shutdown);
+- ``missing``: nothing was built for the pair (or the snapshot a report named is gone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+
+from cachekeeper.errors import InvalidManifest
+from cachekeeper.fingerprint import digest_of
+
+from .auth import ReadScope, WriteScope
+from .db import utc_now
+from .deps import StorageDep
+from .storage import Storage
+
+__all__ = ["router", "agent_id_for", "fleet_status"]
+
+router = APIRouter(prefix="/v1", tags=["agents"])
+
+_DIGEST = r"^[0-9a-f]{64}$"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+EventStatus = Literal["built", "skipped", "building", "cold_compile_broken", "failed"]
+AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent's id")]
+
+
+def agent_id_for(name: str, fingerprint_digest: str) -> str:
+    """The id an agent of ``name`` gets for an environment (stable across registrations)."""
+    return hashlib.sha256(f"{name}\n{fingerprint_digest}".encode()).hexdigest()[:16]
+
+
+class AgentRegistration(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+    fingerprint: dict[str, Any]
+    fingerprint_digest: str | None = Field(default=None, pattern=_DIGEST)
+    gpus: list[dict[str, Any]] = Field(default_factory=list, max_length=1024)
+    devices: list[str] = Field(default_factory=list, max_length=1024)
+    version: str = Field(default="", max_length=64)
+
+
+class AgentInfo(BaseModel):
+    id: str
+    name: str
+    fingerprint_digest: str
+    fingerprint: dict[str, Any]
+    devices: list[str]
+    gpus: list[dict[str, Any]]
+    version: str
+    registered_at: str
+    last_seen_at: str
+
+
+class RegisterAnswer(AgentInfo):
+    created: bool
+
+
+class AgentList(BaseModel):
+    agents: list[AgentInfo]
+
+
+class AgentEvent(BaseModel):
+    workload: str = Field(pattern=_NAME)
+    fingerprint_digest: str = Field(pattern=_DIGEST)
+    status: EventStatus
+    detail: str = Field(default="", max_length=8000)
+    traceback_tail: list[Annotated[str, Field(max_length=2000)]] = Field(
+        default_factory=list, max_length=100
+    )
+    snapshot_id: str | None = Field(default=None, pattern=_DIGEST)
+    seconds: float | None = Field(default=None, ge=0)
+
+
+class EventOut(AgentEvent):
+    id: int
+    at: str
+    agent_id: str
+
+
+class StatusRow(BaseModel):
+    workload: str
+    fingerprint_digest: str
+    status: Literal["warm", "building", "broken", "failed", "missing"]
+    snapshot_id: str | None
+    updated_at: str | None
+    last_event: EventOut | None
+    agents: list[str]
+
+
+class StatusAnswer(BaseModel):
+    status: list[StatusRow]
+
+
+# -- agents ---------------------------------------------------------------------------------
+
+
+def _agent_out(row: dict[str, Any]) -> dict[str, Any]:
+    info = json.loads(row["info"] or "{}")
+    return {
+        "id": row["id"],
+        "name": row["name"],
+        "fingerprint_digest": row["fingerprint_digest"],
+        "fingerprint": json.loads(row["fingerprint"]),
+        "devices": json.loads(row["devices"] or "[]"),
+        "gpus": info.get("gpus") or [],
+        "version": info.get("version") or "",
+        "registered_at": row["registered_at"],
+        "last_seen_at": row["last_seen_at"],
+    }
+
+
+def _agent_row(storage: Storage, agent_id: str) -> dict[str, Any]:
+    found = storage.catalog.rows("SELECT * FROM agents WHERE id = ?", [agent_id])
+    if not found:
+        raise HTTPException(404, f"no agent {agent_id!r} is registered (register it first)")
+    return found[0]
+
+
+@router.post("/agents", response_model=RegisterAnswer)
+def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+    """Register (or refresh) an agent for its environment; idempotent per name + digest."""
+    try:
+        digest = digest_of(body.fingerprint)
+    except (TypeError, ValueError) as exc:
+        raise InvalidManifest(f"fingerprint is not canonical JSON: {exc}") from exc
+    if body.fingerprint_digest is not None and body.fingerprint_digest != digest:
+        raise InvalidManifest(
+            f"fingerprint_digest {body.fingerprint_digest[:12]} is not the digest of the"
+            f" fingerprint sent ({digest[:12]})"
+        )
+    agent_id = agent_id_for(body.name, digest)
+    now = utc_now()
+    info = json.dumps({"gpus": body.gpus, "version": body.version}, sort_keys=True)
+    with storage.catalog.writing() as db:
+        created = db.execute("SELECT 1 FROM agents WHERE id = ?", [agent_id]).fetchone() is None
+        db.execute(
+            "INSERT INTO agents (id, name, fingerprint_digest, fingerprint, devices,"
+            " registered_at, last_seen_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(id) DO UPDATE SET devices = excluded.devices,"
+            " last_seen_at = excluded.last_seen_at, info = excluded.info",
+            [
+                agent_id,
+                body.name,
+                digest,
+                json.dumps(body.fingerprint, sort_keys=True),
+                json.dumps(body.devices),
+                now,
+                now,
+                info,
+            ],
+        )
+    return {**_agent_out(_agent_row(storage, agent_id)), "created": created}
+
+
+@router.post("/agents/{agent_id}/heartbeat", response_model=AgentInfo)
+def heartbeat(agent_id: AgentId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+    """Record that the agent is alive (``last_seen_at``)."""
+    with storage.catalog.writing() as db:
+        db.execute("UPDATE agents SET last_seen_at = ? WHERE id = ?", [utc_now(), agent_id])
+    return _agent_out(_agent_row(storage, agent_id))
+
+
+@router.get("/agents", response_model=AgentList)
+def list_agents(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
+    """Every registered agent, the most recently seen first."""
+    rows = storage.catalog.rows("SELECT * FROM agents ORDER BY last_seen_at DESC, id")
+    return {"agents": [_agent_out(r) for r in rows]}
+
+
+@router.post("/agents/{agent_id}/events", status_code=201, response_model=EventOut)
+def report_event(
+    agent_id: AgentId, body: AgentEvent, storage: StorageDep, _: WriteScope
+) -> dict[str, Any]:
+    """Record one build outcome (or a build starting); also counts as a heartbeat."""
+    _agent_row(storage, agent_id)
+    now = utc_now()
+    with storage.catalog.writing() as db:
+        cursor = db.execute(
+            "INSERT INTO agent_events (at, agent_id, workload, fingerprint_digest, status,"
+            " detail, traceback_tail, snapshot_id, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                now,
+                agent_id,
+                body.workload,
+                body.fingerprint_digest,
+                body.status,
+                body.detail,
+                json.dumps(body.traceback_tail),
+                body.snapshot_id,
+                body.seconds,
+            ],
+        )
+        db.execute("UPDATE agents SET last_seen_at = ? WHERE id = ?", [now, agent_id])
+        event_id = cursor.lastrowid
+    return {**body.model_dump(), "id": event_id, "at": now, "agent_id": agent_id}
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def _event_out(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "at": row["at"],
+        "agent_id": row["agent_id"],
+        "workload": row["workload"],
+        "fingerprint_digest": row["fingerprint_digest"],
+        "status": row["status"],
+        "detail": row["detail"] or "",
+        "traceback_tail": json.loads(row["traceback_tail"] or "[]"),
+        "snapshot_id": row["snapshot_id"],
+        "seconds": row["seconds"],
+    }
+
+
+def _decide(
+    event: dict[str, Any] | None, verified: dict[str, Any] | None, stored: set[str]
+) -> tuple[str, str | None, str | None]:
+    """(status, warm snapshot id, updated_at) from the newest event and verified snapshot."""
+    snap_at = verified["created_at"] if verified else None
+    if event is None or (snap_at is not None and snap_at > event["at"]):
+        if verified is None:
+            return "missing", None, None
+        return "warm", verified["id"], snap_at
+    at = event["at"]
+    status = event["status"]
+    if status == "building":
+        return "building", None, at
+    if status in ("built", "skipped"):
+        if event["snapshot_id"] in stored:
+            return "warm", event["snapshot_id"], at
+        if verified is not None:
+            return "warm", verified["id"], at
+        return "missing", None, at
+    return ("broken" if status == "cold_compile_broken" else "failed"), None, at
+
+
+def fleet_status(
+    storage: Storage, *, workload: str | None = None, fingerprint_digest: str | None = None
+) -> list[dict[str, Any]]:
+    """The status rows (see the module docstring), sorted by workload then digest."""
+    catalog = storage.catalog
+    registered = [r["name"] for r in catalog.list_workloads()]
+    agents = catalog.rows("SELECT id, name, fingerprint_digest FROM agents ORDER BY name")
+    names_by_digest: dict[str, list[str]] = {}
+    for agent in agents:
+        names_by_digest.setdefault(agent["fingerprint_digest"], []).append(agent["name"])
+    latest = catalog.rows(
+        "SELECT e.* FROM agent_events e JOIN (SELECT MAX(id) AS id FROM agent_events"
+        " GROUP BY workload, fingerprint_digest) m ON e.id = m.id"
+    )
+    events = {(e["workload"], e["fingerprint_digest"]): e for e in latest}
+    verified: dict[tuple[str, str], dict[str, Any]] = {}
+    for snap in catalog.rows(
+        "SELECT id, workload, fingerprint_digest, created_at FROM snapshots"
+        " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
+    ):
+        verified[(snap["workload"], snap["fingerprint_digest"])] = snap  # newest wins
+    stored = {e["snapshot_id"] for e in latest if e["snapshot_id"]}
+    if stored:
+        marks = ",".join("?" * len(stored))
+        found = catalog.rows(f"SELECT id FROM snapshots WHERE id IN ({marks})", sorted(stored))
+        stored = {r["id"] for r in found}
+    pairs = {(w, d) for w in registered for d in names_by_digest}
+    pairs |= set(events)
+    pairs |= {key for key in verified if key[0] in registered}
+    rows = []
+    for w, d in sorted(pairs):
+        if (workload is not None and w != workload) or (
+            fingerprint_digest is not None and d != fingerprint_digest
+        ):
+            continue
+        event = events.get((w, d))
+        status, snapshot_id, updated_at = _decide(event, verified.get((w, d)), stored)
+        rows.append(
+            {
+                "workload": w,
+                "fingerprint_digest": d,
+                "status": status,
+                "snapshot_id": snapshot_id,
+                "updated_at": updated_at,
+                "last_event": _event_out(event) if event else None,
+                "agents": names_by_digest.get(d, []),
+            }
+        )
+    return rows
+
+
+@router.get("/status", response_model=StatusAnswer)
+def status(
+    storage: StorageDep,
+    _: ReadScope,
+    workload: Annotated[str | None, Query()] = None,
+    fingerprint_digest: Annotated[str | None, Query(pattern=_DIGEST)] = None,
+) -> dict[str, Any]:
+    """warm / building / broken / failed / missing per (workload, fingerprint digest)."""
+    return {
+        "status": fleet_status(storage, workload=workload, fingerprint_digest=fingerprint_digest)
+    }

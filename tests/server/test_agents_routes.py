@@ -1,0 +1,187 @@
+"""Agents and fleet status routes on a real server: registration, events, status rules."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from cachekeeper.client.api import CacheClient
+
+from cachekeeper.errors import Forbidden, InvalidManifest
+from cachekeeper.fingerprint import digest_of
+from tests.server.conftest import FINGERPRINT, make_snapshot, push
+
+TINY_TOML = 'name = "{name}"\n[[entrypoint]]\ntarget = "pkg.mod:step"\n'
+OTHER_FP = dict(FINGERPRINT, triton="9.9.9")
+
+
+def _register(c: httpx.Client, name: str = "builder-1", fp: dict[str, Any] = FINGERPRINT) -> dict:
+    body = {
+        "name": name,
+        "fingerprint": fp,
+        "fingerprint_digest": digest_of(fp),
+        "gpus": fp["gpus"],
+        "devices": ["cuda:0"],
+        "version": "0.1.0",
+    }
+    r = c.post("/v1/agents", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _event(c: httpx.Client, agent_id: str, workload: str, status: str, **extra: Any) -> dict:
+    body = {
+        "workload": workload,
+        "fingerprint_digest": extra.pop("digest", digest_of(FINGERPRINT)),
+        "status": status,
+        **extra,
+    }
+    r = c.post(f"/v1/agents/{agent_id}/events", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _status(c: httpx.Client, **params: str) -> dict[tuple[str, str], dict]:
+    r = c.get("/v1/status", params=params)
+    assert r.status_code == 200, r.text
+    return {(row["workload"], row["fingerprint_digest"]): row for row in r.json()["status"]}
+
+
+def test_registration_is_idempotent_per_name_and_fingerprint(fresh_server) -> None:
+    live = fresh_server()
+    with httpx.Client(base_url=live.url) as c:
+        first = _register(c)
+        again = _register(c)
+        assert first["created"] and not again["created"]
+        assert again["id"] == first["id"] and len(first["id"]) == 16
+        assert again["registered_at"] == first["registered_at"]
+        assert again["last_seen_at"] > first["last_seen_at"]
+        upgraded = _register(c, fp=OTHER_FP)  # same host, new Triton: a new environment
+        other_host = _register(c, name="builder-2")
+        assert len({first["id"], upgraded["id"], other_host["id"]}) == 3
+        assert upgraded["fingerprint_digest"] == digest_of(OTHER_FP)
+
+        beat = c.post(f"/v1/agents/{first['id']}/heartbeat")
+        assert beat.status_code == 200 and beat.json()["last_seen_at"] > again["last_seen_at"]
+        agents = c.get("/v1/agents").json()["agents"]
+        assert agents[0]["id"] == first["id"]  # most recently seen first
+        assert {a["id"] for a in agents} == {first["id"], upgraded["id"], other_host["id"]}
+        assert agents[0]["gpus"] == FINGERPRINT["gpus"] and agents[0]["version"] == "0.1.0"
+        assert agents[0]["devices"] == ["cuda:0"]
+
+
+def test_bad_registrations_and_unknown_agents_are_refused(fresh_server) -> None:
+    live = fresh_server()
+    with httpx.Client(base_url=live.url) as c:
+        wrong = {"name": "b", "fingerprint": FINGERPRINT, "fingerprint_digest": "0" * 64}
+        r = c.post("/v1/agents", json=wrong)
+        assert r.status_code == 422 and r.json()["error"] == "invalid_manifest"
+        assert "not the digest" in r.json()["detail"]
+        r = c.post("/v1/agents", json={"name": "../x", "fingerprint": FINGERPRINT})
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+        for path in ("/v1/agents/0123456789abcdef/heartbeat", "/v1/agents/0123456789abcdef/events"):
+            body = {"workload": "w", "fingerprint_digest": "a" * 64, "status": "built"}
+            r = c.post(path, json=body)
+            assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+            assert "register it first" in r.json()["detail"]
+        agent = _register(c)
+        bad = {"workload": "w", "fingerprint_digest": "a" * 64, "status": "exploded"}
+        r = c.post(f"/v1/agents/{agent['id']}/events", json=bad)
+        assert r.status_code == 422 and "status" in r.json()["detail"]
+
+
+def test_status_follows_the_newest_fact_per_workload_and_fingerprint(fresh_server) -> None:
+    live = fresh_server()
+    digest, other = digest_of(FINGERPRINT), digest_of(OTHER_FP)
+    with httpx.Client(base_url=live.url) as c:
+        for name in ("alpha", "beta"):
+            assert c.put(f"/v1/workloads/{name}", content=TINY_TOML.format(name=name)).is_success
+        agent = _register(c)
+        # registered workloads x registered environments, nothing built yet
+        rows = _status(c)
+        assert {k: r["status"] for k, r in rows.items()} == {
+            ("alpha", digest): "missing",
+            ("beta", digest): "missing",
+        }
+        assert rows[("alpha", digest)]["agents"] == ["builder-1"]
+
+        _event(c, agent["id"], "alpha", "building")
+        assert _status(c)[("alpha", digest)]["status"] == "building"
+        manifest, blobs = make_snapshot({"a.bin": b"a" * 10}, workload="alpha", verified=True)
+        assert push(c, manifest, blobs).status_code == 201
+        # the verified snapshot is newer than the 'building' report: warm
+        row = _status(c)[("alpha", digest)]
+        assert row["status"] == "warm" and row["snapshot_id"] == manifest.id
+        _event(c, agent["id"], "alpha", "built", snapshot_id=manifest.id, seconds=12.5)
+        row = _status(c)[("alpha", digest)]
+        assert row["status"] == "warm" and row["last_event"]["seconds"] == 12.5
+
+        tail = ["Traceback (most recent call last):", "RuntimeError: Detected that you are..."]
+        _event(
+            c,
+            agent["id"],
+            "beta",
+            "cold_compile_broken",
+            detail="RuntimeError",
+            traceback_tail=tail,
+        )
+        row = _status(c)[("beta", digest)]
+        assert row["status"] == "broken" and row["last_event"]["traceback_tail"] == tail
+        assert row["snapshot_id"] is None
+
+        # a report for another environment adds its own row; failed stays failed
+        upgraded = _register(c, fp=OTHER_FP)
+        _event(c, upgraded["id"], "alpha", "failed", digest=other, detail="Timeout")
+        rows = _status(c)
+        assert rows[("alpha", other)]["status"] == "failed"
+        assert rows[("beta", other)]["status"] == "missing"
+        assert rows[("alpha", digest)]["status"] == "warm"  # untouched by the other env
+
+        # a 'built' report whose snapshot was deleted since is no longer warm
+        assert c.delete(f"/v1/snapshots/{manifest.id}").status_code == 204
+        assert _status(c)[("alpha", digest)]["status"] == "missing"
+        only = _status(c, workload="beta", fingerprint_digest=digest)
+        assert list(only) == [("beta", digest)]
+
+
+def test_client_methods_and_scopes(fresh_server) -> None:
+    live = fresh_server(tokens={"w-tok": "write", "r-tok": "read"})
+    httpx.put(
+        f"{live.url}/v1/workloads/alpha",
+        content=TINY_TOML.format(name="alpha"),
+        headers={"Authorization": "Bearer w-tok"},
+    ).raise_for_status()
+    with CacheClient(base_url=live.url, token="w-tok") as client:
+        agent = client.register_agent(
+            name="builder-1",
+            fingerprint=FINGERPRINT,
+            fingerprint_digest=digest_of(FINGERPRINT),
+            devices=["cpu"],
+            gpus=[],
+            version="0.1.0",
+        )
+        assert client.heartbeat(agent["id"])["id"] == agent["id"]
+        event = client.report_event(
+            agent["id"],
+            workload="alpha",
+            fingerprint_digest=digest_of(FINGERPRINT),
+            status="failed",
+        )
+        assert event["status"] == "failed" and event["agent_id"] == agent["id"]
+        assert [w["name"] for w in client.list_workloads()] == ["alpha"]
+        assert client.get_workload("alpha") == TINY_TOML.format(name="alpha")
+        assert [a["id"] for a in client.list_agents()] == [agent["id"]]
+        (row,) = client.fleet_status()
+        assert row["status"] == "failed" and row["workload"] == "alpha"
+        with pytest.raises(InvalidManifest, match="not the digest"):
+            client.register_agent(
+                name="x", fingerprint=FINGERPRINT, fingerprint_digest="0" * 64, devices=[],
+                gpus=[], version="",
+            )  # fmt: skip
+    with CacheClient(base_url=live.url, token="r-tok") as reader:
+        assert [r["status"] for r in reader.fleet_status()] == ["failed"]
+        assert reader.list_agents()[0]["fingerprint"] == json.loads(json.dumps(FINGERPRINT))
+        with pytest.raises(Forbidden):
+            reader.heartbeat(agent["id"])
