@@ -114,7 +114,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, *, timeout_s: float = 30.0) -> ServerProcess:
-        self.port = free_port()
+        """Start (or restart, on the same port and data dir) and wait for /healthz."""
+        self.port = self.port or free_port()
         self.proc = subprocess.Popen(
             cli(
                 "serve",
