@@ -1,0 +1,550 @@
+"""The builder agent: keep every registered workload warm for this node's environment.
+
+One round (``run_round``):
+
+1. Collect the fingerprint again (a torch, Triton, CUDA wheel or driver upgrade changes its
+   digest) and register with the server; registration is idempotent per name + digest, so
+   a changed environment is simply a new agent id.
+2. List the registered workloads. For each, in name order: ask the server to resolve it
+   for this fingerprint and these devices. A *verified* snapshot built from the same
+   workload text counts as warm: report ``skipped`` and compile nothing. Otherwise build:
+   report ``building``, prewarm on every selected device (one fresh process per device,
+   cold, then a verify run), push only when verified, and report ``built``,
+   ``cold_compile_broken`` (with the traceback tail) or ``failed``. One workload's crash
+   or timeout never stops the others.
+
+Each build happens in a folder this agent creates and always removes, so the work dir
+never fills the disk::
+
+    <work_dir>/build-<workload>-XXXX/
+      .cachekeeper-agent-build      # marker: "this agent made it" (pid inside)
+      inductor/                     # the staging TORCHINDUCTOR_CACHE_DIR prewarm fills
+      .cachekeeper-prewarm-XXXX/    # prewarm's own work area (it removes it)
+      store/                        # the local blob store push snapshots into
+
+Folders with the marker whose pid is gone (an agent killed with SIGKILL) are removed at
+the next start; nothing without the marker is ever touched.
+
+Stopping (``StopSignal``): SIGTERM/SIGINT set a flag. Between rounds the agent wakes at
+once. During a build the signal abandons it: the exception raised in the main thread
+unwinds prewarm, whose ``finally`` kills every child process group, and the push, whose
+publish is its last request, so no half-pushed snapshot is ever published. The abandoned
+build is reported as ``failed`` and the agent returns cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Literal
+
+from cachekeeper.errors import CachekeeperError, ServerUnavailable
+
+if TYPE_CHECKING:
+    from cachekeeper.client.api import CacheClient
+    from cachekeeper.verify import PrewarmReport, ProgressEvent
+
+__all__ = [
+    "AgentOptions",
+    "AgentStopped",
+    "RoundReport",
+    "StopSignal",
+    "WorkloadOutcome",
+    "run_agent",
+    "run_round",
+    "sweep_stale_builds",
+]
+
+OutcomeStatus = Literal["built", "skipped", "cold_compile_broken", "failed"]
+Log = Callable[[str], None]
+
+MARKER = ".cachekeeper-agent-build"
+_TAIL_LINES = 20
+_TAIL_LINE_CHARS = 500
+_DETAIL_CHARS = 4000
+
+
+class AgentStopped(BaseException):
+    """Raised in the main thread by a stop signal to abandon a build or a wait.
+
+    A BaseException, so that no ``except Exception`` on the way up swallows it.
+    """
+
+
+class StopSignal:
+    """A stop request: set by SIGTERM/SIGINT (``install``) or by ``set()`` from any thread.
+
+    Inside ``abandonable()`` (main thread), a signal also raises ``AgentStopped`` at once.
+    ``set()`` from another thread only stops the agent between workloads and rounds.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._signalled = False  # set by the handler: no locks in a signal handler
+        self._depth = 0
+
+    def is_set(self) -> bool:
+        return self._signalled or self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def install(self) -> None:
+        """Handle SIGTERM and SIGINT in this (the main) thread."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._signalled = True
+        if self._depth > 0:
+            raise AgentStopped(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def abandonable(self) -> Iterator[None]:
+        """A block a signal interrupts (raising AgentStopped) instead of waiting for."""
+        self._depth += 1
+        try:
+            if self.is_set():
+                raise AgentStopped("stop requested")
+            yield
+        finally:
+            self._depth -= 1
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, or less if a stop comes (returns, never raises)."""
+        try:
+            with self.abandonable():
+                self._event.wait(seconds)
+        except AgentStopped:
+            pass
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """What the agent builds, where, and for how long (``cachekeeper agent``'s options)."""
+
+    devices: tuple[str, ...]
+    work_dir: Path
+    name: str = field(default_factory=socket.gethostname)
+    build_timeout_s: float | None = None
+    push_workers: int = 4
+
+
+@dataclass(frozen=True)
+class WorkloadOutcome:
+    """What one round did for one workload, and whether the server heard about it."""
+
+    workload: str
+    status: OutcomeStatus
+    fingerprint_digest: str
+    prewarm_ran: bool
+    seconds: float
+    snapshot_id: str | None = None
+    detail: str = ""
+    traceback_tail: tuple[str, ...] = ()
+    reported: bool = False
+    abandoned: bool = False
+    prewarm: dict[str, Any] | None = None  # PrewarmReport.to_dict() when a prewarm ran
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["traceback_tail"] = list(self.traceback_tail)
+        return out
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One round: the environment it ran for and each workload's outcome."""
+
+    agent_id: str
+    name: str
+    fingerprint_digest: str
+    fingerprint_changed: bool  # the digest differs from the previous round's
+    devices: tuple[str, ...]
+    started_at: str
+    seconds: float
+    outcomes: tuple[WorkloadOutcome, ...]
+    stopped: bool  # a stop request ended the round early
+
+    @property
+    def prewarms_run(self) -> int:
+        return sum(o.prewarm_ran for o in self.outcomes)
+
+    @property
+    def all_reported(self) -> bool:
+        """Every outcome reached the server (the ``--once`` success condition)."""
+        return all(o.reported for o in self.outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "agent_id": self.agent_id,
+            "name": self.name,
+            "fingerprint_digest": self.fingerprint_digest,
+            "fingerprint_changed": self.fingerprint_changed,
+            "devices": list(self.devices),
+            "started_at": self.started_at,
+            "seconds": self.seconds,
+            "stopped": self.stopped,
+            "prewarms_run": self.prewarms_run,
+            "all_reported": self.all_reported,
+            "outcomes": [o.to_dict() for o in self.outcomes],
+        }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cachekeeper")
+    except PackageNotFoundError:  # pragma: no cover - a bare checkout
+        return "0+unknown"
+
+
+def _utc_now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_builds(work_dir: Path) -> list[Path]:
+    """Remove build folders an agent left behind (marker present, its pid gone)."""
+    removed: list[Path] = []
+    if not work_dir.is_dir():
+        return removed
+    for path in sorted(work_dir.glob("build-*")):
+        marker = path / MARKER
+        try:
+            pid = int(marker.read_text("utf-8").strip())
+        except (OSError, ValueError):
+            continue  # not ours: never touched
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# -- one round ------------------------------------------------------------------------------
+
+
+def run_round(
+    options: AgentOptions,
+    *,
+    client: CacheClient,
+    stop: StopSignal | None = None,
+    log: Log | None = None,
+    previous_digest: str | None = None,
+) -> RoundReport:
+    """Register, then make every registered workload warm for this environment.
+
+    Raises ServerUnavailable (or the server's error) when registering or listing the
+    workloads fails; a failure while building one workload is that workload's outcome.
+    """
+    from cachekeeper.fingerprint import collect, digest_of
+
+    stop = stop or StopSignal()
+    say = log or (lambda line: None)
+    started = time.monotonic()
+    started_at = _utc_now()
+    fingerprint = collect()
+    digest = digest_of(fingerprint)
+    changed = previous_digest is not None and previous_digest != digest
+    agent = client.register_agent(
+        name=options.name,
+        fingerprint=fingerprint,
+        fingerprint_digest=digest,
+        devices=list(options.devices),
+        gpus=list(fingerprint.get("gpus") or []),
+        version=_version(),
+    )
+    agent_id = str(agent["id"])
+    note = " (environment changed: building for the new fingerprint)" if changed else ""
+    say(
+        f"agent {options.name} [{agent_id}] fingerprint {digest[:12]} on"
+        f" {','.join(options.devices)}{note}"
+    )
+    workloads = sorted(client.list_workloads(), key=lambda w: str(w["name"]))
+    builder = _Builder(
+        options=options,
+        client=client,
+        stop=stop,
+        say=say,
+        agent_id=agent_id,
+        fingerprint=fingerprint,
+        digest=digest,
+    )
+    outcomes: list[WorkloadOutcome] = []
+    for entry in workloads:
+        if stop.is_set():
+            break
+        outcome = builder.keep_warm(str(entry["name"]))
+        outcomes.append(outcome)
+        if outcome.abandoned:
+            break
+    return RoundReport(
+        agent_id=agent_id,
+        name=options.name,
+        fingerprint_digest=digest,
+        fingerprint_changed=changed,
+        devices=tuple(options.devices),
+        started_at=started_at,
+        seconds=round(time.monotonic() - started, 3),
+        outcomes=tuple(outcomes),
+        stopped=stop.is_set(),
+    )
+
+
+class _Builder:
+    """One round's per-workload work: resolve, then skip or build, then report."""
+
+    def __init__(
+        self,
+        *,
+        options: AgentOptions,
+        client: CacheClient,
+        stop: StopSignal,
+        say: Log,
+        agent_id: str,
+        fingerprint: dict[str, Any],
+        digest: str,
+    ) -> None:
+        self.options = options
+        self.client = client
+        self.stop = stop
+        self.say = say
+        self.agent_id = agent_id
+        self.fingerprint = fingerprint
+        self.digest = digest
+
+    def keep_warm(self, name: str) -> WorkloadOutcome:
+        started = time.monotonic()
+        try:
+            outcome = self._skip_or_build(name, started)
+        except AgentStopped:
+            outcome = self._outcome(
+                name,
+                "failed",
+                started,
+                prewarm_ran=True,
+                detail="abandoned: the agent was asked to stop during the build",
+                abandoned=True,
+            )
+        except CachekeeperError as exc:
+            outcome = self._outcome(
+                name, "failed", started, prewarm_ran=False, detail=f"{exc.code}: {exc.detail}"
+            )
+        return self._report(outcome)
+
+    def _skip_or_build(self, name: str, started: float) -> WorkloadOutcome:
+        from cachekeeper.workload import parse_workload
+
+        workload = parse_workload(self.client.get_workload(name), source=f"{name} (server)")
+        warm = self._warm_snapshot(name, workload.digest)
+        if warm is not None:
+            self.say(f"{name}: warm (snapshot {warm[:12]}), nothing to compile")
+            return self._outcome(name, "skipped", started, prewarm_ran=False, snapshot_id=warm)
+        self._send_event(name, status="building")
+        self.say(f"{name}: building on {','.join(self.options.devices)}")
+        return self._build(workload, started)
+
+    def _warm_snapshot(self, name: str, workload_digest: str) -> str | None:
+        """The id of a verified snapshot of this very workload text for us, or None."""
+        found = self.client.resolve(
+            self.fingerprint, workload=name, devices=list(self.options.devices)
+        )
+        if found.snapshot_id is None or not found.verified:
+            return None
+        manifest = self.client.get_manifest(found.snapshot_id)
+        if manifest.workload_digest not in (None, workload_digest):
+            self.say(f"{name}: the workload changed since snapshot {found.snapshot_id[:12]}")
+            return None
+        return found.snapshot_id
+
+    def _build(self, workload: Any, started: float) -> WorkloadOutcome:
+        from cachekeeper.client.push import push
+        from cachekeeper.prewarm import prewarm
+        from cachekeeper.store import LocalStore
+
+        name = workload.name
+        work_dir = self.options.work_dir
+        work_dir.mkdir(parents=True, exist_ok=True)
+        build_dir = Path(tempfile.mkdtemp(prefix=f"build-{name}-", dir=work_dir))
+        try:
+            (build_dir / MARKER).write_text(str(os.getpid()), encoding="utf-8")
+            cache_dir = build_dir / "inductor"
+            with self.stop.abandonable():
+                report = prewarm(
+                    workload,
+                    cache_dir,
+                    devices=list(self.options.devices),
+                    progress=self._progress,
+                    timeout_s=self.options.build_timeout_s,
+                )
+                if report.status != "verified":
+                    return self._unbuilt(name, report, started)
+                self.say(f"{name}: verified; pushing")
+                pushed = push(
+                    cache_dir,
+                    client=self.client,
+                    workload=name,
+                    store=LocalStore(home=build_dir / "store"),
+                    workers=self.options.push_workers,
+                    fingerprint=self.fingerprint,
+                )
+        finally:
+            shutil.rmtree(build_dir, ignore_errors=True)
+        self.say(
+            f"{name}: built snapshot {pushed.snapshot_id[:12]} in {report.seconds:.1f} s"
+            f" ({pushed.uploaded_blobs} blobs uploaded, {pushed.deduplicated_blobs} deduplicated)"
+        )
+        return self._outcome(
+            name,
+            "built",
+            started,
+            prewarm_ran=True,
+            snapshot_id=pushed.snapshot_id,
+            prewarm=report.to_dict(),
+        )
+
+    def _unbuilt(self, name: str, report: PrewarmReport, started: float) -> WorkloadOutcome:
+        """The outcome of a prewarm that did not prove a cache (nothing is pushed)."""
+        error = report.error or next((r.error for r in report.devices if r.error), None)
+        if error is None and report.verify is not None:
+            error = next((r.error for r in report.verify.devices if r.error), None)
+        if report.status == "not_effective":
+            detail = "verify was not effective: the second run still missed the cache"
+        elif error is not None:
+            where = f" ({error.where})" if error.where else ""
+            detail = f"{error.type}: {error.message}{where}"
+        else:
+            detail = f"prewarm {report.status}"
+        status: OutcomeStatus = (
+            "cold_compile_broken" if report.status == "cold_compile_broken" else "failed"
+        )
+        self.say(f"{name}: {status}: {detail}")
+        return self._outcome(
+            name,
+            status,
+            started,
+            prewarm_ran=True,
+            detail=detail,
+            traceback_tail=error.traceback_tail if error else (),
+            prewarm=report.to_dict(),
+        )
+
+    def _progress(self, event: ProgressEvent) -> None:
+        self.say(f"  {event.describe()}")
+
+    def _outcome(
+        self,
+        name: str,
+        status: OutcomeStatus,
+        started: float,
+        *,
+        prewarm_ran: bool,
+        snapshot_id: str | None = None,
+        detail: str = "",
+        traceback_tail: tuple[str, ...] = (),
+        abandoned: bool = False,
+        prewarm: dict[str, Any] | None = None,
+    ) -> WorkloadOutcome:
+        return WorkloadOutcome(
+            workload=name,
+            status=status,
+            fingerprint_digest=self.digest,
+            prewarm_ran=prewarm_ran,
+            seconds=round(time.monotonic() - started, 3),
+            snapshot_id=snapshot_id,
+            detail=detail[:_DETAIL_CHARS],
+            traceback_tail=tuple(line[:_TAIL_LINE_CHARS] for line in traceback_tail[-_TAIL_LINES:]),
+            abandoned=abandoned,
+            prewarm=prewarm,
+        )
+
+    def _report(self, outcome: WorkloadOutcome) -> WorkloadOutcome:
+        sent = self._send_event(
+            outcome.workload,
+            status=outcome.status,
+            detail=outcome.detail,
+            traceback_tail=outcome.traceback_tail,
+            snapshot_id=outcome.snapshot_id,
+            seconds=outcome.seconds,
+        )
+        return replace(outcome, reported=sent)
+
+    def _send_event(self, name: str, **fields: Any) -> bool:
+        """Report to the server; False (and a log line) when it cannot be reached."""
+        try:
+            self.client.report_event(
+                self.agent_id, workload=name, fingerprint_digest=self.digest, **fields
+            )
+        except CachekeeperError as exc:
+            self.say(f"{name}: could not report {fields['status']!r}: {exc.detail}")
+            return False
+        return True
+
+
+# -- the daemon -----------------------------------------------------------------------------
+
+
+def run_agent(
+    options: AgentOptions,
+    *,
+    client: CacheClient,
+    interval_s: float,
+    once: bool = False,
+    stop: StopSignal | None = None,
+    log: Log | None = None,
+    on_round: Callable[[RoundReport], None] | None = None,
+) -> list[RoundReport]:
+    """Run rounds every ``interval_s`` until ``stop`` (or one round with ``once``).
+
+    With ``once``, a round that cannot reach the server raises; the daemon logs it and
+    tries again next interval. Returns the rounds' reports.
+    """
+    stop = stop or StopSignal()
+    say = log or (lambda line: None)
+    removed = sweep_stale_builds(options.work_dir)
+    if removed:
+        say(f"removed {len(removed)} build dir(s) a previous agent left in {options.work_dir}")
+    reports: list[RoundReport] = []
+    previous: str | None = None
+    while not stop.is_set():
+        try:
+            report = run_round(options, client=client, stop=stop, log=say, previous_digest=previous)
+        except CachekeeperError as exc:
+            if once:
+                raise
+            say(f"round failed: {exc.detail} [{exc.code}]; next try in {interval_s:g} s")
+        else:
+            previous = report.fingerprint_digest
+            reports.append(report)
+            if on_round is not None:
+                on_round(report)
+            if once:
+                if not report.all_reported and not report.stopped:
+                    raise ServerUnavailable(
+                        "the server stopped answering: some outcomes were not reported"
+                    )
+                break
+        stop.sleep(interval_s)
+    return reports

@@ -1,0 +1,134 @@
+"""``cachekeeper agent``: the builder daemon, a thin adapter over ``cachekeeper.agent``.
+
+Exit codes: 0 after ``--once`` when every workload is warm or its outcome (built, broken,
+failed) was reported, and after SIGTERM/SIGINT; 1 when the server cannot be reached or
+refuses the agent (``--once`` only: the daemon keeps retrying); 2 on usage errors (a bad
+option, a device that is not visible).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import click
+
+from cachekeeper.cli._common import echo_err, handle_errors, json_option
+
+__all__ = ["agent_cmd"]
+
+_DEVICE_HELP = (
+    "cpu, cuda (every visible GPU) or cuda:0,1,... [default: cuda when a GPU is visible, else cpu]"
+)
+
+
+def _devices(spec: str | None) -> list[str]:
+    from cachekeeper.prewarm import parse_devices, visible_gpus
+
+    if spec is None:
+        gpus = visible_gpus()
+        return parse_devices("cuda", visible=gpus) if gpus else ["cpu"]
+    return parse_devices(spec)
+
+
+@click.command(name="agent")
+@click.option(
+    "--server",
+    envvar="CACHEKEEPER_SERVER",
+    metavar="URL",
+    help="Cache server URL (default: $CACHEKEEPER_SERVER).",
+)
+@click.option(
+    "--token",
+    envvar="CACHEKEEPER_TOKEN",
+    metavar="TOKEN",
+    help="Bearer token with the write scope (default: $CACHEKEEPER_TOKEN).",
+)
+@click.option("--device", "device", default=None, help=_DEVICE_HELP)
+@click.option(
+    "--interval",
+    "interval_s",
+    type=click.FloatRange(min=1.0),
+    default=300.0,
+    show_default=True,
+    help="Seconds between rounds.",
+)
+@click.option("--once", is_flag=True, help="Run one round and exit.")
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where builds are staged (removed after each) [default: $CACHEKEEPER_HOME/agent].",
+)
+@click.option(
+    "--build-timeout",
+    "build_timeout_s",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="Seconds each prewarm or verify child may run before it is killed [default: none].",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="This agent's name on the server [default: the host name].",
+)
+@json_option
+@handle_errors
+def agent_cmd(
+    server: str | None,
+    token: str | None,
+    device: str | None,
+    interval_s: float,
+    once: bool,
+    work_dir: Path | None,
+    build_timeout_s: float | None,
+    name: str | None,
+    as_json: bool,
+) -> None:
+    """Keep every workload registered on the server warm for this node's environment.
+
+    Each round re-reads this node's fingerprint, registers it, and for each registered
+    workload without a verified snapshot for this fingerprint and these devices: prewarms
+    it on every device (fresh processes, cold), verifies, pushes, and reports the outcome
+    (see GET /v1/status). Workloads that are already warm compile nothing. A workload that
+    crashes, hangs past --build-timeout or whose cold compile raises is reported and the
+    agent carries on. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
+    Progress goes to stderr; --json prints each round's report on stdout.
+    """
+    from cachekeeper.agent import AgentOptions, RoundReport, StopSignal, run_agent
+    from cachekeeper.client.api import CacheClient
+    from cachekeeper.store import default_home
+
+    if not server:
+        raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
+    options = AgentOptions(
+        devices=tuple(_devices(device)),
+        work_dir=(work_dir or default_home() / "agent").absolute(),
+        name=name or socket.gethostname(),
+        build_timeout_s=build_timeout_s,
+    )
+
+    def on_round(report: RoundReport) -> None:
+        counts: dict[str, int] = {}
+        for outcome in report.outcomes:
+            counts[outcome.status] = counts.get(outcome.status, 0) + 1
+        summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no workloads"
+        echo_err(f"round done in {report.seconds:.1f} s: {summary}")
+        if as_json:
+            click.echo(json.dumps(report.to_dict(), sort_keys=True), nl=True)
+
+    stop = StopSignal()
+    stop.install()
+    with CacheClient(base_url=server, token=token) as client:
+        run_agent(
+            options,
+            client=client,
+            interval_s=interval_s,
+            once=once,
+            stop=stop,
+            log=echo_err,
+            on_round=on_round,
+        )
+    if stop.is_set():
+        echo_err("agent stopped")
