@@ -119,6 +119,14 @@ class Storage:
         snapshot_id = manifest.id
         existing = self.catalog.summary(snapshot_id)
         if existing is not None:
+            if manifest.signature is not None and not existing.get("signed"):
+                # The same snapshot, now signed: keep the signature (the id is unchanged).
+                with self.catalog.writing() as db:
+                    db.execute(
+                        "UPDATE snapshots SET manifest = ?, signed = 1 WHERE id = ? AND signed = 0",
+                        [manifest.to_json(), snapshot_id],
+                    )
+                existing = self.catalog.summary(snapshot_id) or existing
             return existing, False
         sizes = self.catalog.blob_sizes(manifest.digests)
         missing = sorted(manifest.digests - sizes.keys())
