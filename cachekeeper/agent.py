@@ -92,6 +92,7 @@ class StopSignal:
         self._event = threading.Event()
         self._signalled = False  # set by the handler: no locks in a signal handler
         self._depth = 0
+        self._raised = False
 
     def is_set(self) -> bool:
         return self._signalled or self._event.is_set()
@@ -106,7 +107,10 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._signalled = True
-        if self._depth > 0:
+        # Raise once only: a second signal must not interrupt the unwinding of the first
+        # (prewarm's ``finally`` that kills the children).
+        if self._depth > 0 and not self._raised:
+            self._raised = True
             raise AgentStopped(signal.Signals(signum).name)
 
     @contextlib.contextmanager
@@ -138,6 +142,7 @@ class AgentOptions:
     name: str = field(default_factory=socket.gethostname)
     build_timeout_s: float | None = None
     push_workers: int = 4
+    heartbeat_s: float = 60.0  # heartbeats while a build runs
 
 
 @dataclass(frozen=True)
@@ -391,7 +396,7 @@ class _Builder:
         try:
             (build_dir / MARKER).write_text(str(os.getpid()), encoding="utf-8")
             cache_dir = build_dir / "inductor"
-            with self.stop.abandonable():
+            with self._heartbeats(), self.stop.abandonable():
                 report = prewarm(
                     workload,
                     cache_dir,
@@ -424,6 +429,23 @@ class _Builder:
             snapshot_id=pushed.snapshot_id,
             prewarm=report.to_dict(),
         )
+
+    @contextlib.contextmanager
+    def _heartbeats(self) -> Iterator[None]:
+        """Heartbeat from a thread while a (long) build runs; failures are ignored."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.options.heartbeat_s):
+                with contextlib.suppress(CachekeeperError):
+                    self.client.heartbeat(self.agent_id)
+
+        thread = threading.Thread(target=beat, name="cachekeeper-agent-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _unbuilt(self, name: str, report: PrewarmReport, started: float) -> WorkloadOutcome:
         """The outcome of a prewarm that did not prove a cache (nothing is pushed)."""

@@ -287,3 +287,26 @@ def test_once_without_a_server_exits_non_zero(tmp_path: Path) -> None:
     bad_device = _agent_cli("--server", url, "--once", "--device", "tpu")
     _, err = bad_device.communicate(timeout=60)
     assert bad_device.returncode == 2 and "'tpu'" in err
+
+
+def test_sweep_removes_only_marked_build_dirs_of_dead_agents(tmp_path: Path) -> None:
+    from cachekeeper.agent import MARKER, sweep_stale_builds
+
+    gone = subprocess.Popen(["true"])  # once it is waited for, its pid names no process
+    gone.wait()
+    dirs = {
+        "build-dead-1": str(gone.pid),  # an agent killed with SIGKILL: removed
+        "build-live-1": str(os.getpid()),  # this very agent: kept
+        "build-unmarked-1": None,  # not made by an agent: kept
+    }
+    for name, pid in dirs.items():
+        (tmp_path / name / "inductor").mkdir(parents=True)
+        if pid is not None:
+            (tmp_path / name / MARKER).write_text(pid)
+    (tmp_path / "other").mkdir()
+    assert sweep_stale_builds(tmp_path) == [tmp_path / "build-dead-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "build-live-1",
+        "build-unmarked-1",
+        "other",
+    ]
