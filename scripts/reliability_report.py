@@ -1,0 +1,168 @@
+"""Run the hardening tests and print docs/reliability.md's table from what they recorded.
+
+    .venv/bin/python scripts/reliability_report.py > docs/reliability.md
+
+The tests in tests/hardening/ append one JSON row per fault or input they tried (to the
+file named by CACHEKEEPER_RELIABILITY_LOG) only after their assertions passed. Attacker
+inputs already tested in tests/core/test_restore.py and tests/server/test_roundtrip.py
+are run too and counted from their pytest outcomes (one try per passing case), so the
+numbers in the table are always what this run did. A failing test shows as FAILED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Existing tests counted as rows: node id prefix -> (area, what was tried, outcome).
+EXISTING = {
+    "tests/core/test_restore.py::test_bad_manifest_is_refused_before_writing": (
+        "attacker input",
+        "archive manifest with traversal, absolute path, own state dir, duplicate entry, "
+        "unknown format (restore)",
+        "refused",
+    ),
+    "tests/core/test_restore.py::test_bad_members_are_refused_before_writing": (
+        "attacker input",
+        "archive member that is a symlink, hard link, device, traversal, absolute path, "
+        "unknown blob, corrupt or too large (restore)",
+        "refused",
+    ),
+    "tests/core/test_restore.py::test_decompression_bomb_is_cut_off_at_the_declared_size": (
+        "attacker input",
+        "decompression bomb: 256 MiB under a blob declared as 1 byte (restore)",
+        "refused",
+    ),
+    "tests/core/test_restore.py::test_missing_blob_is_refused_naming_the_entry": (
+        "attacker input",
+        "archive missing a blob its manifest lists (restore)",
+        "refused",
+    ),
+    "tests/core/test_restore.py::test_not_an_archive_is_refused": (
+        "attacker input",
+        "file that is not an archive (restore)",
+        "refused",
+    ),
+    "tests/core/test_restore.py::test_race_with_another_writer_never_clobbers": (
+        "concurrency",
+        "another writer creates a file mid-restore (never clobbered)",
+        "kept",
+    ),
+    "tests/core/test_restore.py::test_eight_concurrent_restores_serialize_and_reuse": (
+        "concurrency",
+        "8 restore processes into one dir",
+        "kept",
+    ),
+    "tests/server/test_roundtrip.py::test_digest_mismatch_stores_nothing": (
+        "attacker input",
+        "blob upload whose bytes do not hash to its name (server)",
+        "refused",
+    ),
+    "tests/server/test_roundtrip.py::test_bad_zstd_body_is_refused": (
+        "attacker input",
+        "blob upload with a corrupt zstd body (server)",
+        "refused",
+    ),
+    "tests/server/test_roundtrip.py::test_malformed_manifests_are_refused": (
+        "attacker input",
+        "malformed manifests on publish: traversal, absolute, bad digests, ... (server)",
+        "refused",
+    ),
+    "tests/server/test_roundtrip.py::test_limits_answer_413": (
+        "attacker input",
+        "blob, manifest and file-count limits on the server (413)",
+        "refused",
+    ),
+    "tests/server/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (
+        "server killed",
+        "client connection cut mid-upload (no blob stored)",
+        "kept",
+    ),
+}
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.passed: dict[str, int] = defaultdict(int)
+        self.failed: list[str] = []
+
+    def pytest_runtest_logreport(self, report) -> None:  # type: ignore[no-untyped-def]
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            if report.passed:
+                self.passed[report.nodeid] += 1
+            elif report.failed:
+                self.failed.append(report.nodeid)
+
+
+def main() -> int:
+    import pytest
+
+    os.chdir(REPO)
+    log = Path(tempfile.mkstemp(prefix="reliability-", suffix=".jsonl")[1])
+    os.environ["CACHEKEEPER_RELIABILITY_LOG"] = str(log)
+    collector = _Collector()
+    started = time.monotonic()
+    targets = [
+        "tests/hardening",
+        *sorted({k.split("::")[0] + "::" + k.split("::")[1] for k in EXISTING}),
+    ]
+    with open(os.devnull, "w") as quiet:
+        stdout = sys.stdout
+        sys.stdout = quiet
+        try:
+            code = pytest.main(["-q", "-p", "no:cacheprovider", *targets], plugins=[collector])
+        finally:
+            sys.stdout = stdout
+    took = time.monotonic() - started
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    log.unlink()
+    for prefix, (area, fault, outcome) in EXISTING.items():
+        tries = sum(n for node, n in collector.passed.items() if node.startswith(prefix))
+        failed = any(node.startswith(prefix) for node in collector.failed)
+        rows.append(
+            {
+                "area": area,
+                "fault": fault,
+                "tries": tries,
+                "outcome": "FAILED" if failed else outcome,
+                "test": prefix,
+            }
+        )
+    for node in collector.failed:
+        if node.startswith("tests/hardening"):
+            rows.append(
+                {"area": "FAILED", "fault": node, "tries": 0, "outcome": "FAILED", "test": node}
+            )
+    rows.sort(key=lambda r: (str(r["area"]), str(r["fault"])))
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print("# Reliability report\n")
+    print(
+        "Every row is a fault or bad input that an automated test tried in this run, how many\n"
+        "times, and what happened: **kept** (the fault hit, what was there stayed intact and\n"
+        "nothing partial appeared), **refused** (a clear one-line error, nothing written),\n"
+        "**recovered** (after the fault, a rerun completed). Produced by\n\n"
+        "    .venv/bin/python scripts/reliability_report.py > docs/reliability.md\n\n"
+        f"at commit {commit} on a 2-core machine; the run took {took:.0f} s, pytest exit code {int(code)}.\n"
+    )
+    print("| area | fault or input | tries | outcome | test |")
+    print("|---|---|---:|---|---|")
+    for r in rows:
+        test = str(r["test"]).split("::")
+        short = f"{Path(test[0]).name}::{test[1].split('[')[0]}" if len(test) > 1 else test[0]
+        print(f"| {r['area']} | {r['fault']} | {r['tries']} | {r['outcome']} | `{short}` |")
+    total = sum(int(r["tries"]) for r in rows)
+    print(f"\n{len(rows)} kinds of fault or input, {total} tries in all.")
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
