@@ -98,6 +98,30 @@ def _libc() -> Any:
         return None
 
 
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool | None:
+    """Atomically rename ``src`` to ``dst`` unless ``dst`` exists (Linux renameat2).
+
+    True: renamed. False: ``dst`` exists (nothing changed). None: not supported here
+    (old kernel or libc, or a filesystem without RENAME_NOREPLACE): use link instead.
+    """
+    libc = _libc()
+    fn = getattr(libc, "renameat2", None) if libc is not None else None
+    if fn is None:
+        return None
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return None
+    raise OSError(err, os.strerror(err), str(dst))
+
+
 def _syncfs(fd: int) -> bool:
     """Flush the filesystem holding ``fd`` (Linux); False where unavailable."""
     libc = _libc()
@@ -130,6 +154,11 @@ class Writer:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
         self._futures: deque[Future[None]] = deque()
+        self._noreplace = True  # renameat2(RENAME_NOREPLACE) until it proves unsupported
+        # One publisher thread: a batch is flushed to disk and linked into place while the
+        # main thread decompresses and writes the next one (at most one batch in flight).
+        self._publisher = ThreadPoolExecutor(max_workers=1)
+        self._publishing: Future[None] | None = None
 
     def _tmp(self) -> Path:
         return self.staging / uuid.uuid4().hex
@@ -168,7 +197,10 @@ class Writer:
         if self.hold:
             return
         if self.pending_bytes >= _BATCH_BYTES or len(self.pending) >= _BATCH_FILES:
-            self.flush()
+            error = self._drain()
+            if error is not None:
+                raise error
+            self._flush_async()
 
     @staticmethod
     def _too_large(digest: str, entry: FileEntry) -> BlobTooLarge:
@@ -229,30 +261,51 @@ class Writer:
         return error
 
     def flush(self) -> None:
-        """Make queued (verified) files durable, then visible; re-raise a pooled error."""
+        """Make queued (verified) files durable, then visible; re-raise a pooled error.
+
+        Returns once everything queued so far is published (or refused as a conflict).
+        """
         error = self._drain()
         if error is not None and self.hold:
+            self._wait_publishing()
             raise error  # all-or-nothing: a failed blob publishes nothing
-        if self.pending:
-            fd = os.open(self.staging, os.O_RDONLY)
-            try:
-                if not _syncfs(fd):
-                    for tmp, _ in self.pending:
-                        with open(tmp, "rb") as fh:
-                            os.fsync(fh.fileno())
-            finally:
-                os.close(fd)
-            for tmp, entry in self.pending:
-                self._publish(tmp, entry)
-            if self.progress is not None:
-                self.progress(self.pending_bytes)
-            self.pending = []
-            self.pending_bytes = 0
+        self._flush_async()
+        self._wait_publishing()
         if error is not None:
             raise error
 
+    def _flush_async(self) -> None:
+        """Hand the verified files queued so far to the publisher thread."""
+        self._wait_publishing()  # one batch in flight: bounded staging, ordered publication
+        with self._lock:
+            batch, batch_bytes = self.pending, self.pending_bytes
+            self.pending, self.pending_bytes = [], 0
+        if batch:
+            self._publishing = self._publisher.submit(self._publish_batch, batch, batch_bytes)
+
+    def _wait_publishing(self) -> None:
+        if self._publishing is not None:
+            future, self._publishing = self._publishing, None
+            future.result()
+
+    def _publish_batch(self, batch: list[tuple[Path, FileEntry]], batch_bytes: int) -> None:
+        """(publisher thread) Flush a batch's staging files to disk, then link them in."""
+        fd = os.open(self.staging, os.O_RDONLY)
+        try:
+            if not _syncfs(fd):
+                for tmp, _ in batch:
+                    with open(tmp, "rb") as fh:
+                        os.fsync(fh.fileno())
+        finally:
+            os.close(fd)
+        for tmp, entry in batch:
+            self._publish(tmp, entry)
+        if self.progress is not None:
+            self.progress(batch_bytes)
+
     def _publish(self, tmp: Path, entry: FileEntry) -> None:
         final = self.cache_dir / entry.path
+        renamed: bool | None = None
         try:
             os.chmod(tmp, entry.mode)
             if final.parent not in self._made_dirs:
@@ -262,22 +315,36 @@ class Writer:
                     self.conflicts.append(entry.path)
                     return
                 self._made_dirs.add(final.parent)
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
+            renamed = _rename_noreplace(tmp, final) if self._noreplace else None
+            if renamed is False:
                 self._classify_existing(entry, final)
                 return
-            except OSError as exc:
-                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                    raise
-                if os.path.lexists(final):  # no hard links here: check, then replace
-                    self._classify_existing(entry, final)
-                    return
-                os.replace(tmp, final)
+            if renamed is None:
+                self._noreplace = False
+                self._link_into_place(tmp, final, entry)
+                return
             self.written += 1
             self.bytes_written += entry.size_bytes
         finally:
-            tmp.unlink(missing_ok=True)
+            if not renamed:  # renamed: the staging name is gone already
+                tmp.unlink(missing_ok=True)
+
+    def _link_into_place(self, tmp: Path, final: Path, entry: FileEntry) -> None:
+        """The portable path: hard link (fails if ``final`` exists), else check + replace."""
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            self._classify_existing(entry, final)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            if os.path.lexists(final):  # no hard links here: check, then replace
+                self._classify_existing(entry, final)
+                return
+            os.replace(tmp, final)
+        self.written += 1
+        self.bytes_written += entry.size_bytes
 
     def _classify_existing(self, entry: FileEntry, final: Path) -> None:
         if is_present(entry, final, self.paths, self.cache_dir):
@@ -288,4 +355,7 @@ class Writer:
     def close(self) -> None:
         self._drain()
         self._pool.shutdown(wait=True)
+        with contextlib.suppress(Exception):  # an error here was raised by flush already
+            self._wait_publishing()
+        self._publisher.shutdown(wait=True)
         shutil.rmtree(self.staging, ignore_errors=True)
