@@ -239,6 +239,8 @@ class CacheClient:
         """
         import zstandard
 
+        from cachekeeper.archive import ReadAhead
+
         response = self._send(
             "POST",
             f"/v1/snapshots/{snapshot_id}/archive",
@@ -246,11 +248,16 @@ class CacheClient:
             stream=True,
             deadline=deadline,
         )
+        ahead: ReadAhead | None = None
         try:
             raw = cast(BinaryIO, _ResponseReader(response, deadline))
             reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            yield cast(BinaryIO, reader)
+            # Download and decompress in a thread, ahead of the hashing and writing.
+            ahead = ReadAhead(cast(BinaryIO, reader))
+            yield cast(BinaryIO, ahead)
         finally:
+            if ahead is not None:
+                ahead.close()
             response.close()
 
     # -- workloads and agents (the agent daemon's routes) -------------------------------
