@@ -32,6 +32,14 @@ __all__ = [
     "ServerError",
     "PrewarmFailed",
     "ColdCompileBroken",
+    "InvalidRequest",
+    "BadRequest",
+    "NotFound",
+    "AgentNotFound",
+    "MethodNotAllowed",
+    "UnsupportedEncoding",
+    "UnsupportedMediaType",
+    "RangeNotSatisfiable",
     "error_for_code",
     "ERRORS",
 ]
@@ -200,6 +208,61 @@ class ColdCompileBroken(CachekeeperError):
     code = "cold_compile_broken"
     http_status = 422
     exit_code = 3
+
+
+class InvalidRequest(CachekeeperError):
+    """A request body or parameter that does not validate (the server's 422)."""
+
+    code = "invalid_request"
+    http_status = 422
+
+
+class BadRequest(CachekeeperError):
+    """A request the server cannot read at all."""
+
+    code = "bad_request"
+    http_status = 400
+
+
+class NotFound(CachekeeperError):
+    """No such route or resource."""
+
+    code = "not_found"
+    http_status = 404
+
+
+class AgentNotFound(NotFound):
+    """No agent registered under that id (register it first)."""
+
+    code = "agent_not_found"
+
+
+class MethodNotAllowed(CachekeeperError):
+    """The route exists but not for that HTTP method."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+
+class UnsupportedEncoding(CachekeeperError):
+    """A Content-Encoding the server does not accept (identity or zstd only)."""
+
+    code = "unsupported_encoding"
+    http_status = 415
+
+
+class UnsupportedMediaType(CachekeeperError):
+    """A Content-Type the route does not accept."""
+
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+class RangeNotSatisfiable(CachekeeperError):
+    """A Range header outside the blob."""
+
+    code = "range_not_satisfiable"
+    http_status = 416
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:

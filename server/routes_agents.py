@@ -31,9 +31,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException
 
-from cachekeeper.errors import InvalidManifest
+from cachekeeper.errors import AgentNotFound, InvalidManifest
 from cachekeeper.fingerprint import digest_of
 
 from .auth import ReadScope, WriteScope
@@ -138,7 +137,7 @@ def _agent_out(row: dict[str, Any]) -> dict[str, Any]:
 def _agent_row(storage: Storage, agent_id: str) -> dict[str, Any]:
     found = storage.catalog.rows("SELECT * FROM agents WHERE id = ?", [agent_id])
     if not found:
-        raise HTTPException(404, f"no agent {agent_id!r} is registered (register it first)")
+        raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
     return found[0]
 
 

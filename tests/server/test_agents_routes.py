@@ -84,7 +84,7 @@ def test_bad_registrations_and_unknown_agents_are_refused(fresh_server) -> None:
         for path in ("/v1/agents/0123456789abcdef/heartbeat", "/v1/agents/0123456789abcdef/events"):
             body = {"workload": "w", "fingerprint_digest": "a" * 64, "status": "built"}
             r = c.post(path, json=body)
-            assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+            assert r.status_code == 404 and r.json()["error"] == "agent_not_found", r.text
             assert "register it first" in r.json()["detail"]
         agent = _register(c)
         bad = {"workload": "w", "fingerprint_digest": "a" * 64, "status": "exploded"}
