@@ -48,7 +48,9 @@ def main() -> None:
     print(f"collect() median of {args.runs}: {statistics.median(calls):.1f} ms")
     print(f"`python -c pass` median: {statistics.median(bare):.1f} ms")
     print(f"`python -m cachekeeper fingerprint --json` median: {statistics.median(cli):.1f} ms")
-    print(f"fingerprint process minus bare interpreter: {statistics.median(cli) - statistics.median(bare):.1f} ms")
+    print(
+        f"fingerprint process minus bare interpreter: {statistics.median(cli) - statistics.median(bare):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

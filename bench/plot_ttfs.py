@@ -43,7 +43,9 @@ def main() -> None:
             x = w + (c - 1.5) * width
             median = result["median_s"][case]
             runs = [r["ttfs_s"] for r in result["runs_detail"][case]]
-            ax.bar(x, median, width * 0.9, color=COLORS[case], label=LABELS[case] if w == 0 else None)
+            ax.bar(
+                x, median, width * 0.9, color=COLORS[case], label=LABELS[case] if w == 0 else None
+            )
             ax.scatter([x] * len(runs), runs, color="black", s=8, zorder=3)
             ax.text(x, median, f"{median:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(results)))

@@ -115,11 +115,16 @@ def main() -> None:
                 shutil.rmtree(dst)
                 download.append(timed(["curl", "-sSf", "-o", "/dev/null", archive_url]))
                 dst = work / f"restore-{i}"
-                local.append(timed([*CK_ARGS, "restore", str(archive), "--cache-dir", str(dst)], env=env))
+                local.append(
+                    timed([*CK_ARGS, "restore", str(archive), "--cache-dir", str(dst)], env=env)
+                )
                 shutil.rmtree(dst)
                 dst = work / f"prejob-{i}"
                 cold.append(
-                    timed([*CK_ARGS, "prejob", "--workload", "bench", "--cache-dir", str(dst)], env=env)
+                    timed(
+                        [*CK_ARGS, "prejob", "--workload", "bench", "--cache-dir", str(dst)],
+                        env=env,
+                    )
                 )
                 if i < args.repeat - 1:
                     shutil.rmtree(dst)

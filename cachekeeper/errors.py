@@ -273,9 +273,8 @@ def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]
     return out
 
 
-ERRORS: dict[str, type[CachekeeperError]] = {
-    cls.code: cls for cls in [CachekeeperError, *_all_subclasses(CachekeeperError)]
-}
+_CLASSES: list[type[CachekeeperError]] = [CachekeeperError, *_all_subclasses(CachekeeperError)]
+ERRORS: dict[str, type[CachekeeperError]] = {cls.code: cls for cls in _CLASSES}
 
 
 def error_for_code(code: str) -> type[CachekeeperError]:

@@ -14,7 +14,12 @@ from cachekeeper.cli import COMMANDS, cli
 
 @pytest.mark.parametrize(
     "module",
-    ["cachekeeper.server.app", "cachekeeper.client", "cachekeeper.cli.remote", "cachekeeper.cli.serve"],
+    [
+        "cachekeeper.server.app",
+        "cachekeeper.client",
+        "cachekeeper.cli.remote",
+        "cachekeeper.cli.serve",
+    ],
 )
 def test_server_and_client_never_import_torch(module: str) -> None:
     code = (
