@@ -143,6 +143,7 @@ class AgentOptions:
     build_timeout_s: float | None = None
     push_workers: int = 4
     heartbeat_s: float = 60.0  # heartbeats while a build runs
+    sign_key: Path | None = None  # Ed25519 PREFIX.key: every pushed manifest is signed
 
 
 @dataclass(frozen=True)
@@ -414,6 +415,7 @@ class _Builder:
                     store=LocalStore(home=build_dir / "store"),
                     workers=self.options.push_workers,
                     fingerprint=self.fingerprint,
+                    sign_key=self.options.sign_key,
                 )
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from cachekeeper.cli._common import echo_err, handle_errors, json_option
+from cachekeeper.cli.keys import sign_key_option
 
 __all__ = ["agent_cmd"]
 
@@ -73,6 +74,7 @@ def _devices(spec: str | None) -> list[str]:
     default=None,
     help="This agent's name on the server [default: the host name].",
 )
+@sign_key_option
 @json_option
 @handle_errors
 def agent_cmd(
@@ -84,6 +86,7 @@ def agent_cmd(
     work_dir: Path | None,
     build_timeout_s: float | None,
     name: str | None,
+    sign_key: Path | None,
     as_json: bool,
 ) -> None:
     """Keep every workload registered on the server warm for this node's environment.
@@ -107,6 +110,7 @@ def agent_cmd(
         work_dir=(work_dir or default_home() / "agent").absolute(),
         name=name or socket.gethostname(),
         build_timeout_s=build_timeout_s,
+        sign_key=sign_key.absolute() if sign_key else None,
     )
 
     def on_round(report: RoundReport) -> None:
