@@ -48,6 +48,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
+from cachekeeper._proc import pid_alive
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
 if TYPE_CHECKING:
@@ -222,16 +223,6 @@ def _utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale_builds(work_dir: Path) -> list[Path]:
     """Remove build folders an agent left behind (marker present, its pid gone)."""
     removed: list[Path] = []
@@ -243,7 +234,7 @@ def sweep_stale_builds(work_dir: Path) -> list[Path]:
             pid = int(marker.read_text("utf-8").strip())
         except (OSError, ValueError):
             continue  # not ours: never touched
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -54,7 +54,7 @@ from cachekeeper.verify import (
 )
 from cachekeeper.workload import Workload
 
-__all__ = ["prewarm", "verify", "parse_devices", "visible_gpus", "Progress"]
+__all__ = ["prewarm", "verify", "parse_devices", "select_devices", "visible_gpus", "Progress"]
 
 Progress = Callable[[ProgressEvent], None]
 _STDERR_TAIL = 40
@@ -94,6 +94,14 @@ def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
         if index not in indices:
             indices.append(index)
     return [f"cuda:{i}" for i in indices]
+
+
+def select_devices(spec: str | None) -> list[str]:
+    """``parse_devices(spec)``; with no spec, every visible GPU, or the CPU when there is none."""
+    if spec is None:
+        gpus = visible_gpus()
+        return parse_devices("cuda", visible=gpus) if gpus else ["cpu"]
+    return parse_devices(spec)
 
 
 def prewarm(

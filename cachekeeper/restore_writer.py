@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from cachekeeper._proc import pid_alive
 from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.errors import BlobTooLarge, DigestMismatch
 from cachekeeper.manifest import FileEntry, Manifest
@@ -60,14 +61,6 @@ def is_present(entry: FileEntry, final: Path, paths: set[str], root: Path) -> bo
 
 
 # -- staging and writing -----------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sweep_stale_staging(staging_root: Path) -> None:
@@ -79,7 +72,7 @@ def _sweep_stale_staging(staging_root: Path) -> None:
         found = _STAGING_RE.match(child.name)
         if not found or found["host"] != host or not child.is_dir() or child.is_symlink():
             continue
-        if not _pid_alive(int(found["pid"])):
+        if not pid_alive(int(found["pid"])):
             shutil.rmtree(child, ignore_errors=True)
 
 

@@ -13,12 +13,20 @@ import click
 
 from cachekeeper.errors import CachekeeperError
 
-__all__ = ["handle_errors", "emit_json", "echo_err", "json_option"]
+__all__ = ["handle_errors", "emit_json", "echo_err", "json_option", "device_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON report for scripts."
+)
+
+device_option = click.option(
+    "--device",
+    "device",
+    default=None,
+    help="cpu, cuda (every visible GPU) or cuda:0,1,... "
+    "[default: cuda when a GPU is visible, else cpu]",
 )
 
 

@@ -14,23 +14,10 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import echo_err, handle_errors, json_option
+from cachekeeper.cli._common import device_option, echo_err, handle_errors, json_option
 from cachekeeper.cli.keys import sign_key_option
 
 __all__ = ["agent_cmd"]
-
-_DEVICE_HELP = (
-    "cpu, cuda (every visible GPU) or cuda:0,1,... [default: cuda when a GPU is visible, else cpu]"
-)
-
-
-def _devices(spec: str | None) -> list[str]:
-    from cachekeeper.prewarm import parse_devices, visible_gpus
-
-    if spec is None:
-        gpus = visible_gpus()
-        return parse_devices("cuda", visible=gpus) if gpus else ["cpu"]
-    return parse_devices(spec)
 
 
 @click.command(name="agent")
@@ -46,7 +33,7 @@ def _devices(spec: str | None) -> list[str]:
     metavar="TOKEN",
     help="Bearer token with the write scope (default: $CACHEKEEPER_TOKEN).",
 )
-@click.option("--device", "device", default=None, help=_DEVICE_HELP)
+@device_option
 @click.option(
     "--interval",
     "interval_s",
@@ -101,12 +88,13 @@ def agent_cmd(
     """
     from cachekeeper.agent import AgentOptions, RoundReport, StopSignal, run_agent
     from cachekeeper.client.api import CacheClient
+    from cachekeeper.prewarm import select_devices
     from cachekeeper.store import default_home
 
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     options = AgentOptions(
-        devices=tuple(_devices(device)),
+        devices=tuple(select_devices(device)),
         work_dir=(work_dir or default_home() / "agent").absolute(),
         name=name or socket.gethostname(),
         build_timeout_s=build_timeout_s,

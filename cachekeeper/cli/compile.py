@@ -11,22 +11,9 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import device_option, echo_err, emit_json, handle_errors, json_option
 
 __all__ = ["prewarm_cmd", "verify_cmd"]
-
-_DEVICE_HELP = (
-    "cpu, cuda (every visible GPU) or cuda:0,1,... [default: cuda when a GPU is visible, else cpu]"
-)
-
-
-def _devices(spec: str | None) -> list[str]:
-    from cachekeeper.prewarm import parse_devices, visible_gpus
-
-    if spec is None:
-        gpus = visible_gpus()
-        return parse_devices("cuda", visible=gpus) if gpus else ["cpu"]
-    return parse_devices(spec)
 
 
 def _progress(event: object) -> None:
@@ -41,7 +28,7 @@ def _progress(event: object) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="The Inductor cache dir to fill (TORCHINDUCTOR_CACHE_DIR of the training job).",
 )
-@click.option("--device", "device", default=None, help=_DEVICE_HELP)
+@device_option
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
 @json_option
 @handle_errors
@@ -55,7 +42,7 @@ def prewarm_cmd(
     reported with its traceback, nothing is merged, and the exit code is 3. Progress goes
     to stderr. Exit 0 when the merged cache verifies effective, 1 when it does not.
     """
-    from cachekeeper.prewarm import prewarm
+    from cachekeeper.prewarm import prewarm, select_devices
     from cachekeeper.verify import format_prewarm
     from cachekeeper.workload import load_workload
 
@@ -63,7 +50,7 @@ def prewarm_cmd(
     report = prewarm(
         parsed,
         cache_dir,
-        devices=_devices(device),
+        devices=select_devices(device),
         progress=None if as_json else _progress,
         timeout_s=timeout_s,
     )
@@ -82,7 +69,7 @@ def prewarm_cmd(
     type=click.Path(file_okay=False, path_type=Path),
     help="The Inductor cache dir to check.",
 )
-@click.option("--device", "device", default=None, help=_DEVICE_HELP)
+@device_option
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
 @json_option
 @handle_errors
@@ -95,7 +82,7 @@ def verify_cmd(
     least one hit. Exit 0 when effective, 1 when not, 2 on error. A run that misses
     compiles what it misses, and Inductor adds those entries to the cache dir.
     """
-    from cachekeeper.prewarm import verify
+    from cachekeeper.prewarm import select_devices, verify
     from cachekeeper.verify import format_verify
     from cachekeeper.workload import load_workload
 
@@ -103,7 +90,7 @@ def verify_cmd(
     report = verify(
         parsed,
         cache_dir,
-        devices=_devices(device),
+        devices=select_devices(device),
         timeout_s=timeout_s,
         progress=None if as_json else _progress,
     )
