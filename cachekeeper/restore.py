@@ -9,12 +9,13 @@ The rules, and how this module keeps them:
   a cache dir that already holds some other version of an entry is still a usable cache.
 - **Every byte is verified before it becomes visible.** Each blob streams into a temp
   file in this process's staging folder, hashed while written; more bytes than declared
-  stop it at once (a decompression bomb is cut off at the declared size). Verified files
-  are flushed to disk (one ``syncfs`` per batch where Linux offers it, else ``fsync``
-  per file), chmod-ed to the manifest mode, then appear with ``os.link(tmp, final)``,
-  which fails rather than overwrite when someone created the file meanwhile (that file is
-  then classified as skipped or conflict). Where hard links are unsupported, an existence
-  check and ``os.replace`` are the fall-back.
+  stop it at once (a decompression bomb is cut off at the declared size). Each verified
+  file's data is written to the device (``sync_file_range``, else ``fdatasync``; never a
+  whole-filesystem flush), chmod-ed to the manifest mode, then appears with
+  ``renameat2(RENAME_NOREPLACE)`` (else ``os.link(tmp, final)``), which fails rather than
+  overwrite when someone created the file meanwhile (that file is then classified as
+  skipped or conflict). Where neither is supported, an existence check and ``os.replace``
+  are the fall-back.
 - **Manifest-level problems are refused before anything is written**: bad paths, links
   and duplicates are refused by ``Manifest`` itself; here also paths inside our own
   ``.cachekeeper/`` folder and one digest declared with two sizes. Blob-level problems
