@@ -13,12 +13,33 @@ import click
 
 from cachekeeper.errors import CachekeeperError
 
-__all__ = ["handle_errors", "emit_json", "echo_err", "json_option", "device_option"]
+__all__ = [
+    "handle_errors",
+    "emit_json",
+    "echo_err",
+    "json_option",
+    "device_option",
+    "server_option",
+    "token_option",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON report for scripts."
+)
+
+server_option = click.option(
+    "--server",
+    envvar="CACHEKEEPER_SERVER",
+    metavar="URL",
+    help="Cache server URL (default: $CACHEKEEPER_SERVER).",
+)
+token_option = click.option(
+    "--token",
+    envvar="CACHEKEEPER_TOKEN",
+    metavar="TOKEN",
+    help="Bearer token (default: $CACHEKEEPER_TOKEN).",
 )
 
 device_option = click.option(

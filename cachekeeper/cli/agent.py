@@ -14,25 +14,22 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import device_option, echo_err, handle_errors, json_option
+from cachekeeper.cli._common import (
+    device_option,
+    echo_err,
+    handle_errors,
+    json_option,
+    server_option,
+    token_option,
+)
 from cachekeeper.cli.keys import sign_key_option
 
 __all__ = ["agent_cmd"]
 
 
 @click.command(name="agent")
-@click.option(
-    "--server",
-    envvar="CACHEKEEPER_SERVER",
-    metavar="URL",
-    help="Cache server URL (default: $CACHEKEEPER_SERVER).",
-)
-@click.option(
-    "--token",
-    envvar="CACHEKEEPER_TOKEN",
-    metavar="TOKEN",
-    help="Bearer token with the write scope (default: $CACHEKEEPER_TOKEN).",
-)
+@server_option
+@token_option
 @device_option
 @click.option(
     "--interval",
@@ -77,6 +74,8 @@ def agent_cmd(
     as_json: bool,
 ) -> None:
     """Keep every workload registered on the server warm for this node's environment.
+
+    The token needs the write scope (the agent registers, reports and pushes).
 
     Each round re-reads this node's fingerprint, registers it, and for each registered
     workload without a verified snapshot for this fingerprint and these devices: prewarms

@@ -13,23 +13,18 @@ from typing import Any
 
 import click
 
-from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import (
+    echo_err,
+    emit_json,
+    handle_errors,
+    json_option,
+    server_option,
+    token_option,
+)
 from cachekeeper.cli.keys import sign_key_option, trust_option, trust_paths, trusted_keys
 
 __all__ = ["push_cmd", "pull_cmd", "prejob_cmd"]
 
-server_option = click.option(
-    "--server",
-    envvar="CACHEKEEPER_SERVER",
-    metavar="URL",
-    help="Cache server URL (default: $CACHEKEEPER_SERVER).",
-)
-token_option = click.option(
-    "--token",
-    envvar="CACHEKEEPER_TOKEN",
-    metavar="TOKEN",
-    help="Bearer token (default: $CACHEKEEPER_TOKEN).",
-)
 workload_option = click.option(
     "--workload", required=True, metavar="NAME", help="The workload name the snapshot is for."
 )
