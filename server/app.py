@@ -4,7 +4,7 @@ Routers, one per resource: ``routes_admin`` (/healthz, /metrics, /v1/gc),
 ``routes_resolve``, ``routes_blobs``, ``routes_snapshots``, ``routes_workloads``,
 ``routes_agents`` (/v1/agents, /v1/status). To add one: write the module with an
 ``APIRouter`` named ``router`` using the dependencies in ``deps`` and ``auth``, add its
-tables to ``db._SCHEMA_STEPS``, and add the module name to ``ROUTER_MODULES`` below.
+tables to ``catalog._SCHEMA_STEPS``, and add the module name to ``ROUTER_MODULES`` below.
 
 Every error answers ``{"error": CODE, "detail": TEXT, ...extra}``: ``CachekeeperError``
 with its own code and status, FastAPI's request validation as 422 ``invalid_request``,

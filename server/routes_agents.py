@@ -36,7 +36,7 @@ from cachekeeper.errors import AgentNotFound, InvalidManifest
 from cachekeeper.fingerprint import digest_of
 
 from .auth import ReadScope, WriteScope
-from .db import utc_now
+from .catalog import utc_now
 from .deps import StorageDep
 from .storage import Storage
 

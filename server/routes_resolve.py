@@ -19,7 +19,7 @@ from cachekeeper.errors import InvalidManifest
 from cachekeeper.fingerprint import compare
 
 from .auth import ReadScope
-from .db import summary_of
+from .catalog import summary_of
 from .deps import StorageDep, metrics_of
 from .storage import Storage
 

@@ -31,7 +31,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.manifest import Manifest
 
-from .db import Catalog, utc_now
+from .catalog import Catalog, utc_now
 from .settings import Settings
 
 __all__ = ["Storage", "GcPlan", "limit_size"]
