@@ -94,6 +94,7 @@ class Resolution:
     verified: bool
     exact: bool
     near_misses: tuple[NearMiss, ...]
+    reason: str | None = None  # on a miss, the server's one-sentence why (older servers: None)
 
     @property
     def snapshot_id(self) -> str | None:
@@ -503,4 +504,5 @@ def _parse_resolution(answer: dict[str, Any]) -> Resolution:
         verified=bool(answer.get("verified")),
         exact=bool(answer.get("exact")),
         near_misses=tuple(near),
+        reason=answer["reason"] if isinstance(answer.get("reason"), str) else None,
     )

@@ -96,7 +96,7 @@ def resolve_snapshot(
         deadline=deadline,
     )
     if resolution.snapshot is None:
-        detail = f"no snapshot of workload {workload!r} matches this node"
+        detail = resolution.reason or f"no snapshot of workload {workload!r} matches this node"
         nearest = next((n for n in resolution.near_misses if n.mismatches), None)
         if nearest is not None:
             detail += f"; nearest differs: {format_mismatches(list(nearest.mismatches))}"

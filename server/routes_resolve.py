@@ -4,7 +4,8 @@ Ranking among compatible snapshots: verified before unverified, exact (same driv
 before driver-compatible, newest first. Near misses are the incompatible snapshots of the
 workload with the fewest mismatching fields (newest first among equals), each with its
 field-by-field mismatches so the node can say why it missed. A miss is a value (200 with
-``"snapshot": null``), never an error.
+``"snapshot": null``), never an error; its ``reason`` says which miss it is: no snapshot
+matches, the workload has no snapshot yet, or no workload of that name is registered.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ResolveAnswer(BaseModel):
     verified: bool
     exact: bool
     near_misses: list[NearMiss]
+    reason: str | None = None  # on a miss, why (one sentence); None on a hit
 
 
 def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
@@ -59,7 +61,8 @@ def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
     hits: list[tuple[tuple[int, int, str], dict[str, Any]]] = []
     misses: list[tuple[tuple[int, str], dict[str, Any], list[dict[str, Any]]]] = []
     parsed: dict[str, dict[str, Any]] = {}
-    for row in storage.catalog.candidates(body.workload):
+    candidates = storage.catalog.candidates(body.workload)
+    for row in candidates:
         fp = parsed.get(row["fingerprint_digest"])
         if fp is None:
             fp = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
@@ -82,7 +85,13 @@ def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
     near = sorted(misses, key=lambda m: (m[0][0], _neg(m[0][1])))[:NEAR_MISSES]
     near_out = [{"snapshot": s, "mismatches": mm} for _k, s, mm in near]
     if not hits:
-        return {"snapshot": None, "verified": False, "exact": False, "near_misses": near_out}
+        return {
+            "snapshot": None,
+            "verified": False,
+            "exact": False,
+            "near_misses": near_out,
+            "reason": _miss_reason(storage, body.workload, has_snapshots=bool(candidates)),
+        }
     (verified, exact, _created), best = max(hits, key=lambda h: h[0])
     storage.catalog.touch_snapshot(best["id"])
     return {
@@ -91,6 +100,16 @@ def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
         "exact": bool(exact),
         "near_misses": near_out,
     }
+
+
+def _miss_reason(storage: Storage, workload: str | None, *, has_snapshots: bool) -> str:
+    """Why nothing was found: the workload is unknown, has no snapshot, or none matches."""
+    name = "no workload name" if workload is None else f"workload {workload!r}"
+    if has_snapshots:
+        return f"no snapshot of {name} matches this node"
+    if workload is not None and storage.catalog.workload_row(workload) is None:
+        return f"no workload {workload!r} is registered on this server, and no snapshot names it"
+    return f"{name} has no snapshot yet"
 
 
 def _neg(text: str) -> tuple[int, ...]:

@@ -61,6 +61,8 @@ def test_ranking_verified_exact_newest(client: httpx.Client) -> None:
         "verified": False,
         "exact": False,
         "near_misses": [],
+        "reason": "no workload 'no-such-workload' is registered on this server, and no snapshot"
+        " names it",
     }
 
 
