@@ -40,6 +40,8 @@ __all__ = [
     "UnsupportedEncoding",
     "UnsupportedMediaType",
     "RangeNotSatisfiable",
+    "RequestTimeout",
+    "ConfigInvalid",
     "error_for_code",
     "ERRORS",
 ]
@@ -263,6 +265,20 @@ class RangeNotSatisfiable(CachekeeperError):
 
     code = "range_not_satisfiable"
     http_status = 416
+
+
+class RequestTimeout(CachekeeperError):
+    """A request body that stopped arriving (no bytes for the server's body timeout)."""
+
+    code = "request_timeout"
+    http_status = 408
+
+
+class ConfigInvalid(CachekeeperError):
+    """A server setting that is wrong or unsafe: named with its value and where it came from."""
+
+    code = "invalid_config"
+    exit_code = 2
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:

@@ -4,25 +4,64 @@ Built by ``load_settings()`` (or ``Settings(...)`` directly in tests); nothing i
 import time. Tokens come from the config file (``[tokens]`` table, token = scope) or from
 ``CACHEKEEPER_TOKENS`` as JSON (``{"tok": "admin"}``) or ``"tok:admin,tok2:read"``. They
 are kept out of ``repr`` so a logged settings object never shows them.
+
+An empty variable (``CACHEKEEPER_TOKENS=``) is not a setting: it is ignored, so it can never
+replace the config file's tokens and switch auth off. A config key that is not a setting,
+a value that does not validate, and a server bound to a non-loopback address with auth off
+(unless ``insecure_no_auth``) are ``ConfigInvalid`` errors naming the setting, where it came
+from (option, variable or file) and the value (never a token's). Sizes take units:
+``10GB`` (10**9), ``512MiB`` (2**20), ``2T``, or plain bytes.
 """
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import json
 import os
+import re
+import tempfile
 import tomllib
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cachekeeper.errors import ConfigInvalid
 from cachekeeper.manifest import MAX_FILES
 
-__all__ = ["Scope", "Settings", "default_data_dir", "load_settings", "parse_tokens"]
+__all__ = [
+    "Scope",
+    "Settings",
+    "check_data_dir",
+    "default_data_dir",
+    "is_loopback",
+    "load_settings",
+    "parse_size",
+    "parse_tokens",
+]
 
 Scope = Literal["read", "write", "admin"]
 SCOPES: tuple[str, ...] = ("read", "write", "admin")
+ENV_PREFIX = "CACHEKEEPER_"
+
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]*)$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{u: 1000**n for n, u in enumerate(("k", "m", "g", "t", "p"), start=1)},
+    **{f"{u}b": 1000**n for n, u in enumerate(("k", "m", "g", "t", "p"), start=1)},
+    **{f"{u}i": 1024**n for n, u in enumerate(("k", "m", "g", "t", "p"), start=1)},
+    **{f"{u}ib": 1024**n for n, u in enumerate(("k", "m", "g", "t", "p"), start=1)},
+}
+_SIZE_FIELDS = (
+    "max_blob_bytes",
+    "max_manifest_bytes",
+    "max_workload_bytes",
+    "max_store_bytes",
+)
 
 
 def default_data_dir(environ: dict[str, str] | None = None) -> Path:
@@ -31,6 +70,27 @@ def default_data_dir(environ: dict[str, str] | None = None) -> Path:
     home = env.get("CACHEKEEPER_HOME")
     base = Path(home) if home else Path.home() / ".cache" / "cachekeeper"
     return base / "server"
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a text with a unit: ``10GB`` = 10**9 bytes, ``512MiB`` = 2**20."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value} is negative; a size is 0 or more bytes")
+        return value
+    text = str(value).strip().lower().replace("_", "")
+    found = _SIZE_RE.match(text)
+    if found is None or found.group(2) not in _SIZE_UNITS:
+        raise ValueError(
+            f"{value!r} is not a size: give bytes, or a number with a unit"
+            " (10GB = 10**9 bytes, 512MiB = 2**20 bytes; B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    try:
+        return int(Decimal(found.group(1)) * _SIZE_UNITS[found.group(2)])
+    except InvalidOperation as exc:  # pragma: no cover - the pattern only admits numbers
+        raise ValueError(f"{value!r} is not a size") from exc
 
 
 def parse_tokens(raw: Any) -> dict[str, str]:
@@ -46,7 +106,7 @@ def parse_tokens(raw: Any) -> dict[str, str]:
             for item in filter(None, (p.strip() for p in text.split(","))):
                 token, sep, scope = item.rpartition(":")
                 if not sep or not token:
-                    raise ValueError("CACHEKEEPER_TOKENS items must look like 'token:scope'")
+                    raise ValueError("items must look like 'token:scope'")
                 pairs[token] = scope
             raw = pairs
     if not isinstance(raw, dict):
@@ -60,16 +120,28 @@ def parse_tokens(raw: Any) -> dict[str, str]:
     return out
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for anything else."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
 class Settings(BaseSettings):
     """Everything the server can be configured with."""
 
-    model_config = SettingsConfigDict(env_prefix="CACHEKEEPER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True)
 
     data_dir: Path = Field(default_factory=default_data_dir)
     host: str = "127.0.0.1"
     port: int = 8750
     tokens: Annotated[dict[str, Scope], NoDecode] = Field(default_factory=dict, repr=False)
     anonymous_read: bool = False
+    # Serving a non-loopback address with no tokens is refused unless this is set.
+    insecure_no_auth: bool = False
     max_blob_bytes: int = 2 << 30
     max_manifest_bytes: int = 64 << 20
     max_files: int = MAX_FILES
@@ -94,6 +166,11 @@ class Settings(BaseSettings):
     def _tokens(cls, value: Any) -> dict[str, str]:
         return parse_tokens(value)
 
+    @field_validator(*_SIZE_FIELDS, mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
+
     @field_validator("trusted_keys", mode="before")
     @classmethod
     def _trusted_keys(cls, value: Any) -> Any:
@@ -106,7 +183,7 @@ class Settings(BaseSettings):
         if self.require_signatures and not self.trusted_keys:
             raise ValueError("require_signatures is set but no trusted_keys are configured")
         if self.trusted_keys:
-            from cachekeeper.signing import load_trusted_keys
+            from cachekeeper.signing import load_trusted_keys  # keeps cryptography off import
 
             load_trusted_keys(self.trusted_keys)  # an unreadable key fails at start-up
         return self
@@ -116,18 +193,113 @@ class Settings(BaseSettings):
         return bool(self.tokens)
 
 
+def _env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _option_name(field: str) -> str:
+    return {"data_dir": "--data", "tokens": "--token"}.get(field, f"--{field.replace('_', '-')}")
+
+
+def _describe(exc: ValidationError, where: dict[str, str]) -> str:
+    """One line per problem: ``WHERE = VALUE: why`` (a token's value is never shown)."""
+    parts = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err.get("loc") else ""
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        source = where.get(field, field or "settings")
+        if field and field != "tokens" and "input" in err:
+            source = f"{source} = {err['input']!r}"
+        parts.append(f"{source}: {message}")
+    return "; ".join(parts) or str(exc)
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    try:
+        values = tomllib.loads(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigInvalid(f"cannot read config file {config_file}: {exc}") from exc
+    known = list(Settings.model_fields)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; settings: {', '.join(known)}"
+            raise ConfigInvalid(f"config file {config_file}: unknown setting {key!r}{hint}")
+    return values
+
+
 def load_settings(*, config_file: Path | None = None, **overrides: Any) -> Settings:
     """Settings with precedence ``overrides`` > environment > ``config_file`` > defaults.
 
     ``overrides`` whose value is None are ignored (an option not given on the command line).
+    Raises ConfigInvalid naming the setting, its source and its value.
     """
-    file_values: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            file_values = tomllib.loads(Path(config_file).read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"cannot read config file {config_file}: {exc}") from exc
-    from_env = Settings()
+    file_values = _read_config(config_file) if config_file is not None else {}
+    env_where = {name: _env_name(name) for name in Settings.model_fields}
+    try:
+        from_env = Settings()
+    except ValidationError as exc:
+        raise ConfigInvalid(_describe(exc, env_where)) from exc
     env_values = {name: getattr(from_env, name) for name in from_env.model_fields_set}
+    if "tokens" in env_values and not env_values["tokens"]:
+        if not os.environ.get(_env_name("tokens"), "").strip():
+            del env_values["tokens"]  # blank, like empty: not a setting
+        else:
+            raise ConfigInvalid(
+                f"{_env_name('tokens')} is set but holds no token; unset it to use the"
+                " config file's tokens (an empty token list never switches auth off)"
+            )
     given = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**{**file_values, **env_values, **given})
+    where = {name: f"{name} in {config_file}" for name in file_values}
+    where.update({name: env_where[name] for name in env_values})
+    where.update({name: _option_name(name) for name in given})
+    try:
+        settings = Settings(**{**file_values, **env_values, **given})
+    except ValidationError as exc:
+        raise ConfigInvalid(_describe(exc, where)) from exc
+    if not settings.auth_enabled and not is_loopback(settings.host):
+        if not settings.insecure_no_auth:
+            raise ConfigInvalid(
+                f"refusing to serve {settings.host} with auth off: configure tokens"
+                f" ({_env_name('tokens')}, [tokens] in --config, or --token TOKEN:SCOPE), or"
+                " pass --insecure-no-auth to open every route to anyone who can reach it"
+            )
+    return settings
+
+
+def check_data_dir(path: Path) -> None:
+    """Create ``path`` if needed and prove the server can write there, else ConfigInvalid.
+
+    The error names the path and the cause, and who owns it when that is not us (a
+    root-owned bind mount under a non-root server is the usual case).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+        for inner in (path / "meta.sqlite", path / "blobs"):
+            if inner.exists() and not os.access(inner, os.W_OK):
+                raise PermissionError(13, "Permission denied", str(inner))
+    except OSError as exc:
+        named = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        cause = exc.strerror or str(exc)
+        raise ConfigInvalid(
+            f"data dir {path} is not usable: {cause}{named}{_owner_hint(path)}"
+        ) from exc
+
+
+def _owner_hint(path: Path) -> str:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        owner = existing.stat().st_uid
+    except OSError:
+        return ""
+    if owner == os.geteuid():
+        return ""
+    return (
+        f"; {existing} is owned by uid {owner} and this server runs as uid {os.geteuid()}"
+        " (chown it, or pick another --data)"
+    )

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from cachekeeper.cli._common import handle_errors
+from cachekeeper.errors import ConfigInvalid
 
 __all__ = ["serve_cmd"]
 
@@ -38,6 +39,12 @@ __all__ = ["serve_cmd"]
 @click.option(
     "--anonymous-read/--no-anonymous-read", default=None, help="Allow read routes without a token."
 )
+@click.option(
+    "--insecure-no-auth",
+    is_flag=True,
+    default=None,
+    help="Serve a non-loopback address (0.0.0.0, ...) with no tokens, open to anyone who can reach it.",
+)
 @handle_errors
 def serve_cmd(
     host: str | None,
@@ -46,29 +53,40 @@ def serve_cmd(
     config_file: Path | None,
     tokens: tuple[str, ...],
     anonymous_read: bool | None,
+    insecure_no_auth: bool | None,
 ) -> None:
     """Run the cache server (FastAPI under uvicorn) until interrupted.
 
     Settings come from these options, then CACHEKEEPER_* environment variables, then the
-    --config file. With no tokens configured, every route is open.
+    --config file. With no tokens configured, every route is open, which is refused on a
+    non-loopback address unless --insecure-no-auth is given.
     """
+    # Server packages load only for `serve`: the hook's start-up never pays for them.
+    import sqlite3
+
     import uvicorn
 
     from cachekeeper.server.app import create_app
-    from cachekeeper.server.settings import load_settings, parse_tokens
+    from cachekeeper.server.settings import check_data_dir, load_settings, parse_tokens
 
     try:
-        settings = load_settings(
-            config_file=config_file,
-            host=host,
-            port=port,
-            data_dir=data_dir,
-            anonymous_read=anonymous_read,
-            tokens=parse_tokens(",".join(tokens)) if tokens else None,
-        )
+        flag_tokens = parse_tokens(",".join(tokens)) if tokens else None
     except ValueError as exc:
-        raise click.BadParameter(str(exc).splitlines()[0]) from exc
-    app = create_app(settings)
+        raise ConfigInvalid(f"--token: {exc}") from exc
+    settings = load_settings(
+        config_file=config_file,
+        host=host,
+        port=port,
+        data_dir=data_dir,
+        anonymous_read=anonymous_read,
+        insecure_no_auth=insecure_no_auth,
+        tokens=flag_tokens,
+    )
+    check_data_dir(settings.data_dir)
+    try:
+        app = create_app(settings)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigInvalid(f"data dir {settings.data_dir} is not usable: {exc}") from exc
     click.echo(
         f"cachekeeper server on http://{settings.host}:{settings.port} (data {settings.data_dir},"
         f" auth {'on' if settings.auth_enabled else 'off'})",

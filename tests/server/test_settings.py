@@ -1,0 +1,195 @@
+"""Server configuration: errors that name the setting and value, sizes with units, auth that
+never switches off by accident, and a clear refusal of an exposed open server or a data dir
+it cannot write (issues 17.8, 17.12, 18.5)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cachekeeper.server.settings import load_settings, parse_size
+from click.testing import CliRunner
+
+from cachekeeper.cli import cli as cli_main
+from cachekeeper.errors import ConfigInvalid
+from tests.hardening.conftest import child_env, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_server_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("CACHEKEEPER_") and name != "CACHEKEEPER_RELIABILITY_LOG":
+            monkeypatch.delenv(name)
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "server.toml"
+    path.write_text(text)
+    return path
+
+
+def test_empty_tokens_variable_keeps_the_config_files_tokens(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, '[tokens]\n"ops-secret" = "admin"\n')
+    for empty in ("", "   "):
+        monkeypatch.setenv("CACHEKEEPER_TOKENS", empty)
+        settings = load_settings(config_file=config)
+        assert settings.tokens == {"ops-secret": "admin"} and settings.auth_enabled
+    monkeypatch.setenv("CACHEKEEPER_MAX_STORE_BYTES", "")
+    assert load_settings(config_file=config).max_store_bytes is None
+    # A variable that is set but lists no token is refused, not read as "auth off".
+    for nothing in ("{}", ","):
+        monkeypatch.setenv("CACHEKEEPER_TOKENS", nothing)
+        with pytest.raises(ConfigInvalid, match="CACHEKEEPER_TOKENS is set but holds no token"):
+            load_settings(config_file=config)
+
+
+def _serve(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cachekeeper", "serve", "--data", str(tmp_path / "data"), *args],
+        env=child_env(tmp_path / "home", CACHEKEEPER_LOG_LEVEL="warning", **env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
+    deadline = time.monotonic() + 30  # hang guard only
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("cachekeeper serve did not start")
+
+
+def test_served_with_an_empty_tokens_variable_auth_stays_on(tmp_path: Path) -> None:
+    config = _config(tmp_path, '[tokens]\n"ops-secret" = "admin"\n')
+    port = free_port()
+    proc = _serve(tmp_path, "--port", str(port), "--config", str(config), CACHEKEEPER_TOKENS="")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, url)
+        assert httpx.post(f"{url}/v1/gc", json={"dry_run": True}).status_code == 401
+        admin = {"Authorization": "Bearer ops-secret"}
+        assert httpx.post(f"{url}/v1/gc", json={"dry_run": True}, headers=admin).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_sizes_accept_units(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert parse_size("10GB") == 10_000_000_000
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5 KiB") == 1536
+    assert parse_size("2T") == 2 * 10**12 and parse_size("2Ti") == 2 << 40
+    assert parse_size(1234) == 1234 and parse_size("1_000") == 1000
+    for bad in ("ten", "10 parsecs", "-5", "1e9", True):
+        with pytest.raises(ValueError, match="not a size|not a size"):
+            parse_size(bad)
+    monkeypatch.setenv("CACHEKEEPER_MAX_STORE_BYTES", "10GB")
+    config = _config(tmp_path, 'max_blob_bytes = "512MiB"\nmax_manifest_bytes = 1000\n')
+    settings = load_settings(config_file=config)
+    assert settings.max_store_bytes == 10_000_000_000
+    assert settings.max_blob_bytes == 512 << 20 and settings.max_manifest_bytes == 1000
+
+
+def _error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, env=None, config=None) -> str:  # type: ignore[no-untyped-def]
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    path = _config(tmp_path, config) if config is not None else None
+    with pytest.raises(ConfigInvalid) as caught:
+        load_settings(config_file=path)
+    for name in env or {}:
+        monkeypatch.delenv(name)
+    message = caught.value.detail
+    assert "validation error" not in message and "\n" not in message, message
+    return message
+
+
+def test_config_errors_name_the_setting_its_source_and_value(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    message = _error(monkeypatch, tmp_path, env={"CACHEKEEPER_TOKENS": "sekrit1:raed"})
+    assert "CACHEKEEPER_TOKENS" in message and "'raed'" in message
+    assert "sekrit1" not in message  # never the token
+    message = _error(monkeypatch, tmp_path, env={"CACHEKEEPER_MAX_STORE_BYTES": "10 parsecs"})
+    assert "CACHEKEEPER_MAX_STORE_BYTES = '10 parsecs'" in message
+    message = _error(monkeypatch, tmp_path, env={"CACHEKEEPER_PORT": "eighty"})
+    assert "CACHEKEEPER_PORT = 'eighty'" in message
+    message = _error(monkeypatch, tmp_path, config="anonymous_reads = true\n")
+    assert "unknown setting 'anonymous_reads'" in message and "'anonymous_read'" in message
+    assert str(tmp_path / "server.toml") in message
+    message = _error(monkeypatch, tmp_path, config='max_blob_bytes = "lots"\n')
+    assert f"max_blob_bytes in {tmp_path / 'server.toml'} = 'lots'" in message
+    message = _error(monkeypatch, tmp_path, config='[tokens]\n"sekrit2" = "root"\n')
+    assert "tokens in" in message and "'root'" in message and "sekrit2" not in message
+    message = _error(monkeypatch, tmp_path, config="max_blob_bytes = \n")
+    assert "cannot read config file" in message
+
+
+def test_serve_reports_a_bad_config_in_one_line(tmp_path: Path) -> None:
+    config = _config(tmp_path, "anonymous_reads = true\n")
+    runner = CliRunner()
+    result = runner.invoke(
+        cli_main, ["serve", "--data", str(tmp_path / "d"), "--config", str(config)]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "unknown setting 'anonymous_reads'" in lines[0], result.output
+    result = runner.invoke(cli_main, ["serve", "--data", str(tmp_path / "d"), "--token", "x:god"])
+    assert result.exit_code == 2 and "--token: token scope 'god'" in result.output
+
+
+def test_an_exposed_server_without_auth_refuses_to_start(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for host in ("0.0.0.0", "::", "10.1.2.3", "cache.example"):
+        result = runner.invoke(cli_main, ["serve", "--host", host, "--data", str(tmp_path / "d")])
+        assert result.exit_code == 2, result.output
+        assert f"refusing to serve {host} with auth off" in result.output
+        assert "--insecure-no-auth" in result.output
+    assert not (tmp_path / "d").exists()  # refused before touching anything
+    # Asked for explicitly, it starts (bound to every address; probed on loopback).
+    port = free_port()
+    proc = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(port), "--insecure-no-auth")
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}")
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_an_unusable_data_dir_is_one_line_naming_the_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a dir")
+    cases = [blocker / "data"]
+    if os.geteuid() != 0:  # root writes anywhere; the permission case needs a normal user
+        locked = tmp_path / "root-owned"
+        locked.mkdir(mode=0o555)
+        cases.append(locked)
+    sqlite_dir = tmp_path / "meta-is-a-dir"
+    (sqlite_dir / "meta.sqlite").mkdir(parents=True)
+    cases.append(sqlite_dir)
+    for data in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cachekeeper", "serve", "--data", str(data)],
+            env=child_env(tmp_path / "home"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"data dir {data} is not usable" in lines[0], lines[0]
