@@ -22,14 +22,21 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from cachekeeper.errors import CachekeeperError, ServerError, ServerUnavailable, error_for_code
+from cachekeeper.errors import (
+    CachekeeperError,
+    Forbidden,
+    ServerError,
+    ServerUnavailable,
+    Unauthorized,
+    error_for_code,
+)
 from cachekeeper.fingerprint import Mismatch
 from cachekeeper.manifest import Manifest, is_digest
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution"]
+__all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 
 # Answers worth another try: the server or a proxy in front of it is briefly unwell.
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
@@ -120,7 +127,8 @@ class CacheClient:
         httpx = _import_httpx()
         if not base_url:
             raise ServerUnavailable("no server configured (use --server or CACHEKEEPER_SERVER)")
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_root(base_url)
+        self._has_token = bool(token)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -403,7 +411,7 @@ class CacheClient:
                 raise ServerUnavailable(f"{method} {url} failed: {_describe(exc)}") from exc
             finally:
                 response.close()
-            raise _error_from(response, method=method, url=url)
+            raise _error_from(response, method=method, url=url, sent_token=self._has_token)
 
     def _backoff(self, attempt: int, deadline: Deadline) -> bool:
         """Sleep before retry ``attempt + 1``; False when retries or time are used up."""
@@ -456,8 +464,51 @@ def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
 
 
-def _error_from(response: httpx.Response, *, method: str, url: str) -> CachekeeperError:
-    """The exception for a non-2xx answer: the server's error class, or ServerError."""
+def server_root(url: str) -> str:
+    """The server URL the client's paths go under: no trailing ``/`` and no ``/v1``.
+
+    Every route path already starts with ``/v1``, so a URL copied from the API docs
+    (``http://cache:8750/v1``) would otherwise ask for ``/v1/v1/...``.
+    """
+    root = url.strip().rstrip("/")
+    if root.lower().endswith("/v1"):
+        root = root[: -len("/v1")].rstrip("/")
+    return root
+
+
+_TOKEN_SOURCE = "--token or CACHEKEEPER_TOKEN"
+
+
+def _auth_detail(
+    cls: type[CachekeeperError],
+    extra: dict[str, Any],
+    *,
+    method: str,
+    url: str,
+    sent_token: bool,
+) -> str:
+    """A 401/403 said the client's way: the URL, the scope it needs, where a token comes from."""
+    scope = extra.get("scope")
+    needs = f"a token with the {scope!r} scope" if isinstance(scope, str) else "another token"
+    if cls is Forbidden:
+        granted = extra.get("granted")
+        has = f" has the {granted!r} scope" if isinstance(granted, str) else " lacks that scope"
+        return f"{method} {url} needs {needs}; the token given ({_TOKEN_SOURCE}){has}"
+    if not sent_token:
+        return f"{method} {url} needs {needs}, and none was given (pass {_TOKEN_SOURCE})"
+    return (
+        f"{method} {url} needs {needs}; the server does not know the token given ({_TOKEN_SOURCE})"
+    )
+
+
+def _error_from(
+    response: httpx.Response, *, method: str, url: str, sent_token: bool = False
+) -> CachekeeperError:
+    """The exception for a non-2xx answer: the server's error class, or ServerError.
+
+    The detail names the URL; a refused token also says which scope the route needs and
+    where a token comes from.
+    """
     status = response.status_code
     try:
         body = response.json()
@@ -467,7 +518,13 @@ def _error_from(response: httpx.Response, *, method: str, url: str) -> Cachekeep
         detail = body.get("detail")
         extra = {k: v for k, v in body.items() if k not in ("error", "detail")}
         cls = error_for_code(body["error"])
-        return cls(str(detail) if detail else f"{method} {url}: HTTP {status}", extra=extra)
+        if issubclass(cls, Unauthorized | Forbidden):
+            text = _auth_detail(cls, extra, method=method, url=url, sent_token=sent_token)
+        elif detail:
+            text = f"{detail} ({method} {url})"
+        else:
+            text = f"{method} {url}: HTTP {status}"
+        return cls(text, extra=extra)
     snippet = response.text[:120].strip().replace("\n", " ")
     return ServerError(f"{method} {url} answered HTTP {status}: {snippet!r}")
 

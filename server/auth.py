@@ -2,7 +2,7 @@
 
 With no tokens configured, auth is off and every route is open (a single-user laptop
 server). With tokens, a request needs ``Authorization: Bearer TOKEN`` whose scope covers the
-route's: missing or unknown is 401, too low is 403; read routes may be opened to anonymous
+route's: missing or unknown is 401, too low is 403 (both name the route's ``scope``); read routes may be opened to anonymous
 callers with ``anonymous_read``. Tokens are compared in constant time (every configured
 token is compared, so timing does not reveal which one matched) and never logged.
 """
@@ -55,12 +55,20 @@ def require(scope: str) -> Callable[[Request], str]:
         if presented is None:
             if scope == "read" and settings.anonymous_read:
                 return "read"
-            raise Unauthorized(f"this route needs a bearer token with the {scope!r} scope")
+            raise Unauthorized(
+                f"this route needs a bearer token with the {scope!r} scope",
+                extra={"scope": scope},
+            )
         granted = scope_of_token(settings, presented)
         if granted is None:
-            raise Unauthorized("the bearer token is not known to this server")
+            raise Unauthorized(
+                "the bearer token is not known to this server", extra={"scope": scope}
+            )
         if _RANK[granted] < _RANK[scope]:
-            raise Forbidden(f"this route needs the {scope!r} scope; the token has {granted!r}")
+            raise Forbidden(
+                f"this route needs the {scope!r} scope; the token has {granted!r}",
+                extra={"scope": scope, "granted": granted},
+            )
         return granted
 
     check.__name__ = f"require_{scope}"

@@ -90,7 +90,9 @@ def test_4xx_is_not_retried_and_keeps_class_and_extra():
     with client_for(handler) as client, pytest.raises(BlobMissing) as info:
         client.missing_blobs({"b" * 64})
     assert len(calls) == 1
-    assert info.value.detail == "2 blobs missing"
+    # the server's detail first, then the request that got it
+    assert info.value.detail.startswith("2 blobs missing (POST http")
+    assert info.value.detail.endswith("/v1/blobs/missing)")
     assert info.value.extra == {"missing": ["b" * 64]}
 
 
