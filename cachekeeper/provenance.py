@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["record_prewarm", "load_prewarm_record"]
+__all__ = ["record_prewarm", "load_prewarm_record", "recorded_workloads"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -41,6 +41,24 @@ def load_prewarm_record(cache_dir: Path, workload: str) -> dict[str, Any] | None
     if not isinstance(record, dict) or record.get("workload") != workload:
         return None
     return record
+
+
+def recorded_workloads(cache_dir: Path) -> list[str]:
+    """The workloads a prewarm recorded in ``cache_dir``, sorted (none: an empty list)."""
+    folder = Path(cache_dir) / ".cachekeeper" / "prewarm"
+    names: set[str] = set()
+    try:
+        paths = sorted(folder.glob("*.json"))
+    except OSError:
+        return []
+    for path in paths:
+        try:
+            record = json.loads(path.read_text("utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("workload"), str):
+            names.add(record["workload"])
+    return sorted(names)
 
 
 def record_prewarm(

@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachekeeper.errors import BlobMissing
+from cachekeeper.errors import BlobMissing, Forbidden, Unauthorized, WorkloadNotFound
 from cachekeeper.manifest import Manifest
+from cachekeeper.provenance import load_prewarm_record, recorded_workloads
 from cachekeeper.store import LocalStore
 
 from .api import CacheClient, Deadline
 
-__all__ = ["PushReport", "push", "upload_missing"]
+__all__ = ["PushReport", "push", "upload_missing", "check_registered", "unverified_reason"]
 
 # (wire bytes sent so far, wire bytes to send in all), called from the upload threads.
 Progress = Callable[[int, int], None]
@@ -42,6 +43,8 @@ class PushReport:
     uploaded_wire_bytes: int
     deduplicated_blobs: int
     deduplicated_bytes: int
+    verified: bool = False  # a prewarm of this workload verified the dir effective
+    unverified_reason: str | None = None  # why not, in one sentence; None when verified
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,13 +103,84 @@ def push(
     progress: Progress | None = None,
     fingerprint: dict[str, Any] | None = None,
     sign_key: str | os.PathLike[str] | None = None,
+    require_registered: bool = False,
 ) -> PushReport:
     """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish.
 
     With ``sign_key``, the published manifest carries an Ed25519 signature by that key.
+    With ``require_registered``, a workload the server has no registration of is refused
+    (``WorkloadNotFound``) before anything is snapshotted or uploaded. The report says
+    whether the snapshot is verified and, when not, why (``unverified_reason``).
+    A token the server refuses raises ``Unauthorized`` / ``Forbidden`` saying that a push
+    needs the ``write`` scope.
     """
+    try:
+        return _push(
+            Path(cache_dir),
+            client=client,
+            workload=workload,
+            store=store,
+            workers=workers,
+            progress=progress,
+            fingerprint=fingerprint,
+            sign_key=sign_key,
+            require_registered=require_registered,
+        )
+    except (Unauthorized, Forbidden) as exc:
+        if exc.extra.get("scope") == "write":
+            raise
+        # A read route refused first (blobs/missing, the workload check): the push as a
+        # whole needs more than what that answer names.
+        raise type(exc)(
+            f"a push to {client.base_url} needs a token with the 'write' scope; {exc.detail}",
+            extra=exc.extra,
+        ) from exc
+
+
+def unverified_reason(cache_dir: Path, workload: str) -> str | None:
+    """Why a snapshot of ``cache_dir`` as ``workload`` would be unverified; None if it is not."""
+    record = load_prewarm_record(cache_dir, workload)
+    if record is not None:
+        verify = (record.get("stats") or {}).get("verify") or {}
+        if verify.get("effective"):
+            return None
+        return f"the prewarm of {workload!r} did not verify {cache_dir} effective"
+    others = recorded_workloads(cache_dir)
+    if others:
+        names = ", ".join(repr(n) for n in others)
+        return f"{cache_dir} was prewarmed and verified for {names}, not for {workload!r}"
+    return f"no prewarm of {workload!r} verified {cache_dir} (cachekeeper prewarm records one)"
+
+
+def check_registered(client: CacheClient, workload: str) -> None:
+    """Raise ``WorkloadNotFound`` unless the server has ``workload`` registered."""
+    try:
+        client.get_workload(workload)
+    except WorkloadNotFound as exc:
+        raise WorkloadNotFound(
+            f"no workload {workload!r} is registered on {client.base_url}: register it "
+            f"first (PUT /v1/workloads/{workload}), check the name, or pass "
+            "--allow-unregistered to publish it anyway",
+            extra=exc.extra,
+        ) from exc
+
+
+def _push(
+    cache_dir: Path,
+    *,
+    client: CacheClient,
+    workload: str,
+    store: LocalStore | None,
+    workers: int,
+    progress: Progress | None,
+    fingerprint: dict[str, Any] | None,
+    sign_key: str | os.PathLike[str] | None,
+    require_registered: bool,
+) -> PushReport:
     from cachekeeper.snapshot import snapshot_dir
 
+    if require_registered:
+        check_registered(client, workload)
     store = store if store is not None else LocalStore()
     manifest = snapshot_dir(
         Path(cache_dir),
@@ -140,4 +214,6 @@ def push(
         uploaded_wire_bytes=done.wire_bytes,
         deduplicated_blobs=len(sizes) - done.blobs,
         deduplicated_bytes=sum(sizes.values()) - done.bytes,
+        verified=manifest.verified,
+        unverified_reason=None if manifest.verified else unverified_reason(cache_dir, workload),
     )
