@@ -1,378 +1,52 @@
-"""What a prewarm or verify run proved: per-device results, verdicts, reports.
+"""Verify: prove a cache dir is effective for a workload, in a fresh process per device.
 
-The verdict rule (DESIGN §5): a cache dir is **effective** for a workload on a device only
-if a fresh process that runs the workload against it sees ``fxgraph_cache_miss == 0``,
-``fxgraph_cache_bypass == 0`` and ``autograd_cache_miss == 0``, with at least one
-``fxgraph_cache_hit``. A cache that is installed but not used must never pass.
-
-The runs themselves happen in ``cachekeeper.prewarm``; this module only reads their
-results, so it imports neither torch nor subprocess machinery.
+The verdict on each run's counters is ``cachekeeper.reports.is_effective``; the children
+run through ``cachekeeper.children``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import time
+from pathlib import Path
 
-from cachekeeper.errors import ColdCompileBroken, PrewarmFailed
+from cachekeeper.children import run_children, work_area
+from cachekeeper.errors import PrewarmFailed
+from cachekeeper.reports import Progress, VerifyReport
+from cachekeeper.workload import Workload
 
-__all__ = [
-    "ErrorInfo",
-    "RegimeResult",
-    "DeviceRun",
-    "VerifyReport",
-    "PrewarmReport",
-    "ProgressEvent",
-    "is_effective",
-    "format_prewarm",
-    "format_verify",
-]
-
-DeviceStatus = Literal["ok", "error", "invalid", "crashed", "timeout"]
-VerifyStatus = Literal["verified", "not_effective", "failed"]
-PrewarmStatus = Literal["verified", "not_effective", "cold_compile_broken", "failed"]
-_EXIT_CODES = {
-    "verified": 0,
-    "not_effective": 1,
-    "failed": PrewarmFailed.exit_code,
-    "cold_compile_broken": ColdCompileBroken.exit_code,
-}
+__all__ = ["verify"]
 
 
-def is_effective(counters: dict[str, int]) -> bool:
-    """The verdict rule on one run's counters (see the module docstring)."""
-    return (
-        counters.get("fxgraph_cache_miss", 0) == 0
-        and counters.get("fxgraph_cache_bypass", 0) == 0
-        and counters.get("autograd_cache_miss", 0) == 0
-        and counters.get("fxgraph_cache_hit", 0) >= 1
+def verify(
+    workload: Workload,
+    cache_dir: Path,
+    *,
+    devices: list[str],
+    timeout_s: float | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Run ``workload`` against ``cache_dir`` in a fresh process per device; judge counters.
+
+    What a run that misses compiles is written into ``cache_dir`` by Inductor itself (it
+    only adds entries); the verdict comes from the counters of this run.
+    """
+    cache_dir = Path(cache_dir).absolute()
+    if not cache_dir.is_dir():
+        raise PrewarmFailed(f"cache dir {cache_dir} does not exist or is not a directory")
+    started = time.monotonic()
+    with work_area(cache_dir) as work:
+        runs = run_children(
+            workload,
+            {device: cache_dir for device in devices},
+            mode="verify",
+            work=work,
+            progress=progress,
+            timeout_s=timeout_s,
+        )
+    return VerifyReport(
+        workload=workload.name,
+        workload_digest=workload.digest,
+        cache_dir=str(cache_dir),
+        devices=tuple(runs),
+        seconds=round(time.monotonic() - started, 3),
     )
-
-
-def _regime_verdict(counters: dict[str, int], *, mode: str) -> str:
-    misses = counters.get("fxgraph_cache_miss", 0) + counters.get("autograd_cache_miss", 0)
-    if counters.get("fxgraph_cache_bypass", 0):
-        return "bypass"
-    if mode == "prewarm":
-        if misses:
-            return "compiled"
-        return "cached" if counters.get("fxgraph_cache_hit", 0) else "no_compile"
-    if misses:
-        return "miss"
-    return "hit" if counters.get("fxgraph_cache_hit", 0) else "no_compile"
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    """One progress line from a child: a regime step started or finished on a device."""
-
-    device: str
-    mode: str  # "prewarm" | "verify"
-    regime: str  # "attention[0]", "entrypoint[1]"
-    event: str  # "start" | "done"
-    elapsed_s: float  # since the child started
-    label: str = ""
-    seq: int | None = None
-    seconds: float | None = None  # the step's own time ("done" only)
-
-    def describe(self) -> str:
-        seq = f" seq {self.seq}" if self.seq is not None else ""
-        what = f"{self.device} {self.mode} {self.regime} {self.label}{seq}".rstrip()
-        if self.event == "start":
-            return f"[{self.elapsed_s:7.1f}s] {what} ..."
-        return f"[{self.elapsed_s:7.1f}s] {what}: {self.seconds or 0.0:.1f} s"
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    """An exception from a child, or why a child produced no result."""
-
-    type: str
-    message: str
-    where: str = ""
-    traceback_tail: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            "message": self.message,
-            "where": self.where,
-            "traceback_tail": list(self.traceback_tail),
-        }
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ErrorInfo:
-        return cls(
-            type=str(raw.get("type", "")),
-            message=str(raw.get("message", "")),
-            where=str(raw.get("where", "")),
-            traceback_tail=tuple(str(x) for x in raw.get("traceback_tail", ())),
-        )
-
-
-@dataclass(frozen=True)
-class RegimeResult:
-    """One regime (or entrypoint) on one device: time, counters and verdict."""
-
-    name: str
-    label: str
-    seconds: float
-    seq_seconds: tuple[float, ...]
-    counters: dict[str, int]
-    verdict: str  # prewarm: compiled|cached|no_compile|bypass; verify: hit|miss|no_compile|bypass
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "label": self.label,
-            "seconds": self.seconds,
-            "seq_seconds": list(self.seq_seconds),
-            "counters": dict(self.counters),
-            "verdict": self.verdict,
-        }
-
-
-@dataclass(frozen=True)
-class DeviceRun:
-    """One child process: a workload run on one device, for a prewarm or a verify."""
-
-    device: str
-    mode: str
-    status: DeviceStatus
-    seconds: float
-    regimes: tuple[RegimeResult, ...] = ()
-    counters: dict[str, int] = field(default_factory=dict)
-    error: ErrorInfo | None = None
-
-    @property
-    def effective(self) -> bool:
-        return self.status == "ok" and is_effective(self.counters)
-
-    @classmethod
-    def from_result(cls, raw: dict[str, Any], *, seconds: float) -> DeviceRun:
-        mode = str(raw["mode"])
-        return cls(
-            device=str(raw["device"]),
-            mode=mode,
-            status=raw["status"],
-            seconds=round(seconds, 3),
-            regimes=tuple(
-                RegimeResult(
-                    name=r["name"],
-                    label=r["label"],
-                    seconds=float(r["seconds"]),
-                    seq_seconds=tuple(float(s) for s in r.get("seq_seconds", ())),
-                    counters={k: int(v) for k, v in r["counters"].items()},
-                    verdict=_regime_verdict(r["counters"], mode=mode),
-                )
-                for r in raw.get("regimes", ())
-            ),
-            counters={k: int(v) for k, v in (raw.get("counters") or {}).items()},
-            error=ErrorInfo.from_dict(raw["error"]) if raw.get("error") else None,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "device": self.device,
-            "mode": self.mode,
-            "status": self.status,
-            "seconds": self.seconds,
-            "regimes": [r.to_dict() for r in self.regimes],
-            "counters": dict(self.counters),
-            "error": self.error.to_dict() if self.error else None,
-        }
-        if self.mode == "verify":
-            out["effective"] = self.effective
-        return out
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """A verify of one workload against one cache dir on each device."""
-
-    workload: str
-    workload_digest: str
-    cache_dir: str
-    devices: tuple[DeviceRun, ...]
-    seconds: float
-
-    @property
-    def effective(self) -> bool:
-        return bool(self.devices) and all(run.effective for run in self.devices)
-
-    @property
-    def status(self) -> VerifyStatus:
-        if any(run.status != "ok" for run in self.devices):
-            return "failed"
-        return "verified" if self.effective else "not_effective"
-
-    @property
-    def exit_code(self) -> int:
-        return _EXIT_CODES[self.status]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "workload_digest": self.workload_digest,
-            "cache_dir": self.cache_dir,
-            "status": self.status,
-            "effective": self.effective,
-            "seconds": self.seconds,
-            "devices": [run.to_dict() for run in self.devices],
-        }
-
-
-@dataclass(frozen=True)
-class PrewarmReport:
-    """A prewarm: cold compiles per device, the merge into the cache dir, then a verify."""
-
-    workload: str
-    workload_digest: str
-    cache_dir: str
-    devices: tuple[DeviceRun, ...]
-    seconds: float
-    merged: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> restore report
-    verify: VerifyReport | None = None
-    error: ErrorInfo | None = None  # a failure outside any child (the merge)
-
-    @property
-    def status(self) -> PrewarmStatus:
-        if any(run.status == "error" for run in self.devices):
-            return "cold_compile_broken"
-        if self.error is not None or any(run.status != "ok" for run in self.devices):
-            return "failed"
-        if self.verify is None:
-            return "failed"
-        return self.verify.status
-
-    @property
-    def exit_code(self) -> int:
-        return _EXIT_CODES[self.status]
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """The manifest's ``stats``: verified when ``stats["verify"]["effective"]``."""
-        verify: dict[str, Any] = {"effective": False, "status": self.status}
-        if self.verify is not None:
-            verify = {
-                "effective": self.verify.effective,
-                "status": self.verify.status,
-                "seconds": self.verify.seconds,
-                "devices": {run.device: _run_stats(run) for run in self.verify.devices},
-            }
-        return {
-            "prewarm": {
-                "status": self.status,
-                "seconds": self.seconds,
-                "devices": {run.device: _run_stats(run) for run in self.devices},
-            },
-            "verify": verify,
-            "devices": [run.device for run in self.devices],
-        }
-
-    def raise_for_status(self) -> None:
-        """Raise ColdCompileBroken or PrewarmFailed unless the cache is verified effective."""
-        if self.status == "verified":
-            return
-        first = self.error or next((r.error for r in self.devices if r.error), None)
-        detail = f"{first.type}: {first.message} ({first.where})" if first else self.status
-        if self.status == "cold_compile_broken":
-            raise ColdCompileBroken(f"workload {self.workload!r}: cold compile raised {detail}")
-        raise PrewarmFailed(f"workload {self.workload!r}: prewarm {self.status}: {detail}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "workload_digest": self.workload_digest,
-            "cache_dir": self.cache_dir,
-            "status": self.status,
-            "seconds": self.seconds,
-            "devices": [run.to_dict() for run in self.devices],
-            "merged": {k: dict(v) for k, v in self.merged.items()},
-            "verify": self.verify.to_dict() if self.verify else None,
-            "error": self.error.to_dict() if self.error else None,
-            "stats": self.stats,
-        }
-
-
-def _run_stats(run: DeviceRun) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "status": run.status,
-        "seconds": run.seconds,
-        "counters": dict(run.counters),
-        "regimes": [r.to_dict() for r in run.regimes],
-    }
-    if run.mode == "verify":
-        out["effective"] = run.effective
-    return out
-
-
-# -- human-readable reports ----------------------------------------------------------------
-
-
-def _counts(counters: dict[str, int]) -> str:
-    short = {
-        "fxgraph_cache_hit": "fx hit",
-        "fxgraph_cache_miss": "fx miss",
-        "fxgraph_cache_bypass": "fx bypass",
-        "autograd_cache_hit": "aot hit",
-        "autograd_cache_miss": "aot miss",
-        "autograd_cache_bypass": "aot bypass",
-    }
-    parts = [f"{label} {counters[key]}" for key, label in short.items() if counters.get(key)]
-    return ", ".join(parts) or "no cache activity"
-
-
-def _error_lines(run: DeviceRun) -> list[str]:
-    if run.error is None:
-        return []
-    err = run.error
-    lines = [f"    {err.type}: {err.message}" + (f"  (in {err.where})" if err.where else "")]
-    lines += [f"      {line}" for line in err.traceback_tail]
-    return lines
-
-
-def _run_lines(run: DeviceRun) -> list[str]:
-    head = (
-        f"  {run.device}  {run.mode} {run.status}  {run.seconds:.1f} s  [{_counts(run.counters)}]"
-    )
-    if run.mode == "verify":
-        head += "  effective" if run.effective else "  NOT effective"
-    lines = [head]
-    for r in run.regimes:
-        seqs = " + ".join(f"{s:.1f}" for s in r.seq_seconds) or f"{r.seconds:.1f}"
-        lines.append(f"    {r.name:<14} {r.label}")
-        lines.append(f"    {'':<14} {seqs} s  [{_counts(r.counters)}]  {r.verdict}")
-    return lines + _error_lines(run)
-
-
-def format_verify(report: VerifyReport) -> str:
-    lines = [
-        f"verify {report.workload} against {report.cache_dir}: {report.status} "
-        f"({report.seconds:.1f} s)"
-    ]
-    for run in report.devices:
-        lines += _run_lines(run)
-    return "\n".join(lines)
-
-
-def format_prewarm(report: PrewarmReport) -> str:
-    lines = [
-        f"prewarm {report.workload} into {report.cache_dir}: {report.status} "
-        f"({report.seconds:.1f} s)"
-    ]
-    for run in report.devices:
-        lines += _run_lines(run)
-    for device, merged in report.merged.items():
-        lines.append(
-            f"  merged {device}: {merged.get('written', 0)} files written, "
-            f"{merged.get('skipped', 0)} already present, "
-            f"{len(merged.get('conflicts', ()))} conflicts kept"
-        )
-    if report.error is not None:
-        lines.append(f"  {report.error.type}: {report.error.message}")
-    if report.status == "cold_compile_broken":
-        lines.append("  nothing was merged into the cache dir")
-    if report.verify is not None:
-        lines.append(format_verify(report.verify))
-    return "\n".join(lines)

@@ -17,7 +17,8 @@ from cachekeeper.cli import COMMANDS, cli
     [
         "cachekeeper.server.app",
         "cachekeeper.client",
-        "cachekeeper.cli.remote",
+        "cachekeeper.cli.transfer",
+        "cachekeeper.client.agent",
         "cachekeeper.cli.serve",
     ],
 )

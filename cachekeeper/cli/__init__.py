@@ -20,44 +20,47 @@ __all__ = ["main", "cli"]
 # `cachekeeper --help` lists every command without importing any of them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "fingerprint": (
-        "cachekeeper.cli.core:fingerprint_cmd",
+        "cachekeeper.cli.fingerprint:fingerprint_cmd",
         "Print this machine's environment fingerprint.",
     ),
     "explain": (
-        "cachekeeper.cli.core:explain_cmd",
+        "cachekeeper.cli.fingerprint:explain_cmd",
         "Explain field by field why this node can or cannot use a snapshot.",
     ),
     "snapshot": (
-        "cachekeeper.cli.core:snapshot_cmd",
+        "cachekeeper.cli.snapshot:snapshot_cmd",
         "Snapshot a cache dir into the local store and a one-file archive.",
     ),
     "restore": (
-        "cachekeeper.cli.core:restore_cmd",
+        "cachekeeper.cli.snapshot:restore_cmd",
         "Restore a snapshot (archive file or id) into a cache dir, safely.",
     ),
-    "inspect": ("cachekeeper.cli.core:inspect_cmd", "Show a snapshot archive's manifest summary."),
-    "ls": ("cachekeeper.cli.core:ls_cmd", "List snapshots in the local store."),
-    "rm": ("cachekeeper.cli.core:rm_cmd", "Remove snapshots from the local store."),
-    "gc": ("cachekeeper.cli.core:gc_cmd", "Delete local blobs no stored snapshot references."),
+    "inspect": (
+        "cachekeeper.cli.snapshot:inspect_cmd",
+        "Show a snapshot archive's manifest summary.",
+    ),
+    "ls": ("cachekeeper.cli.store:ls_cmd", "List snapshots in the local store."),
+    "rm": ("cachekeeper.cli.store:rm_cmd", "Remove snapshots from the local store."),
+    "gc": ("cachekeeper.cli.store:gc_cmd", "Delete local blobs no stored snapshot references."),
     "prewarm": (
-        "cachekeeper.cli.compile:prewarm_cmd",
+        "cachekeeper.cli.prewarm:prewarm_cmd",
         "Cold-compile a workload per device in fresh processes, merge, verify.",
     ),
     "verify": (
-        "cachekeeper.cli.compile:verify_cmd",
+        "cachekeeper.cli.verify:verify_cmd",
         "Prove a cache dir is effective for a workload (zero misses).",
     ),
     "serve": ("cachekeeper.cli.serve:serve_cmd", "Run the cache server (FastAPI under uvicorn)."),
     "push": (
-        "cachekeeper.cli.remote:push_cmd",
+        "cachekeeper.cli.transfer:push_cmd",
         "Snapshot a cache dir and upload it to the server.",
     ),
     "pull": (
-        "cachekeeper.cli.remote:pull_cmd",
+        "cachekeeper.cli.transfer:pull_cmd",
         "Fetch and restore the snapshot matching this node.",
     ),
     "prejob": (
-        "cachekeeper.cli.remote:prejob_cmd",
+        "cachekeeper.cli.transfer:prejob_cmd",
         "Pre-job hook: restore the matching cache, print the env to export.",
     ),
     "agent": (

@@ -21,6 +21,7 @@ __all__ = [
     "device_option",
     "server_option",
     "token_option",
+    "mb",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,6 +50,11 @@ device_option = click.option(
     help="cpu, cuda (every visible GPU) or cuda:0,1,... "
     "[default: cuda when a GPU is visible, else cpu]",
 )
+
+
+def mb(n: int) -> str:
+    """A byte count for people: ``12.3 MB``."""
+    return f"{n / 1e6:.1f} MB"
 
 
 def echo_err(message: str) -> None:

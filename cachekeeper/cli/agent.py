@@ -1,4 +1,4 @@
-"""``cachekeeper agent``: the builder daemon, a thin adapter over ``cachekeeper.agent``.
+"""``cachekeeper agent``: the builder daemon, a thin adapter over ``cachekeeper.client.agent``.
 
 Exit codes: 0 after ``--once`` when every workload is warm or its outcome (built, broken,
 failed) was reported, and after SIGTERM/SIGINT; 1 when the server cannot be reached or
@@ -85,9 +85,9 @@ def agent_cmd(
     agent carries on. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
     Progress goes to stderr; --json prints each round's report on stdout.
     """
-    from cachekeeper.agent import AgentOptions, RoundReport, StopSignal, run_agent
+    from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
     from cachekeeper.client.api import CacheClient
-    from cachekeeper.prewarm import select_devices
+    from cachekeeper.devices import select_devices
     from cachekeeper.store import default_home
 
     if not server:

@@ -1,6 +1,6 @@
 """CacheClient's own logic through httpx's transport seam: retries, deadlines, error mapping.
 
-What only a real server shows (uploads, archives, auth) is in test_remote_e2e.py.
+What only a real server shows (uploads, archives, auth) is in tests/e2e/test_push_pull_prejob.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workload files: parsing, every validation error, devices, mods and reports (no compiles)."""
+"""Workload files: parsing and every validation error (no compiles)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.errors import PrewarmFailed, WorkloadInvalid
-from cachekeeper.prewarm import parse_devices
-from cachekeeper.verify import DeviceRun, PrewarmReport, VerifyReport, is_effective
+from cachekeeper.errors import WorkloadInvalid
 from cachekeeper.workload import load_workload, parse_workload
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,98 +274,8 @@ def test_load_workload_errors_name_the_file(tmp_path: Path) -> None:
 def test_parser_and_mods_import_no_torch() -> None:
     code = (
         "import sys, cachekeeper.workload, cachekeeper.mods, cachekeeper.prewarm, "
-        "cachekeeper.verify, cachekeeper.cli.compile\n"
+        "cachekeeper.verify, cachekeeper.reports, cachekeeper.devices, cachekeeper.children, "
+        "cachekeeper.cli.prewarm, cachekeeper.cli.verify\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_parse_devices() -> None:
-    assert parse_devices("cpu", visible=[]) == ["cpu"]
-    assert parse_devices("cuda", visible=[0, 1, 2]) == ["cuda:0", "cuda:1", "cuda:2"]
-    assert parse_devices("cuda:0,2", visible=[0, 1, 2]) == ["cuda:0", "cuda:2"]
-    assert parse_devices("cuda:1", visible=[0, 1]) == ["cuda:1"]
-    with pytest.raises(PrewarmFailed, match="no GPU is visible"):
-        parse_devices("cuda", visible=[])
-    with pytest.raises(PrewarmFailed, match=r"cuda:3 is not visible \(visible: 0,1\)"):
-        parse_devices("cuda:0,3", visible=[0, 1])
-    with pytest.raises(PrewarmFailed, match="'x' is not a GPU index"):
-        parse_devices("cuda:0,x", visible=[0])
-    with pytest.raises(PrewarmFailed, match="expected 'cpu', 'cuda'"):
-        parse_devices("tpu", visible=[0])
-
-
-def test_mod_factories_resolve_and_refuse(tmp_path: Path) -> None:
-    from cachekeeper import mods
-
-    assert mods.build_mask_mod("none", {}, field="f") is None
-    mask = mods.build_mask_mod("sliding_window", {"window": 4}, field="f")
-    assert mask is not None and mask(0, 0, 10, 7) and not mask(0, 0, 10, 6)
-    doc = mods.build_mask_mod("document_causal", {"doc_len": 8}, field="f")
-    assert doc is not None and doc(0, 0, 9, 8) and not doc(0, 0, 9, 7) and not doc(0, 0, 8, 9)
-    prefix = mods.build_mask_mod("prefix_lm", {"prefix_len": 4}, field="f")
-    assert prefix is not None and prefix(0, 0, 1, 3) and not prefix(0, 0, 5, 6)
-    with pytest.raises(
-        WorkloadInvalid, match=r"attention\[2\].mask: cannot import module 'no_such_pkg_xyz.m'"
-    ):
-        mods.build_mask_mod("no_such_pkg_xyz.m:f", {}, field="attention[2].mask")
-    with pytest.raises(WorkloadInvalid, match=r"f: 'cachekeeper.mods:nope': no attribute 'nope'"):
-        mods.load_object("cachekeeper.mods:nope", field="f")
-    with pytest.raises(WorkloadInvalid, match="is not callable"):
-        mods.load_object("cachekeeper.mods:__all__", field="f")
-    with pytest.raises(WorkloadInvalid, match=r"f: calling 'cachekeeper.mods:causal' with"):
-        mods.build_mask_mod("cachekeeper.mods:causal", {"x": 1}, field="f")
-
-
-def _run(mode: str, counters: dict[str, int], status: str = "ok") -> DeviceRun:
-    return DeviceRun.from_result(
-        {
-            "device": "cpu",
-            "mode": mode,
-            "status": status,
-            "regimes": [
-                {"name": "attention[0]", "label": "l", "seconds": 1.0, "counters": counters}
-            ],
-            "counters": counters,
-            "error": None,
-        },
-        seconds=2.0,
-    )
-
-
-def test_effective_rule() -> None:
-    hit = {"fxgraph_cache_hit": 2, "autograd_cache_hit": 2}
-    assert is_effective(hit)
-    assert not is_effective({})  # installed but unused never passes
-    assert not is_effective({**hit, "fxgraph_cache_miss": 1})
-    assert not is_effective({**hit, "fxgraph_cache_bypass": 1})
-    assert not is_effective({**hit, "autograd_cache_miss": 1})
-    assert not is_effective({"autograd_cache_hit": 1})
-    report = VerifyReport("w", "0" * 64, "/c", (_run("verify", hit),), 1.0)
-    assert (report.status, report.exit_code, report.devices[0].regimes[0].verdict) == (
-        "verified",
-        0,
-        "hit",
-    )
-    missed = VerifyReport("w", "0" * 64, "/c", (_run("verify", {"fxgraph_cache_miss": 1}),), 1.0)
-    assert (missed.status, missed.exit_code) == ("not_effective", 1)
-    crashed = VerifyReport("w", "0" * 64, "/c", (_run("verify", hit, "crashed"),), 1.0)
-    assert (crashed.status, crashed.exit_code) == ("failed", 2)
-
-
-def test_prewarm_report_status_and_stats() -> None:
-    compiled = _run("prewarm", {"fxgraph_cache_miss": 1, "autograd_cache_miss": 1})
-    ok_verify = VerifyReport("w", "0" * 64, "/c", (_run("verify", {"fxgraph_cache_hit": 1}),), 1.0)
-    report = PrewarmReport("w", "0" * 64, "/c", (compiled,), 3.0, verify=ok_verify)
-    assert report.status == "verified" and report.exit_code == 0
-    assert report.stats["verify"]["effective"] is True
-    assert report.stats["devices"] == ["cpu"]
-    assert report.stats["prewarm"]["devices"]["cpu"]["regimes"][0]["verdict"] == "compiled"
-    report.raise_for_status()
-    broken = PrewarmReport("w", "0" * 64, "/c", (_run("prewarm", {}, "error"),), 3.0)
-    assert broken.status == "cold_compile_broken" and broken.exit_code == 3
-    assert broken.stats["verify"]["effective"] is False
-    from cachekeeper.errors import ColdCompileBroken
-
-    with pytest.raises(ColdCompileBroken):
-        broken.raise_for_status()

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.prewarm import parse_devices, prewarm, verify
-from cachekeeper.verify import PrewarmReport, ProgressEvent
+from cachekeeper.devices import parse_devices
+from cachekeeper.prewarm import prewarm
+from cachekeeper.reports import PrewarmReport, ProgressEvent
+from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload, parse_workload
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,1 @@
+"""Hardening, across packages: faults and hostile input (kills mid-restore, concurrent\npulls and pushes, attacker-made archives and manifests, API auth fuzzing, signed snapshots,\nserver faults); each test records its outcome for docs/reliability.md (see conftest.py)."""

@@ -1,4 +1,6 @@
-"""``push``, ``pull`` and ``prejob``: the commands that talk to the cache server.
+"""Transfer commands: ``push``, ``pull`` and ``prejob`` move snapshots to and from the server.
+
+They share the server/token, workload, driver-policy and device options, and the rule below.
 
 Kept light on purpose: ``prejob`` runs before every training job, so this module imports
 only click at load time; httpx, the restore code and rich (for push's progress bar) are
@@ -14,14 +16,18 @@ from typing import Any
 import click
 
 from cachekeeper.cli._common import (
+    device_option,
     echo_err,
     emit_json,
     handle_errors,
     json_option,
+    mb,
     server_option,
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option, trust_option, trust_paths, trusted_keys
+from cachekeeper.devices import requested_devices
+from cachekeeper.errors import CachekeeperError
 
 __all__ = ["push_cmd", "pull_cmd", "prejob_cmd"]
 
@@ -35,31 +41,34 @@ driver_policy_option = click.option(
     show_default=True,
     help="Which builder drivers this node accepts (newer: not newer than this node's).",
 )
+# The deprecated spelling of --device (pull and prejob took a list of cuda:N before every
+# command shared --device's grammar). Still accepted; a note on stderr says so.
 devices_option = click.option(
-    "--devices",
-    metavar="LIST",
-    help="Devices the job will use, e.g. cuda:0,cuda:1 (default: every visible GPU).",
+    "--devices", metavar="LIST", help="Deprecated spelling of --device (cuda:0,cuda:1)."
 )
 
 
-def _devices(raw: str | None) -> list[str] | None:
-    if not raw:
-        return None
-    out = [d.strip() for d in raw.split(",") if d.strip()]
+def _devices(device: str | None, devices: str | None) -> list[str] | None:
+    """The devices the job will use, from --device (or the deprecated --devices)."""
+    if devices is None:
+        try:
+            return requested_devices(device)
+        except CachekeeperError as exc:
+            raise click.BadParameter(exc.detail, param_hint="--device") from exc
+    if device is not None:
+        raise click.UsageError("pass --device only (--devices is its deprecated spelling)")
+    echo_err("cachekeeper: --devices is deprecated; use --device (e.g. --device cuda:0,1)")
+    out = [d.strip() for d in devices.split(",") if d.strip()]
     for d in out:
         if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
             raise click.BadParameter(f"{d!r} is not 'cpu' or 'cuda:N'", param_hint="--devices")
-    return out
+    return out or None
 
 
 def _require_server(server: str | None) -> str:
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     return server
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 @click.command("push")
@@ -104,12 +113,10 @@ def push_cmd(
     state = "published" if report.created else "already published"
     click.echo(f"snapshot {report.snapshot_id} {state} for workload {report.workload!r}")
     click.echo(
-        f"  uploaded     {report.uploaded_blobs} blobs, {_mb(report.uploaded_bytes)} "
-        f"({_mb(report.uploaded_wire_bytes)} compressed)"
+        f"  uploaded     {report.uploaded_blobs} blobs, {mb(report.uploaded_bytes)} "
+        f"({mb(report.uploaded_wire_bytes)} compressed)"
     )
-    click.echo(
-        f"  deduplicated {report.deduplicated_blobs} blobs, {_mb(report.deduplicated_bytes)}"
-    )
+    click.echo(f"  deduplicated {report.deduplicated_blobs} blobs, {mb(report.deduplicated_bytes)}")
 
 
 class _progress_bar:
@@ -157,6 +164,7 @@ class _progress_bar:
 @server_option
 @token_option
 @driver_policy_option
+@device_option
 @devices_option
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Overall limit (s).")
 @trust_option
@@ -168,6 +176,7 @@ def pull_cmd(
     server: str | None,
     token: str | None,
     driver_policy: str,
+    device: str | None,
     devices: str | None,
     timeout_s: float | None,
     trust: tuple[Path, ...],
@@ -190,7 +199,7 @@ def pull_cmd(
             workload=workload,
             cache_dir=cache_dir,
             driver_policy=driver_policy,
-            devices=_devices(devices),
+            devices=_devices(device, devices),
             deadline=Deadline(timeout_s),
             trusted_keys=trusted,
         )
@@ -230,6 +239,7 @@ def pull_cmd(
     help="Also write the export lines to this file (atomically).",
 )
 @driver_policy_option
+@device_option
 @devices_option
 @trust_option
 @click.option(
@@ -248,6 +258,7 @@ def prejob_cmd(
     strict: bool,
     env_file: Path | None,
     driver_policy: str,
+    device: str | None,
     devices: str | None,
     trust: tuple[Path, ...],
     as_json: bool,
@@ -269,7 +280,7 @@ def prejob_cmd(
         cache_dir=cache_dir,
         timeout_s=timeout_s,
         driver_policy=driver_policy,
-        devices=_devices(devices),
+        devices=_devices(device, devices),
         trust=trust_paths(trust),
     )
     lines = export_lines(report.exports)

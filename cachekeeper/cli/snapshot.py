@@ -1,4 +1,4 @@
-"""Core commands: fingerprint, explain, snapshot, restore, inspect, ls, rm, gc.
+"""Snapshot commands: snapshot, restore, inspect.
 
 Each parses, makes one library call, and prints (``--json`` for scripts). A snapshot is
 named by an archive file path or by a local store id (or a unique id prefix).
@@ -16,27 +16,14 @@ from typing import Any
 
 import click
 
-from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option, mb
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.manifest import Manifest
 
-__all__ = [
-    "fingerprint_cmd",
-    "explain_cmd",
-    "snapshot_cmd",
-    "restore_cmd",
-    "inspect_cmd",
-    "ls_cmd",
-    "rm_cmd",
-    "gc_cmd",
-]
+__all__ = ["snapshot_cmd", "restore_cmd", "inspect_cmd", "load_manifest"]
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def _load(ref: str) -> tuple[Manifest, str]:
+def load_manifest(ref: str) -> tuple[Manifest, str]:
     """The manifest named by an archive path or a store id; and where it came from."""
     from cachekeeper.snapshot import read_archive_manifest
     from cachekeeper.store import LocalStore
@@ -66,81 +53,6 @@ def _progress(total_bytes: int, label: str) -> Iterator[Any]:
     ) as bar:
         task = bar.add_task(label, total=total_bytes)
         yield lambda n: bar.advance(task, n)
-
-
-@click.command("fingerprint")
-@json_option
-@handle_errors
-def fingerprint_cmd(as_json: bool) -> None:
-    """Print this machine's environment fingerprint and its digest."""
-    from cachekeeper.fingerprint import collect, digest_of
-
-    fp = collect()
-    digest = digest_of(fp)
-    if as_json:
-        emit_json({"digest": digest, "fingerprint": fp})
-        return
-    gpus = ", ".join(
-        f"{g.get('index')}: {g.get('name')} (sm {g.get('capability')})" for g in fp.get("gpus", [])
-    )
-    wheels = ", ".join(f"{k} {v}" for k, v in (fp.get("cuda_wheels") or {}).items())
-    for label, value in (
-        ("torch", fp.get("torch")),
-        ("triton", fp.get("triton")),
-        ("cuda", fp.get("cuda")),
-        ("driver", fp.get("driver")),
-        ("gpus", gpus or "none"),
-        ("cuda wheels", wheels or "none"),
-        ("python", fp.get("python")),
-        ("arch", fp.get("arch")),
-        ("env", ", ".join(f"{k}={v}" for k, v in (fp.get("env") or {}).items()) or "none"),
-        ("digest", digest),
-    ):
-        click.echo(f"{label:<12} {value}")
-
-
-@click.command("explain")
-@click.argument("snapshot")
-@click.option(
-    "--driver-policy",
-    type=click.Choice(["newer", "exact", "any"]),
-    default="newer",
-    show_default=True,
-    help="How the node's NVIDIA driver must relate to the builder's.",
-)
-@json_option
-@handle_errors
-def explain_cmd(snapshot: str, driver_policy: str, as_json: bool) -> None:
-    """Compare this node's fingerprint with a snapshot's, field by field.
-
-    SNAPSHOT is an archive file or a local store id. Exits 0 when this node can use
-    the snapshot, 1 when it cannot.
-    """
-    from cachekeeper.fingerprint import collect, compare
-
-    manifest, _ = _load(snapshot)
-    node = collect()
-    mismatches = compare(
-        node,
-        manifest.fingerprint,
-        driver_policy=driver_policy,  # type: ignore[arg-type]
-        devices=list(manifest.devices),
-    )
-    if as_json:
-        emit_json(
-            {
-                "snapshot_id": manifest.id,
-                "compatible": not mismatches,
-                "mismatches": [m.to_dict() for m in mismatches],
-            }
-        )
-    elif mismatches:
-        click.echo(f"snapshot {manifest.id[:12]} does NOT suit this node:")
-        for m in mismatches:
-            click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
-    else:
-        click.echo(f"snapshot {manifest.id[:12]} suits this node (driver policy {driver_policy})")
-    sys.exit(1 if mismatches else 0)
 
 
 @click.command("snapshot")
@@ -185,9 +97,9 @@ def snapshot_cmd(
         emit_json(result)
         return
     click.echo(f"snapshot {manifest.id}")
-    click.echo(f"  {len(manifest.files)} files, {_mb(manifest.size_bytes)}")
+    click.echo(f"  {len(manifest.files)} files, {mb(manifest.size_bytes)}")
     if output:
-        click.echo(f"  archive {output} ({_mb(archive_bytes or 0)})")
+        click.echo(f"  archive {output} ({mb(archive_bytes or 0)})")
 
 
 @click.command("restore")
@@ -250,7 +162,7 @@ def restore_cmd(
         else:
             click.echo(
                 f"restored {report.snapshot_id[:12]} into {cache_dir}: {report.written} written "
-                f"({_mb(report.bytes_written)}), {report.skipped} already present, "
+                f"({mb(report.bytes_written)}), {report.skipped} already present, "
                 f"{len(report.conflicts)} conflicts"
             )
     for rel in report.conflicts:
@@ -264,7 +176,7 @@ def restore_cmd(
 @handle_errors
 def inspect_cmd(snapshot: str, show_files: bool, as_json: bool) -> None:
     """Show a snapshot's manifest summary (archive file or local store id)."""
-    manifest, origin = _load(snapshot)
+    manifest, origin = load_manifest(snapshot)
     if as_json:
         body = manifest.to_dict()
         body["id"] = manifest.id
@@ -278,7 +190,7 @@ def inspect_cmd(snapshot: str, show_files: bool, as_json: bool) -> None:
         ("source", origin),
         ("workload", manifest.workload or "-"),
         ("devices", ", ".join(manifest.devices) or "-"),
-        ("files", f"{len(manifest.files)} ({_mb(manifest.size_bytes)})"),
+        ("files", f"{len(manifest.files)} ({mb(manifest.size_bytes)})"),
         ("blobs", len(manifest.digests)),
         ("verified", "yes" if manifest.verified else "no"),
         ("signed", "yes" if manifest.signature else "no"),
@@ -291,75 +203,3 @@ def inspect_cmd(snapshot: str, show_files: bool, as_json: bool) -> None:
     if show_files:
         for entry in manifest.files:
             click.echo(f"{entry.mode:o} {entry.size_bytes:>12} {entry.digest[:12]} {entry.path}")
-
-
-@click.command("ls")
-@json_option
-@handle_errors
-def ls_cmd(as_json: bool) -> None:
-    """List snapshots in the local store, newest first."""
-    from cachekeeper.store import LocalStore
-
-    rows = LocalStore().list()
-    if as_json:
-        emit_json([r.to_dict() for r in rows])
-        return
-    if not rows:
-        click.echo("no snapshots in the local store")
-        return
-    click.echo(
-        f"{'ID':<14}{'WORKLOAD':<20}{'DEVICES':<16}{'FILES':>7}{'SIZE':>12}  VERIFIED  CREATED"
-    )
-    for r in rows:
-        click.echo(
-            f"{r.id[:12]:<14}{(r.workload or '-')[:19]:<20}{','.join(r.devices)[:15]:<16}"
-            f"{r.file_count:>7}{_mb(r.size_bytes):>12}  {'yes' if r.verified else 'no':<8}  "
-            f"{r.created_at:%Y-%m-%d %H:%M}"
-        )
-
-
-def _run_plan(plan: Any, *, dry_run: bool, as_json: bool, what: str) -> None:
-    freed = 0 if dry_run else plan.execute()
-    body = {**plan.to_dict(), "dry_run": dry_run}
-    if not dry_run:
-        body["freed_bytes"] = freed
-    if as_json:
-        emit_json(body)
-        return
-    verb = "would free" if dry_run else "freed"
-    click.echo(
-        f"{what}: {len(plan.snapshot_ids)} snapshots, {len(plan.blob_digests)} blobs; "
-        f"{verb} {_mb(body['freed_bytes'])}"
-    )
-
-
-@click.command("rm")
-@click.argument("ids", nargs=-1, required=True)
-@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@json_option
-@handle_errors
-def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> None:
-    """Remove snapshots (ids or unique prefixes) and the blobs only they use."""
-    from cachekeeper.store import LocalStore
-
-    plan = LocalStore().plan_remove(list(ids))
-    if not dry_run and not yes:
-        click.confirm(
-            f"Delete {len(plan.snapshot_ids)} snapshots and {len(plan.blob_digests)} blobs "
-            f"({_mb(plan.freed_bytes)})?",
-            abort=True,
-            err=True,
-        )
-    _run_plan(plan, dry_run=dry_run, as_json=as_json, what="rm")
-
-
-@click.command("gc")
-@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
-@json_option
-@handle_errors
-def gc_cmd(dry_run: bool, as_json: bool) -> None:
-    """Delete local blobs that no stored snapshot references."""
-    from cachekeeper.store import LocalStore
-
-    _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")

@@ -22,7 +22,7 @@ from cachekeeper.server.settings import Settings
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore
-from tests.client.test_prejob_faults import make_cache
+from tests.client.test_prejob import make_cache
 from tests.conftest import run_probe
 from tests.helpers.live_server import start_server
 

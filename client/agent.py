@@ -53,7 +53,8 @@ from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient
-    from cachekeeper.verify import PrewarmReport, ProgressEvent
+
+    from cachekeeper.reports import PrewarmReport, ProgressEvent
 
 __all__ = [
     "AgentOptions",
@@ -378,6 +379,7 @@ class _Builder:
 
     def _build(self, workload: Any, started: float) -> WorkloadOutcome:
         from cachekeeper.client.push import push
+
         from cachekeeper.prewarm import prewarm
         from cachekeeper.store import LocalStore
 

@@ -1,0 +1,188 @@
+"""Run a workload in fresh child processes, one per device, and collect their results.
+
+Prewarm and verify both run here: each child is ``python -m cachekeeper._child`` with its
+own ``TORCHINDUCTOR_CACHE_DIR`` (``TRITON_CACHE_DIR`` removed, so Triton's cache lands in
+``<cache dir>/triton/<index>``). The work area is a temp folder next to the cache dir (same
+filesystem), removed when done::
+
+    <cache_dir parent>/.cachekeeper-prewarm-XXXX/
+      workload.toml               # the workload text the children read
+      staging-cuda_0/             # prewarm: cuda:0's empty-at-start TORCHINDUCTOR_CACHE_DIR
+      result-<mode>-cuda_0.json   # cuda:0's result (see cachekeeper._child)
+      stdout-<mode>-cuda_0.log    # what the workload printed
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cachekeeper._child import PROGRESS_PREFIX
+from cachekeeper.errors import PrewarmFailed
+from cachekeeper.reports import DeviceRun, ErrorInfo, Progress, ProgressEvent
+from cachekeeper.workload import Workload
+
+__all__ = ["work_area", "run_children", "slug"]
+
+_STDERR_TAIL = 40
+
+
+class work_area:
+    """A temp folder next to ``cache_dir`` (created with its parents), removed on exit."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.parent = cache_dir.parent
+
+    def __enter__(self) -> Path:
+        try:
+            self.parent.mkdir(parents=True, exist_ok=True)
+            self.path = Path(tempfile.mkdtemp(prefix=".cachekeeper-prewarm-", dir=self.parent))
+        except OSError as exc:
+            raise PrewarmFailed(
+                f"cannot create a work area in {self.parent}: {exc.strerror}"
+            ) from exc
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def slug(device: str) -> str:
+    return device.replace(":", "_")
+
+
+class _Child:
+    """One running child process and the thread that relays its stderr."""
+
+    def __init__(
+        self,
+        *,
+        device: str,
+        mode: str,
+        cache_dir: Path,
+        work: Path,
+        source: str,
+        progress: Progress | None,
+    ) -> None:
+        self.device = device
+        self.mode = mode
+        self.result_path = work / f"result-{mode}-{slug(device)}.json"
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
+        self.progress = progress
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+        command = [
+            sys.executable, "-m", "cachekeeper._child",
+            "--workload", str(work / "workload.toml"), "--source", source,
+            "--device", device, "--mode", mode, "--result", str(self.result_path),
+        ]  # fmt: skip
+        self.started = time.monotonic()
+        with open(work / f"stdout-{mode}-{slug(device)}.log", "wb") as stdout:
+            self.proc = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # so a timeout can kill the whole process group
+            )
+        self.reader = threading.Thread(target=self._relay, daemon=True)
+        self.reader.start()
+
+    def _relay(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.startswith(PROGRESS_PREFIX):
+                if self.progress is not None:
+                    try:
+                        event = json.loads(line[len(PROGRESS_PREFIX) :])
+                        event.pop("counters", None)
+                        self.progress(ProgressEvent(**event))
+                    except (ValueError, TypeError):
+                        pass
+            else:
+                self.stderr_tail.append(line)
+
+    def kill(self) -> None:
+        """Kill the child's whole process group (compile workers included), if any is left."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+    def wait(self, deadline: float | None) -> DeviceRun:
+        timed_out = False
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self.kill()
+        self.reader.join(timeout=10)
+        seconds = time.monotonic() - self.started
+        tail = tuple(self.stderr_tail)[-20:]
+        if timed_out:
+            return self._failed(
+                "timeout",
+                ErrorInfo("Timeout", f"no result after {seconds:.0f} s; killed", "", tail),
+                seconds,
+            )
+        try:
+            raw = json.loads(self.result_path.read_text("utf-8"))
+            return DeviceRun.from_result(raw, seconds=seconds)
+        except (OSError, ValueError, KeyError, TypeError):
+            message = f"exited with status {self.proc.returncode} without a result"
+            return self._failed("crashed", ErrorInfo("ChildCrashed", message, "", tail), seconds)
+
+    def _failed(self, status: Any, error: ErrorInfo, seconds: float) -> DeviceRun:
+        return DeviceRun(
+            device=self.device,
+            mode=self.mode,
+            status=status,
+            seconds=round(seconds, 3),
+            error=error,
+        )
+
+
+def run_children(
+    workload: Workload,
+    cache_dirs: dict[str, Path],
+    *,
+    mode: str,
+    work: Path,
+    progress: Progress | None,
+    timeout_s: float | None,
+) -> list[DeviceRun]:
+    """One child per device, all at once; wait for every one (each within ``timeout_s``)."""
+    (work / "workload.toml").write_text(workload.text, encoding="utf-8")
+    source = workload.source or f"{workload.name}.toml"
+    children: list[_Child] = []
+    try:
+        for device, cache_dir in cache_dirs.items():
+            children.append(
+                _Child(
+                    device=device,
+                    mode=mode,
+                    cache_dir=cache_dir,
+                    work=work,
+                    source=source,
+                    progress=progress,
+                )
+            )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return [child.wait(deadline) for child in children]
+    finally:
+        for child in children:
+            child.kill()

@@ -1,0 +1,62 @@
+"""``cachekeeper prewarm``: a thin adapter over cachekeeper.prewarm.
+
+Exit codes: 0 verified effective, 1 not effective, 2 error (bad workload, bad device,
+a child that crashed or timed out), 3 cold compile broken.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cachekeeper.cli._common import device_option, echo_err, emit_json, handle_errors, json_option
+
+__all__ = ["prewarm_cmd", "progress_to_stderr"]
+
+
+def progress_to_stderr(event: object) -> None:
+    echo_err(event.describe())  # type: ignore[attr-defined]
+
+
+@click.command(name="prewarm")
+@click.argument("workload", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The Inductor cache dir to fill (TORCHINDUCTOR_CACHE_DIR of the training job).",
+)
+@device_option
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
+@json_option
+@handle_errors
+def prewarm_cmd(
+    workload: Path, cache_dir: Path, device: str | None, timeout_s: float | None, as_json: bool
+) -> None:
+    """Cold-compile WORKLOAD on each device in fresh processes, merge into the cache dir
+    and verify it.
+
+    Each device compiles into an empty staging dir first; a cold compile that raises is
+    reported with its traceback, nothing is merged, and the exit code is 3. Progress goes
+    to stderr. Exit 0 when the merged cache verifies effective, 1 when it does not.
+    """
+    from cachekeeper.devices import select_devices
+    from cachekeeper.prewarm import prewarm
+    from cachekeeper.reports import format_prewarm
+    from cachekeeper.workload import load_workload
+
+    parsed = load_workload(workload)
+    report = prewarm(
+        parsed,
+        cache_dir,
+        devices=select_devices(device),
+        progress=None if as_json else progress_to_stderr,
+        timeout_s=timeout_s,
+    )
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(format_prewarm(report))
+    sys.exit(report.exit_code)

@@ -1,0 +1,87 @@
+"""Local store commands: ls, rm, gc.
+
+``rm`` and ``gc`` plan first (what would go, and the bytes it frees) and only then execute,
+so ``--dry-run`` shows exactly what a real run deletes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from cachekeeper.cli._common import emit_json, handle_errors, json_option, mb
+
+__all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
+
+
+@click.command("ls")
+@json_option
+@handle_errors
+def ls_cmd(as_json: bool) -> None:
+    """List snapshots in the local store, newest first."""
+    from cachekeeper.store import LocalStore
+
+    rows = LocalStore().list()
+    if as_json:
+        emit_json([r.to_dict() for r in rows])
+        return
+    if not rows:
+        click.echo("no snapshots in the local store")
+        return
+    click.echo(
+        f"{'ID':<14}{'WORKLOAD':<20}{'DEVICES':<16}{'FILES':>7}{'SIZE':>12}  VERIFIED  CREATED"
+    )
+    for r in rows:
+        click.echo(
+            f"{r.id[:12]:<14}{(r.workload or '-')[:19]:<20}{','.join(r.devices)[:15]:<16}"
+            f"{r.file_count:>7}{mb(r.size_bytes):>12}  {'yes' if r.verified else 'no':<8}  "
+            f"{r.created_at:%Y-%m-%d %H:%M}"
+        )
+
+
+def _run_plan(plan: Any, *, dry_run: bool, as_json: bool, what: str) -> None:
+    freed = 0 if dry_run else plan.execute()
+    body = {**plan.to_dict(), "dry_run": dry_run}
+    if not dry_run:
+        body["freed_bytes"] = freed
+    if as_json:
+        emit_json(body)
+        return
+    verb = "would free" if dry_run else "freed"
+    click.echo(
+        f"{what}: {len(plan.snapshot_ids)} snapshots, {len(plan.blob_digests)} blobs; "
+        f"{verb} {mb(body['freed_bytes'])}"
+    )
+
+
+@click.command("rm")
+@click.argument("ids", nargs=-1, required=True)
+@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+@handle_errors
+def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Remove snapshots (ids or unique prefixes) and the blobs only they use."""
+    from cachekeeper.store import LocalStore
+
+    plan = LocalStore().plan_remove(list(ids))
+    if not dry_run and not yes:
+        click.confirm(
+            f"Delete {len(plan.snapshot_ids)} snapshots and {len(plan.blob_digests)} blobs "
+            f"({mb(plan.freed_bytes)})?",
+            abort=True,
+            err=True,
+        )
+    _run_plan(plan, dry_run=dry_run, as_json=as_json, what="rm")
+
+
+@click.command("gc")
+@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@json_option
+@handle_errors
+def gc_cmd(dry_run: bool, as_json: bool) -> None:
+    """Delete local blobs that no stored snapshot references."""
+    from cachekeeper.store import LocalStore
+
+    _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")

@@ -1,0 +1,58 @@
+"""``cachekeeper verify``: a thin adapter over cachekeeper.verify.
+
+Exit codes: 0 verified effective, 1 not effective, 2 error (bad workload, bad device,
+a child that crashed or timed out).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cachekeeper.cli._common import device_option, emit_json, handle_errors, json_option
+from cachekeeper.cli.prewarm import progress_to_stderr
+
+__all__ = ["verify_cmd"]
+
+
+@click.command(name="verify")
+@click.argument("workload", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The Inductor cache dir to check.",
+)
+@device_option
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
+@json_option
+@handle_errors
+def verify_cmd(
+    workload: Path, cache_dir: Path, device: str | None, timeout_s: float | None, as_json: bool
+) -> None:
+    """Prove a cache dir is effective for WORKLOAD: run it in a fresh process per device.
+
+    Effective only with zero FX-graph misses and bypasses, zero AOTAutograd misses and at
+    least one hit. Exit 0 when effective, 1 when not, 2 on error. A run that misses
+    compiles what it misses, and Inductor adds those entries to the cache dir.
+    """
+    from cachekeeper.devices import select_devices
+    from cachekeeper.reports import format_verify
+    from cachekeeper.verify import verify
+    from cachekeeper.workload import load_workload
+
+    parsed = load_workload(workload)
+    report = verify(
+        parsed,
+        cache_dir,
+        devices=select_devices(device),
+        timeout_s=timeout_s,
+        progress=None if as_json else progress_to_stderr,
+    )
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(format_verify(report))
+    sys.exit(report.exit_code)
