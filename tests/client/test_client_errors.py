@@ -18,7 +18,7 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import Forbidden, Unauthorized
 from cachekeeper.store import LocalStore
-from tests.client.test_prejob_faults import make_cache
+from tests.client.test_prejob import make_cache
 from tests.helpers.live_server import LiveServer, start_server
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
