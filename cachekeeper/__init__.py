@@ -4,12 +4,47 @@ Prewarm torch.compile (Inductor) caches for the real training shapes, prove them
 effective, fingerprint them against the toolchain, store them as content-addressed
 snapshots, and restore the matching one on every training node before the job starts.
 
+The Python API a training script calls (docs/python-api.md)::
+
+    import os
+    import cachekeeper
+
+    report = cachekeeper.prejob(workload="drafter-gqa", server=os.environ["CACHEKEEPER_SERVER"])
+    os.environ.update(report.exports)  # before the first torch.compile
+
+and ``cachekeeper.mods`` for the mask_mods and score_mods a workload file names.
+
 This package never imports torch at module level: only prewarm and verify do, inside the
-child processes they start.
+child processes they start. ``prejob`` and ``PrejobReport`` load on first use (PEP 562), so
+``import cachekeeper`` stays as light as the hook needs.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from cachekeeper.errors import CachekeeperError
 
+if TYPE_CHECKING:
+    from cachekeeper.client.prejob import PrejobReport, prejob
+
 __version__ = "0.1.0"
 
-__all__ = ["CachekeeperError", "__version__"]
+__all__ = ["CachekeeperError", "PrejobReport", "prejob", "__version__"]
+
+_LAZY = {
+    "prejob": "cachekeeper.client.prejob",
+    "PrejobReport": "cachekeeper.client.prejob",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cachekeeper' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

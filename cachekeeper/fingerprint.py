@@ -340,6 +340,7 @@ def is_compatible(
     devices: list[str] | None = None,
     node_devices: list[str] | None = None,
 ) -> bool:
+    """True when ``compare`` finds no mismatch: the node can use the snapshot."""
     return not compare(
         node, snapshot, driver_policy=driver_policy, devices=devices, node_devices=node_devices
     )
