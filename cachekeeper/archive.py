@@ -1,31 +1,172 @@
-"""A minimal streaming tar reader for snapshot streams: fast, strict, non-seekable safe.
+"""The snapshot archive format: member names, header writing, and a strict streaming reader.
 
-``tarfile`` in stream mode (``"r|"``) re-slices its buffer on every read, which cost
-~1 s per 350 MB in the restore benchmark (as much as zstd decompression itself). A
-snapshot stream holds only regular-file members with short names, so this reader parses
-ustar headers itself (with PAX ``x`` records and GNU ``L`` long names, as ``tarfile``
-may write them), checks each header's checksum, and hands out each member's bytes
-straight from the underlying stream in large reads.
+Every writer and reader of an archive uses this module, so the format has one owner::
 
-It never touches the filesystem; the caller decides what a member name means, and gets
-the member's type so that links and devices can be refused.
+    zstd( tar( manifest.json       first member: the manifest's canonical JSON
+               blobs/<sha256>      each distinct blob once, its uncompressed bytes
+               ...                 in manifest order
+               two zero blocks ) ) the end of the tar
+
+Members are regular files with mode 0644, mtime 0, uid and gid 0 and no owner names.
+Headers are POSIX ustar (``tarfile``'s PAX format, which adds an ``x`` record only where
+ustar cannot hold a value: a blob of 8 GiB or more). The zstd stream may hold several
+frames (RFC 8878 section 3.1). ``zstd -d | tar -x`` unpacks an archive.
+
+Writers: ``cachekeeper.snapshot.write_archive`` (the one-file form, through ``write_tar``)
+and ``cachekeeper.server.archive`` (the streamed form: the pieces of ``layout``, with each
+large blob's stored zstd frame passed through without recompression).
+
+Reader: ``tarfile`` in stream mode (``"r|"``) re-slices its buffer on every read, which cost
+~1 s per 350 MB in the restore benchmark (as much as zstd decompression itself). An archive
+holds only regular-file members with short names, so ``iter_tar`` parses ustar headers
+itself (with PAX ``x`` records and GNU ``L`` long names, as other tar writers may write
+them), checks each header's checksum, and hands out each member's bytes straight from the
+underlying stream in large reads. It never touches the filesystem; the caller decides what
+a member name means (``blob_digest``), and gets the member's type so that links and devices
+can be refused. ``read_manifest_member`` reads and bounds the first member.
 """
 
 from __future__ import annotations
 
 import io
 import queue
+import tarfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-__all__ = ["TarMember", "TarFormatError", "iter_tar", "REGULAR", "ReadAhead"]
+import zstandard
 
+from cachekeeper.errors import BlobMissing, InvalidManifest, UnsupportedFormat
+from cachekeeper.manifest import MAX_FILES, Manifest, is_digest
+
+__all__ = [
+    "MANIFEST_MEMBER",
+    "BLOB_PREFIX",
+    "MAX_MANIFEST_BYTES",
+    "BLOCK",
+    "REGULAR",
+    "END_OF_ARCHIVE",
+    "BlobSlot",
+    "blob_member",
+    "blob_digest",
+    "member_header",
+    "padding",
+    "layout",
+    "write_tar",
+    "TarMember",
+    "TarFormatError",
+    "iter_tar",
+    "open_archive_stream",
+    "read_manifest_member",
+    "check_entry_count",
+    "ReadAhead",
+]
+
+MANIFEST_MEMBER = "manifest.json"
+BLOB_PREFIX = "blobs/"
+MAX_MANIFEST_BYTES = 256 << 20
 BLOCK = 512
 REGULAR = "0"
+END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
 _MAX_META_BYTES = 1 << 20
 _READ_BYTES = 1 << 20
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def blob_member(digest: str) -> str:
+    """The member name of a blob: ``blobs/<sha256>``."""
+    return BLOB_PREFIX + digest
+
+
+def blob_digest(name: str) -> str | None:
+    """The digest a member name ``blobs/<sha256>`` stands for; None for any other name."""
+    if not name.startswith(BLOB_PREFIX):
+        return None
+    digest = name[len(BLOB_PREFIX) :]
+    return digest if is_digest(digest) else None
+
+
+def member_header(name: str, size: int) -> bytes:
+    """The header block(s) of a regular-file member of ``size`` bytes (see module docstring)."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = 0
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+def padding(size: int) -> bytes:
+    """The zero bytes that follow a member of ``size`` bytes up to the next block."""
+    return b"\0" * (-size % BLOCK)
+
+
+@dataclass(frozen=True)
+class BlobSlot:
+    """Where a blob's bytes go in the tar: exactly ``size_bytes`` uncompressed bytes."""
+
+    digest: str
+    size_bytes: int
+
+
+def layout(manifest_json: bytes, blobs: Iterable[tuple[str, int]]) -> Iterator[bytes | BlobSlot]:
+    """The tar of an archive in order: bytes to write as they are, and a ``BlobSlot`` where
+    the writer puts that blob's bytes. ``blobs`` are (digest, size in bytes) pairs; a digest
+    given twice is written once."""
+    yield (
+        member_header(MANIFEST_MEMBER, len(manifest_json))
+        + manifest_json
+        + padding(len(manifest_json))
+    )
+    seen: set[str] = set()
+    for digest, size in blobs:
+        if digest in seen:
+            continue
+        seen.add(digest)
+        yield member_header(blob_member(digest), size)
+        yield BlobSlot(digest, size)
+        if size % BLOCK:
+            yield padding(size)
+    yield END_OF_ARCHIVE
+
+
+def write_tar(
+    sink: Any,
+    *,
+    manifest_json: bytes,
+    blobs: Iterable[tuple[str, int]],
+    open_blob: Callable[[str], BinaryIO],
+    chunk_bytes: int = _READ_BYTES,
+) -> None:
+    """Write the uncompressed tar of an archive to ``sink`` (anything with ``write``).
+
+    ``open_blob(digest)`` gives a blob's uncompressed bytes; a blob shorter than its
+    declared size raises ``BlobMissing`` (the tar would be corrupt), a longer one is cut
+    at the declared size as ``tarfile`` does.
+    """
+    for piece in layout(manifest_json, blobs):
+        if isinstance(piece, bytes):
+            sink.write(piece)
+            continue
+        left = piece.size_bytes
+        with open_blob(piece.digest) as blob:
+            while left > 0:
+                chunk = blob.read(min(left, chunk_bytes))
+                if not chunk:
+                    raise BlobMissing(
+                        f"blob {piece.digest} ends {left} bytes short of its declared "
+                        f"{piece.size_bytes}",
+                        extra={"missing": [piece.digest]},
+                    )
+                sink.write(chunk)
+                left -= len(chunk)
+
+
+# -- reading ---------------------------------------------------------------------------
 
 
 class TarFormatError(ValueError):
@@ -121,7 +262,7 @@ def _parse_pax(data: bytes) -> dict[str, str]:
     return records
 
 
-def _padding(size: int) -> int:
+def _pad_bytes(size: int) -> int:
     return (-size) % BLOCK
 
 
@@ -146,7 +287,7 @@ def iter_tar(stream: BinaryIO) -> Iterator[TarMember]:
         if kind in ("x", "g", "L"):
             if size > _MAX_META_BYTES:
                 raise TarFormatError(f"tar metadata member of {size} bytes")
-            data = _read_exact(stream, size + _padding(size))[:size]
+            data = _read_exact(stream, size + _pad_bytes(size))[:size]
             if len(data) < size:
                 raise TarFormatError("tar stream ends inside a metadata member")
             if kind == "x":
@@ -174,12 +315,12 @@ def iter_tar(stream: BinaryIO) -> Iterator[TarMember]:
         if kind not in (REGULAR, "7"):  # "7" (contiguous) is a regular file too
             size_of_data = size if kind not in ("1", "2", "3", "4", "5", "6") else 0
             yield TarMember(name, kind, size, _MemberReader(stream, 0))
-            _skip(stream, size_of_data + _padding(size_of_data))
+            _skip(stream, size_of_data + _pad_bytes(size_of_data))
             continue
         reader = _MemberReader(stream, size)
         yield TarMember(name, REGULAR, size, reader)
         reader.drain()
-        _skip(stream, _padding(size))
+        _skip(stream, _pad_bytes(size))
 
 
 def _skip(stream: BinaryIO, n: int) -> None:
@@ -188,6 +329,60 @@ def _skip(stream: BinaryIO, n: int) -> None:
         if not data:
             raise TarFormatError("tar stream ends inside a member")
         n -= len(data)
+
+
+def open_archive_stream(fh: BinaryIO, *, read_bytes: int = _READ_BYTES) -> BinaryIO:
+    """The uncompressed tar of a compressed archive read from ``fh``, decompressed across
+    frames in a background thread (``ReadAhead``)."""
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        fh, read_size=read_bytes, closefd=False, read_across_frames=True
+    )
+    return ReadAhead(reader)  # type: ignore[arg-type, return-value]
+
+
+def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
+    """Read the first member of an uncompressed tar stream; it must be ``manifest.json``.
+
+    Raises ``UnsupportedFormat`` for anything that is not an archive, and
+    ``InvalidManifest`` for a manifest over ``MAX_MANIFEST_BYTES`` or ``MAX_FILES``.
+    """
+    try:
+        member = next(iter_tar(stream), None)
+        if member is None or member.name != MANIFEST_MEMBER or not member.isreg():
+            raise UnsupportedFormat(
+                f"{source}: the first member is not a regular {MANIFEST_MEMBER}"
+            )
+        if member.size > MAX_MANIFEST_BYTES:
+            raise InvalidManifest(
+                f"{source}: {MANIFEST_MEMBER} is {member.size} bytes, over {MAX_MANIFEST_BYTES}"
+            )
+        data = _read_all(member.stream, member.size)
+    except (TarFormatError, zstandard.ZstdError) as exc:
+        raise UnsupportedFormat(f"{source} is not a cachekeeper archive: {exc}") from exc
+    check_entry_count(data, source=source)
+    return Manifest.from_json(data)
+
+
+def check_entry_count(data: bytes, *, source: str, max_files: int = MAX_FILES) -> None:
+    """Refuse a manifest listing more than ``max_files`` files before parsing it.
+
+    Counting the ``"digest"`` keys is a scan of the bytes; parsing first would build
+    millions of objects for a hostile manifest. (A key spelled with JSON escapes slips
+    past this count, and is then refused by ``Manifest.from_dict`` after parsing, which
+    the byte limit bounds.)
+    """
+    listed = data.count(b'"digest"')
+    if listed > max_files:
+        raise InvalidManifest(
+            f"{source}: manifest lists about {listed} files, over the limit of {max_files}"
+        )
+
+
+def _read_all(reader: _MemberReader, size: int) -> bytes:
+    parts = []
+    while chunk := reader.read(size):
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class ReadAhead(io.RawIOBase):

@@ -66,7 +66,14 @@ from typing import Any, BinaryIO, Protocol
 
 import zstandard
 
-from cachekeeper.archive import TarFormatError, TarMember, iter_tar
+from cachekeeper.archive import (
+    MANIFEST_MEMBER,
+    TarFormatError,
+    TarMember,
+    blob_digest,
+    iter_tar,
+    open_archive_stream,
+)
 from cachekeeper.errors import (
     BlobMissing,
     BlobTooLarge,
@@ -77,14 +84,7 @@ from cachekeeper.errors import (
 from cachekeeper.manifest import FileEntry, Manifest, is_digest
 from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present
 from cachekeeper.signing import TrustedKey, verify_manifest
-from cachekeeper.snapshot import (
-    BLOB_PREFIX,
-    MANIFEST_MEMBER,
-    hash_file,
-    open_archive_stream,
-    read_archive_manifest,
-    scan_dir,
-)
+from cachekeeper.snapshot import hash_file, read_archive_manifest, scan_dir
 from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
@@ -392,8 +392,8 @@ def restore_from_tar(
                 continue
             if not member.isreg():
                 raise UnsafePath(f"archive member {name!r} is not a regular file (link or device)")
-            digest = name[len(BLOB_PREFIX) :] if name.startswith(BLOB_PREFIX) else ""
-            if not is_digest(digest):
+            digest = blob_digest(name)
+            if digest is None:
                 raise UnsafePath(f"archive member {name!r} is not named blobs/<sha256>")
             entry = declared.get(digest)
             if entry is None:

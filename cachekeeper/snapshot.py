@@ -11,37 +11,29 @@ A symbolic link anywhere under the root is refused with ``LinkInCacheDir`` namin
 following it could pull in files from outside the cache, and dropping it silently would
 make a snapshot that differs from the dir.
 
-Archive layout (a zstd-compressed tar, one frame, written multi-threaded)::
-
-    manifest.json           # first member: the manifest's canonical JSON
-    blobs/<sha256>          # each distinct blob once, uncompressed inside the tar
-
-An archive is written to a temp file next to the output and appears by ``os.replace``.
+The one-file archive (``write_archive``) is the format of ``cachekeeper.archive``, in one
+zstd frame compressed multi-threaded. It is written to a temp file next to the output and
+appears by ``os.replace``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
-import tarfile
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import zstandard
 
 from cachekeeper import fingerprint as fingerprint_mod
-from cachekeeper.archive import ReadAhead, TarFormatError, iter_tar
+from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
-from cachekeeper.errors import InvalidManifest, LinkInCacheDir, UnsupportedFormat
-from cachekeeper.manifest import MAX_FILES, FileEntry, Manifest
+from cachekeeper.errors import LinkInCacheDir
+from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.store import LocalStore
 
 __all__ = [
-    "MANIFEST_MEMBER",
-    "BLOB_PREFIX",
-    "MAX_MANIFEST_BYTES",
     "is_excluded",
     "scan_dir",
     "hash_file",
@@ -49,14 +41,8 @@ __all__ = [
     "devices_of",
     "write_archive",
     "read_archive_manifest",
-    "check_entry_count",
-    "open_archive_stream",
 ]
 
-MANIFEST_MEMBER = "manifest.json"
-BLOB_PREFIX = "blobs/"
-MAX_MANIFEST_BYTES = 256 << 20
-TAR_BUFSIZE = 1 << 20
 _SMALL_FILE_BYTES = 8 << 20
 
 
@@ -197,95 +183,27 @@ def snapshot_dir(
     return manifest
 
 
-def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mode = 0o644
-    info.mtime = 0
-    info.type = tarfile.REGTYPE
-    return info
-
-
 def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:
     """Write the one-file archive of ``manifest`` to ``out``; returns its size in bytes."""
     out = Path(out)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
-    manifest_bytes = manifest.to_json().encode()
     params = zstandard.ZstdCompressionParameters.from_level(level, threads=-1)
     try:
         with open(tmp, "wb") as raw:
             compressor = zstandard.ZstdCompressor(compression_params=params)
             with compressor.stream_writer(raw, closefd=False) as zout:
-                with tarfile.open(
-                    fileobj=zout, mode="w|", format=tarfile.PAX_FORMAT, bufsize=TAR_BUFSIZE
-                ) as tar:
-                    tar.addfile(
-                        _tarinfo(MANIFEST_MEMBER, len(manifest_bytes)), io.BytesIO(manifest_bytes)
-                    )
-                    seen: set[str] = set()
-                    for entry in manifest.files:
-                        if entry.digest in seen:
-                            continue
-                        seen.add(entry.digest)
-                        with blobs.open(entry.digest) as blob:
-                            tar.addfile(
-                                _tarinfo(BLOB_PREFIX + entry.digest, entry.size_bytes), blob
-                            )
+                write_tar(
+                    zout,
+                    manifest_json=manifest.to_json().encode(),
+                    blobs=((e.digest, e.size_bytes) for e in manifest.files),
+                    open_blob=blobs.open,
+                )
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, out)
         return out.stat().st_size
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def open_archive_stream(fh: BinaryIO) -> BinaryIO:
-    """The uncompressed tar bytes of an archive file object (a zstd stream reader)."""
-    reader = zstandard.ZstdDecompressor().stream_reader(
-        fh, read_size=TAR_BUFSIZE, closefd=False, read_across_frames=True
-    )
-    return ReadAhead(reader)  # type: ignore[arg-type, return-value]
-
-
-def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
-    """Read the first member of an uncompressed tar stream; it must be ``manifest.json``."""
-    try:
-        member = next(iter_tar(stream), None)
-        if member is None or member.name != MANIFEST_MEMBER or not member.isreg():
-            raise UnsupportedFormat(
-                f"{source}: the first member is not a regular {MANIFEST_MEMBER}"
-            )
-        if member.size > MAX_MANIFEST_BYTES:
-            raise InvalidManifest(
-                f"{source}: {MANIFEST_MEMBER} is {member.size} bytes, over {MAX_MANIFEST_BYTES}"
-            )
-        data = _read_all(member.stream, member.size)
-    except (TarFormatError, zstandard.ZstdError) as exc:
-        raise UnsupportedFormat(f"{source} is not a cachekeeper archive: {exc}") from exc
-    check_entry_count(data, source=source)
-    return Manifest.from_json(data)
-
-
-def check_entry_count(data: bytes, *, source: str, max_files: int = MAX_FILES) -> None:
-    """Refuse a manifest listing more than ``max_files`` files before parsing it.
-
-    Counting the ``"digest"`` keys is a scan of the bytes; parsing first would build
-    millions of objects for a hostile manifest. (A key spelled with JSON escapes slips
-    past this count, and is then refused by ``Manifest.from_dict`` after parsing, which
-    the byte limit bounds.)
-    """
-    listed = data.count(b'"digest"')
-    if listed > max_files:
-        raise InvalidManifest(
-            f"{source}: manifest lists about {listed} files, over the limit of {max_files}"
-        )
-
-
-def _read_all(reader: Any, size: int) -> bytes:
-    parts = []
-    while chunk := reader.read(size):
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def read_archive_manifest(path: Path) -> Manifest:

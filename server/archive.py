@@ -8,37 +8,24 @@ padding and the small blobs (recompressed together, which compresses them better
 frame each). Decoders must read across frames: ``zstd -d`` does, and so does
 ``zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)``.
 
-Layout of the uncompressed tar: ``manifest.json`` first, then ``blobs/<digest>`` regular
-files (mode 0644, mtime 0), each distinct blob once, in the order given.
+The tar inside is the format of ``cachekeeper.archive`` (member names, headers, order):
+this module only decides which pieces of its ``layout`` to compress and which blobs to pass
+through as stored.
 """
 
 from __future__ import annotations
 
-import tarfile
 from collections.abc import Callable, Iterator, Sequence
 
 import zstandard
 
+from cachekeeper.archive import layout
 from cachekeeper.blobstore import BlobStore
 
 __all__ = ["archive_chunks", "SPLICE_MIN_BYTES", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 4 << 20  # what one yield carries (each yield is a thread hop in Starlette)
 SPLICE_MIN_BYTES = 64 << 10  # blobs at least this big are copied as their stored frame
-_BLOCK = 512
-
-
-def _header(name: str, size: int) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mode = 0o644
-    info.mtime = 0
-    info.type = tarfile.REGTYPE
-    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
-
-
-def _padding(size: int) -> bytes:
-    return b"\0" * (-size % _BLOCK)
 
 
 def archive_chunks(
@@ -86,26 +73,23 @@ def archive_chunks(
         pending_bytes = 0
         return data
 
-    small(_header("manifest.json", len(manifest_json)))
-    small(manifest_json)
-    small(_padding(len(manifest_json)))
-    for digest, size in blobs:
-        small(_header(f"blobs/{digest}", size))
-        if size >= splice_min_bytes:
+    for piece in layout(manifest_json, blobs):
+        if isinstance(piece, bytes):
+            small(piece)
+            continue
+        if piece.size_bytes >= splice_min_bytes:
             end_frame()
             if pending_bytes:
                 yield take()
-            with store.open_raw(digest) as raw:
+            with store.open_raw(piece.digest) as raw:
                 while chunk := raw.read(CHUNK_BYTES):
                     yield chunk
-        elif size:
-            with store.open(digest) as fh:
-                small(fh.read(size + 1))
-        small(_padding(size))
+        elif piece.size_bytes:
+            with store.open(piece.digest) as fh:
+                small(fh.read(piece.size_bytes + 1))
         if on_blob is not None:
-            on_blob(digest)
+            on_blob(piece.digest)
         if pending_bytes >= CHUNK_BYTES:
             yield take()
-    small(b"\0" * (2 * _BLOCK))
     end_frame()
     yield take()
