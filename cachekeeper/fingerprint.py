@@ -21,9 +21,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from cachekeeper.wire import Mismatch
 
 __all__ = [
     "SCHEMA",
@@ -254,29 +255,6 @@ def collect(
     return fingerprint
 
 
-@dataclass(frozen=True)
-class Mismatch:
-    """One field on which a node and a snapshot's builder differ."""
-
-    field: str
-    node: Any
-    snapshot: Any
-
-    def describe(self) -> str:
-        return f"{self.field} {_short(self.node)} != {_short(self.snapshot)}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"field": self.field, "node": self.node, "snapshot": self.snapshot}
-
-
-def _short(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, str):
-        return value
-    return canonical_json(value)
-
-
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version))
 
@@ -315,20 +293,20 @@ def compare(
             else:
                 a, b = _gpu_models(a), _gpu_models(b)
         if a != b:
-            out.append(Mismatch(field, a, b))
+            out.append(Mismatch(field=field, node=a, snapshot=b))
     if devices is not None:
         wanted = node_devices
         if wanted is None:
             wanted = [f"cuda:{g.get('index')}" for g in node.get("gpus") or []] or ["cpu"]
         uncovered = [d for d in wanted if d not in devices]
         if uncovered:
-            out.append(Mismatch("devices", sorted(wanted), sorted(devices)))
+            out.append(Mismatch(field="devices", node=sorted(wanted), snapshot=sorted(devices)))
     node_driver, snap_driver = node.get("driver"), snapshot.get("driver")
     if driver_policy != "any" and node_driver != snap_driver:
         if driver_policy == "exact" or node_driver is None or snap_driver is None:
-            out.append(Mismatch("driver", node_driver, snap_driver))
+            out.append(Mismatch(field="driver", node=node_driver, snapshot=snap_driver))
         elif _version_tuple(node_driver) < _version_tuple(snap_driver):
-            out.append(Mismatch("driver", node_driver, snap_driver))
+            out.append(Mismatch(field="driver", node=node_driver, snapshot=snap_driver))
     return out
 
 

@@ -274,13 +274,13 @@ def run_round(
         gpus=list(fingerprint.get("gpus") or []),
         version=_version(),
     )
-    agent_id = str(agent["id"])
+    agent_id = agent.id
     note = " (environment changed: building for the new fingerprint)" if changed else ""
     say(
         f"agent {options.name} [{agent_id}] fingerprint {digest[:12]} on"
         f" {','.join(options.devices)}{note}"
     )
-    workloads = sorted(client.list_workloads(), key=lambda w: str(w["name"]))
+    workloads = sorted(client.list_workloads(), key=lambda w: w.name)
     builder = _Builder(
         options=options,
         client=client,
@@ -294,7 +294,7 @@ def run_round(
     for entry in workloads:
         if stop.is_set():
             break
-        outcome = builder.keep_warm(str(entry["name"]))
+        outcome = builder.keep_warm(entry.name)
         outcomes.append(outcome)
         if outcome.abandoned:
             break

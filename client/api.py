@@ -19,8 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from cachekeeper.errors import (
     CachekeeperError,
@@ -30,13 +29,37 @@ from cachekeeper.errors import (
     Unauthorized,
     error_for_code,
 )
-from cachekeeper.fingerprint import Mismatch
-from cachekeeper.manifest import Manifest, is_digest
+from cachekeeper.manifest import Manifest
+from cachekeeper.wire import (
+    AgentEvent,
+    AgentInfo,
+    AgentList,
+    AgentRegistration,
+    EventOut,
+    Health,
+    MissingAnswer,
+    NearMiss,
+    PublishAnswer,
+    PutAnswer,
+    RegisterAnswer,
+    ResolveAnswer,
+    ResolveRequest,
+    StatusAnswer,
+    StatusRow,
+    WireError,
+    WorkloadInfo,
+    WorkloadList,
+    from_dict,
+    to_dict,
+)
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
+
+Resolution = ResolveAnswer  # the client's name for the resolve answer (public since 0.1)
+_Shape = TypeVar("_Shape")
 
 # Answers worth another try: the server or a proxy in front of it is briefly unwell.
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
@@ -83,29 +106,6 @@ class Deadline:
         if left <= 0.0:
             raise ServerUnavailable(f"gave up after the {self.seconds:g} s deadline")
         return min(timeout_s, left)
-
-
-@dataclass(frozen=True)
-class NearMiss:
-    """A snapshot of the workload this node cannot use, and why."""
-
-    snapshot_id: str
-    mismatches: tuple[Mismatch, ...]
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """The server's answer to resolve: the best snapshot (a SUMMARY dict) or None."""
-
-    snapshot: dict[str, Any] | None
-    verified: bool
-    exact: bool
-    near_misses: tuple[NearMiss, ...]
-    reason: str | None = None  # on a miss, the server's one-sentence why (older servers: None)
-
-    @property
-    def snapshot_id(self) -> str | None:
-        return None if self.snapshot is None else str(self.snapshot["id"])
 
 
 class CacheClient:
@@ -156,8 +156,8 @@ class CacheClient:
         self.close()
 
     # -- the routes ---------------------------------------------------------------------
-    def health(self, *, deadline: Deadline | None = None) -> dict[str, Any]:
-        return _json_object(self._send("GET", "/healthz", deadline=deadline), "health")
+    def health(self, *, deadline: Deadline | None = None) -> Health:
+        return _answer(self._send("GET", "/healthz", deadline=deadline), Health, "health")
 
     def metrics(self, *, deadline: Deadline | None = None) -> str:
         return str(self._send("GET", "/metrics", deadline=deadline).text)
@@ -172,30 +172,22 @@ class CacheClient:
         deadline: Deadline | None = None,
     ) -> Resolution:
         """The best snapshot of ``workload`` for ``fingerprint`` (a miss is a value)."""
-        body = {
-            "fingerprint": dict(fingerprint),
-            "workload": workload,
-            "driver_policy": driver_policy,
-            "devices": devices,
-        }
-        answer = _json_object(
-            self._send("POST", "/v1/resolve", json_body=body, deadline=deadline), "resolve"
+        body = ResolveRequest(
+            fingerprint=dict(fingerprint),
+            workload=workload,
+            driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
+            devices=None if devices is None else tuple(devices),
         )
-        return _parse_resolution(answer)
+        response = self._send("POST", "/v1/resolve", json_body=to_dict(body), deadline=deadline)
+        return _answer(response, ResolveAnswer, "resolve")
 
     def missing_blobs(
         self, digests: list[str] | set[str], *, deadline: Deadline | None = None
     ) -> set[str]:
         """Which of ``digests`` the server does not hold."""
         body = {"digests": sorted(digests)}
-        answer = _json_object(
-            self._send("POST", "/v1/blobs/missing", json_body=body, deadline=deadline),
-            "blobs/missing",
-        )
-        missing = answer.get("missing")
-        if not isinstance(missing, list) or not all(is_digest(d) for d in missing):
-            raise ServerError("server's blobs/missing answer has no list of digests")
-        return set(missing)
+        response = self._send("POST", "/v1/blobs/missing", json_body=body, deadline=deadline)
+        return set(_answer(response, MissingAnswer, "blobs/missing").missing)
 
     def put_blob_zstd(
         self,
@@ -203,25 +195,23 @@ class CacheClient:
         open_frame: Callable[[], BinaryIO],
         *,
         deadline: Deadline | None = None,
-    ) -> dict[str, Any]:
+    ) -> PutAnswer:
         """Upload one blob as its stored zstd frame (``open_frame`` reopens it per attempt)."""
-        return _json_object(
-            self._send(
-                "PUT",
-                f"/v1/blobs/{digest}",
-                open_body=open_frame,
-                headers={"Content-Encoding": "zstd", "Content-Type": "application/octet-stream"},
-                deadline=deadline,
-            ),
-            "blob upload",
+        response = self._send(
+            "PUT",
+            f"/v1/blobs/{digest}",
+            open_body=open_frame,
+            headers={"Content-Encoding": "zstd", "Content-Type": "application/octet-stream"},
+            deadline=deadline,
         )
+        return _answer(response, PutAnswer, "blob upload")
 
-    def publish(self, manifest: Manifest, *, deadline: Deadline | None = None) -> dict[str, Any]:
-        """Publish a manifest whose blobs are all uploaded; answers the SUMMARY + created."""
-        return _json_object(
-            self._send("POST", "/v1/snapshots", json_body=manifest.to_dict(), deadline=deadline),
-            "publish",
+    def publish(self, manifest: Manifest, *, deadline: Deadline | None = None) -> PublishAnswer:
+        """Publish a manifest whose blobs are all uploaded; answers its summary + ``created``."""
+        response = self._send(
+            "POST", "/v1/snapshots", json_body=manifest.to_dict(), deadline=deadline
         )
+        return _answer(response, PublishAnswer, "publish")
 
     def get_manifest(self, snapshot_id: str, *, deadline: Deadline | None = None) -> Manifest:
         """The manifest of ``snapshot_id``, validated, and checked to have that id."""
@@ -270,15 +260,10 @@ class CacheClient:
             response.close()
 
     # -- workloads and agents (the agent daemon's routes) -------------------------------
-    def list_workloads(self, *, deadline: Deadline | None = None) -> list[dict[str, Any]]:
-        """Every registered workload: ``[{"name", "digest", "updated_at"}, ...]``."""
-        answer = _json_object(self._send("GET", "/v1/workloads", deadline=deadline), "workloads")
-        workloads = answer.get("workloads")
-        if not isinstance(workloads, list) or not all(
-            isinstance(w, dict) and isinstance(w.get("name"), str) for w in workloads
-        ):
-            raise ServerError("server's workloads answer has no list of workloads")
-        return workloads
+    def list_workloads(self, *, deadline: Deadline | None = None) -> tuple[WorkloadInfo, ...]:
+        """Every registered workload (name, digest, updated_at)."""
+        response = self._send("GET", "/v1/workloads", deadline=deadline)
+        return _answer(response, WorkloadList, "workloads").workloads
 
     def get_workload(self, name: str, *, deadline: Deadline | None = None) -> str:
         """The TOML text of workload ``name`` as registered."""
@@ -294,29 +279,23 @@ class CacheClient:
         gpus: list[dict[str, Any]],
         version: str,
         deadline: Deadline | None = None,
-    ) -> dict[str, Any]:
+    ) -> RegisterAnswer:
         """Register (or refresh) this agent for its environment; the answer has its ``id``."""
-        body = {
-            "name": name,
-            "fingerprint": dict(fingerprint),
-            "fingerprint_digest": fingerprint_digest,
-            "devices": devices,
-            "gpus": gpus,
-            "version": version,
-        }
-        answer = _json_object(
-            self._send("POST", "/v1/agents", json_body=body, deadline=deadline), "agents"
+        body = AgentRegistration(
+            name=name,
+            fingerprint=dict(fingerprint),
+            fingerprint_digest=fingerprint_digest,
+            devices=tuple(devices),
+            gpus=tuple(gpus),
+            version=version,
         )
-        if not isinstance(answer.get("id"), str):
-            raise ServerError("server's agent registration answer has no id")
-        return answer
+        response = self._send("POST", "/v1/agents", json_body=to_dict(body), deadline=deadline)
+        return _answer(response, RegisterAnswer, "agent registration")
 
-    def heartbeat(self, agent_id: str, *, deadline: Deadline | None = None) -> dict[str, Any]:
+    def heartbeat(self, agent_id: str, *, deadline: Deadline | None = None) -> AgentInfo:
         """Tell the server agent ``agent_id`` is alive."""
-        return _json_object(
-            self._send("POST", f"/v1/agents/{agent_id}/heartbeat", deadline=deadline),
-            "heartbeat",
-        )
+        response = self._send("POST", f"/v1/agents/{agent_id}/heartbeat", deadline=deadline)
+        return _answer(response, AgentInfo, "heartbeat")
 
     def report_event(
         self,
@@ -330,34 +309,34 @@ class CacheClient:
         snapshot_id: str | None = None,
         seconds: float | None = None,
         deadline: Deadline | None = None,
-    ) -> dict[str, Any]:
+    ) -> EventOut:
         """Report one build outcome (``built``, ``skipped``, ``building``, ...) of an agent."""
-        body = {
-            "workload": workload,
-            "fingerprint_digest": fingerprint_digest,
-            "status": status,
-            "detail": detail,
-            "traceback_tail": list(traceback_tail),
-            "snapshot_id": snapshot_id,
-            "seconds": seconds,
-        }
-        return _json_object(
-            self._send("POST", f"/v1/agents/{agent_id}/events", json_body=body, deadline=deadline),
-            "agent event",
+        body = AgentEvent(
+            workload=workload,
+            fingerprint_digest=fingerprint_digest,
+            status=cast(Any, status),  # the server refuses an unknown status
+            detail=detail,
+            traceback_tail=tuple(traceback_tail),
+            snapshot_id=snapshot_id,
+            seconds=seconds,
         )
+        response = self._send(
+            "POST", f"/v1/agents/{agent_id}/events", json_body=to_dict(body), deadline=deadline
+        )
+        return _answer(response, EventOut, "agent event")
 
-    def list_agents(self, *, deadline: Deadline | None = None) -> list[dict[str, Any]]:
+    def list_agents(self, *, deadline: Deadline | None = None) -> tuple[AgentInfo, ...]:
         """Every registered agent with its last heartbeat (``last_seen_at``)."""
-        answer = _json_object(self._send("GET", "/v1/agents", deadline=deadline), "agents")
-        return list(answer.get("agents") or [])
+        response = self._send("GET", "/v1/agents", deadline=deadline)
+        return _answer(response, AgentList, "agents").agents
 
     def fleet_status(
         self, *, workload: str | None = None, deadline: Deadline | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[StatusRow, ...]:
         """``GET /v1/status``: warm / building / broken / failed / missing per pair."""
         path = "/v1/status" if workload is None else f"/v1/status?workload={workload}"
-        answer = _json_object(self._send("GET", path, deadline=deadline), "status")
-        return list(answer.get("status") or [])
+        response = self._send("GET", path, deadline=deadline)
+        return _answer(response, StatusAnswer, "status").status
 
     # -- transport ----------------------------------------------------------------------
     def _send(
@@ -540,26 +519,9 @@ def _json_object(response: httpx.Response, what: str) -> dict[str, Any]:
     return value
 
 
-def _parse_resolution(answer: dict[str, Any]) -> Resolution:
-    snapshot = answer.get("snapshot", "absent")
-    if snapshot == "absent" or not (snapshot is None or isinstance(snapshot, dict)):
-        raise ServerError("server's resolve answer has no 'snapshot' field")
-    if snapshot is not None and not is_digest(snapshot.get("id")):
-        raise ServerError("server's resolve answer names a snapshot without a valid id")
-    near: list[NearMiss] = []
-    for item in answer.get("near_misses") or []:
-        try:
-            mismatches = tuple(
-                Mismatch(str(m["field"]), m.get("node"), m.get("snapshot"))
-                for m in item.get("mismatches") or []
-            )
-            near.append(NearMiss(str(item["snapshot"]["id"]), mismatches))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ServerError("server's resolve answer has a malformed near miss") from exc
-    return Resolution(
-        snapshot=snapshot,
-        verified=bool(answer.get("verified")),
-        exact=bool(answer.get("exact")),
-        near_misses=tuple(near),
-        reason=answer["reason"] if isinstance(answer.get("reason"), str) else None,
-    )
+def _answer(response: httpx.Response, shape: type[_Shape], what: str) -> _Shape:
+    """The answer as ``shape``; ServerError when it is not the JSON the contract promises."""
+    try:
+        return from_dict(shape, _json_object(response, what))
+    except WireError as exc:
+        raise ServerError(f"server's {what} answer is malformed: {exc}") from exc

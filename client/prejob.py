@@ -202,7 +202,7 @@ def _quick_resolve(
     import json
     from urllib.parse import urlsplit
 
-    from cachekeeper.manifest import is_digest
+    from cachekeeper.wire import ResolveAnswer, from_dict
 
     if not server:
         return None
@@ -228,10 +228,8 @@ def _quick_resolve(
         response = conn.getresponse()
         if response.status != 200:
             return None
-        snapshot = json.loads(response.read()).get("snapshot")
-        snapshot_id = snapshot.get("id") if isinstance(snapshot, dict) else None
-        return snapshot_id if is_digest(snapshot_id) else None
-    except (OSError, http.client.HTTPException, ValueError, AttributeError):
+        return from_dict(ResolveAnswer, json.loads(response.read())).snapshot_id
+    except (OSError, http.client.HTTPException, ValueError):  # WireError is a ValueError
         return None
     finally:
         conn.close()

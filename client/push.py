@@ -206,7 +206,7 @@ def _push(
     return PushReport(
         snapshot_id=manifest.id,
         workload=workload,
-        created=bool(summary.get("created", True)),
+        created=summary.created,
         file_count=len(manifest.files),
         blob_count=len(sizes),
         uploaded_blobs=done.blobs,

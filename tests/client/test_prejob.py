@@ -97,7 +97,19 @@ class TinyServer:
                     return
                 snap = outer.manifest.id
                 if route == "POST /v1/resolve":
-                    summary = {"id": snap, "workload": "w"}
+                    summary = {
+                        "id": snap,
+                        "workload": "w",
+                        "fingerprint_digest": "f" * 64,
+                        "devices": ["cpu"],
+                        "verified": True,
+                        "signed": False,
+                        "size_bytes": 10,
+                        "file_count": 1,
+                        "created_at": "2026-01-01T00:00:00Z",
+                        "last_used_at": None,
+                        "pinned": False,
+                    }
                     body = {"snapshot": summary, "verified": True, "exact": True, "near_misses": []}
                     self._answer(200, json.dumps(body).encode())
                 elif route == f"GET /v1/snapshots/{snap}":

@@ -209,9 +209,9 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
     )
     assert status[("broken", old_digest)]["status"] == "missing"  # never built there
     with CacheClient(base_url=fleet.url) as client:
-        agents = {a["id"]: a for a in client.list_agents()}
+        agents = {a.id: a for a in client.list_agents()}
         assert {first.agent_id, second.agent_id} <= set(agents)
-        assert agents[second.agent_id]["fingerprint"]["triton"] == "9.9.9"
+        assert agents[second.agent_id].fingerprint["triton"] == "9.9.9"
         found = client.resolve(collect(), workload="cpu-tiny", devices=["cpu"])
         assert found.verified and found.snapshot_id == tiny.snapshot_id
         nothing = client.resolve(collect(), workload="broken", devices=["cpu"])

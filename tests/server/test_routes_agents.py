@@ -162,26 +162,26 @@ def test_client_methods_and_scopes(fresh_server) -> None:
             gpus=[],
             version="0.1.0",
         )
-        assert client.heartbeat(agent["id"])["id"] == agent["id"]
+        assert client.heartbeat(agent.id).id == agent.id
         event = client.report_event(
-            agent["id"],
+            agent.id,
             workload="alpha",
             fingerprint_digest=digest_of(FINGERPRINT),
             status="failed",
         )
-        assert event["status"] == "failed" and event["agent_id"] == agent["id"]
-        assert [w["name"] for w in client.list_workloads()] == ["alpha"]
+        assert event.status == "failed" and event.agent_id == agent.id
+        assert [w.name for w in client.list_workloads()] == ["alpha"]
         assert client.get_workload("alpha") == TINY_TOML.format(name="alpha")
-        assert [a["id"] for a in client.list_agents()] == [agent["id"]]
+        assert [a.id for a in client.list_agents()] == [agent.id]
         (row,) = client.fleet_status()
-        assert row["status"] == "failed" and row["workload"] == "alpha"
+        assert row.status == "failed" and row.workload == "alpha"
         with pytest.raises(InvalidManifest, match="not the digest"):
             client.register_agent(
                 name="x", fingerprint=FINGERPRINT, fingerprint_digest="0" * 64, devices=[],
                 gpus=[], version="",
             )  # fmt: skip
     with CacheClient(base_url=live.url, token="r-tok") as reader:
-        assert [r["status"] for r in reader.fleet_status()] == ["failed"]
-        assert reader.list_agents()[0]["fingerprint"] == json.loads(json.dumps(FINGERPRINT))
+        assert [r.status for r in reader.fleet_status()] == ["failed"]
+        assert reader.list_agents()[0].fingerprint == json.loads(json.dumps(FINGERPRINT))
         with pytest.raises(Forbidden):
-            reader.heartbeat(agent["id"])
+            reader.heartbeat(agent.id)
