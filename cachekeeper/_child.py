@@ -34,12 +34,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import config
 from cachekeeper.errors import WorkloadInvalid
+from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.mods import build_mask_mod, build_score_mod, load_object
 from cachekeeper.workload import Entrypoint, Regime, Workload, parse_workload
 
 PROGRESS_PREFIX = "@@cachekeeper-progress "
-FAKE_CUDA_ENV = "CACHEKEEPER_TEST_FAKE_CUDA"
+FAKE_CUDA_ENV = config.TEST_FAKE_CUDA
 COUNTER_KEYS = {
     "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
     "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
@@ -292,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(
             workload, device=args.device, mode=args.mode, source=args.source, started=started
         )
-    tmp = args.result.with_name(args.result.name + ".tmp")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
-    os.replace(tmp, args.result)
+    atomic_write_text(args.result, json.dumps(result))
     return 0
 
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from cachekeeper import config
 from cachekeeper.wire import Mismatch
 
 __all__ = [
@@ -247,9 +248,7 @@ def collect(
         "arch": platform.machine(),
         "env": _compile_env(env),
     }
-    raw_overrides = env.get("CACHEKEEPER_FINGERPRINT_OVERRIDES")
-    if raw_overrides:
-        fingerprint.update(json.loads(raw_overrides))
+    fingerprint.update(config.fingerprint_overrides(env))
     if overrides:
         fingerprint.update(overrides)
     return fingerprint

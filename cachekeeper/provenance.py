@@ -16,12 +16,12 @@ the stats are those of the latest prewarm. A dir that was never prewarmed by cac
 from __future__ import annotations
 
 import json
-import os
 import re
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from cachekeeper.fsutil import atomic_write_text
 
 __all__ = ["record_prewarm", "load_prewarm_record", "recorded_workloads"]
 
@@ -82,7 +82,5 @@ def record_prewarm(
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True))
     return path

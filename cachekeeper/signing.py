@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, SignatureInvalid
 from cachekeeper.manifest import Manifest
 
@@ -154,8 +155,7 @@ def load_trusted_keys(paths: Iterable[str | os.PathLike[str]]) -> list[TrustedKe
 
 
 def trusted_keys_from_env(environ: Mapping[str, str] | None = None) -> list[TrustedKey]:
-    raw = (os.environ if environ is None else environ).get("CACHEKEEPER_TRUSTED_KEYS", "")
-    return load_trusted_keys(p for p in raw.split(os.pathsep) if p.strip())
+    return load_trusted_keys(config.trusted_key_paths(os.environ if environ is None else environ))
 
 
 def verify_manifest(manifest: Manifest, trusted: Iterable[TrustedKey]) -> str:

@@ -7,7 +7,7 @@ store is created, never at import)::
       blobs/                    # LocalBlobStore: ab/cd/<sha256>.zst, zstd at rest
       snapshots/
         <manifest id>.json      # one manifest per snapshot (its canonical JSON)
-        .tmp-*                  # a manifest being written; never listed
+        .<id>.json.*.tmp        # a manifest being written (fsutil); never listed
 
 Repeated snapshots of the same cache share blobs, and so do restores and later pushes.
 
@@ -22,25 +22,20 @@ from __future__ import annotations
 
 import builtins
 import os
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import InvalidManifest, SnapshotNotFound
+from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import Manifest
 
-__all__ = ["LocalStore", "StoredSnapshot", "DeletePlan", "default_home"]
+__all__ = ["LocalStore", "StoredSnapshot", "DeletePlan"]
 
 _MIN_PREFIX = 4
-
-
-def default_home() -> Path:
-    """``$CACHEKEEPER_HOME`` or ``~/.cache/cachekeeper``, read at call time."""
-    env = os.environ.get("CACHEKEEPER_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "cachekeeper"
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,7 @@ class LocalStore:
     """Manifests under ``home/snapshots`` and blobs under ``home/blobs``."""
 
     def __init__(self, *, home: Path | None = None) -> None:
-        self.home = Path(home) if home is not None else default_home()
+        self.home = Path(home) if home is not None else config.home(os.environ)
         self.blobs = LocalBlobStore(self.home / "blobs")
         self.snapshots_dir = self.home / "snapshots"
 
@@ -120,18 +115,9 @@ class LocalStore:
 
     # -- manifests ------------------------------------------------------------------------
     def save_manifest(self, manifest: Manifest) -> None:
-        """Write the manifest atomically (temp file in the same folder, then os.replace)."""
+        """Write the manifest atomically and durably (``fsutil.atomic_write_text``)."""
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
-        final = self.manifest_path(manifest.id)
-        tmp = self.snapshots_dir / f".tmp-{uuid.uuid4().hex}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as out:
-                out.write(manifest.to_json())
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write_text(self.manifest_path(manifest.id), manifest.to_json())
 
     def _ids(self) -> list[str]:
         if not self.snapshots_dir.is_dir():

@@ -48,6 +48,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
+from cachekeeper import config
 from cachekeeper._proc import pid_alive
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
@@ -209,15 +210,6 @@ class RoundReport:
         }
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("cachekeeper")
-    except PackageNotFoundError:  # pragma: no cover - a bare checkout
-        return "0+unknown"
-
-
 def _utc_now() -> str:
     from datetime import UTC, datetime
 
@@ -272,7 +264,7 @@ def run_round(
         fingerprint_digest=digest,
         devices=list(options.devices),
         gpus=list(fingerprint.get("gpus") or []),
-        version=_version(),
+        version=config.package_version(),
     )
     agent_id = agent.id
     note = " (environment changed: building for the new fingerprint)" if changed else ""

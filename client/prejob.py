@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
 __all__ = [
@@ -87,9 +88,7 @@ def default_cache_dir(fingerprint_digest: str, *, environ: Mapping[str, str]) ->
     explicit = environ.get("TORCHINDUCTOR_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    home = environ.get("CACHEKEEPER_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "cachekeeper"
-    return base / "inductor" / fingerprint_digest[:16]
+    return config.node_cache_dir(fingerprint_digest, environ)
 
 
 def export_lines(exports: Mapping[str, str]) -> str:

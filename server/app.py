@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 
 from .metrics import Metrics, MetricsMiddleware
@@ -50,15 +51,6 @@ _HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
 }
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("cachekeeper")
-    except PackageNotFoundError:  # pragma: no cover - a bare checkout
-        return "0+unknown"
 
 
 def _validation_detail(exc: RequestValidationError) -> str:
@@ -106,7 +98,7 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
     """A fresh app serving ``settings.data_dir`` (or the given ``storage``)."""
     app = FastAPI(
         title="cachekeeper",
-        version=_version(),
+        version=config.package_version(),
         summary="Store and serve torch.compile (Inductor) cache snapshots.",
     )
     app.state.settings = settings

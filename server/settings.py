@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cachekeeper import config
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.manifest import MAX_FILES
 
@@ -45,7 +46,7 @@ __all__ = [
 
 Scope = Literal["read", "write", "admin"]
 SCOPES: tuple[str, ...] = ("read", "write", "admin")
-ENV_PREFIX = "CACHEKEEPER_"
+ENV_PREFIX = config.SERVER_ENV_PREFIX
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]*)$")
 _SIZE_UNITS = {
@@ -66,10 +67,7 @@ _SIZE_FIELDS = (
 
 def default_data_dir(environ: dict[str, str] | None = None) -> Path:
     """``$CACHEKEEPER_HOME/server``, else ``~/.cache/cachekeeper/server``."""
-    env = os.environ if environ is None else environ
-    home = env.get("CACHEKEEPER_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "cachekeeper"
-    return base / "server"
+    return config.server_data_dir(os.environ if environ is None else environ)
 
 
 def parse_size(value: Any) -> int:

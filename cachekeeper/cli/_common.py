@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
+from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 
 __all__ = [
@@ -32,13 +33,13 @@ json_option = click.option(
 
 server_option = click.option(
     "--server",
-    envvar="CACHEKEEPER_SERVER",
+    envvar=config.SERVER,
     metavar="URL",
     help="Cache server URL (default: $CACHEKEEPER_SERVER).",
 )
 token_option = click.option(
     "--token",
-    envvar="CACHEKEEPER_TOKEN",
+    envvar=config.TOKEN,
     metavar="TOKEN",
     help="Bearer token (default: $CACHEKEEPER_TOKEN).",
 )
@@ -73,7 +74,7 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except CachekeeperError as exc:
-            if os.environ.get("CACHEKEEPER_DEBUG"):
+            if config.debug(os.environ):
                 raise
             echo_err(f"error: {exc.detail} [{exc.code}]")
             sys.exit(exc.exit_code)

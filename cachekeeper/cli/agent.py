@@ -9,11 +9,13 @@ option, a device that is not visible).
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
 import click
 
+from cachekeeper import config
 from cachekeeper.cli._common import (
     device_option,
     echo_err,
@@ -88,13 +90,12 @@ def agent_cmd(
     from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
     from cachekeeper.client.api import CacheClient
     from cachekeeper.devices import select_devices
-    from cachekeeper.store import default_home
 
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     options = AgentOptions(
         devices=tuple(select_devices(device)),
-        work_dir=(work_dir or default_home() / "agent").absolute(),
+        work_dir=(work_dir or config.agent_work_dir(os.environ)).absolute(),
         name=name or socket.gethostname(),
         build_timeout_s=build_timeout_s,
         sign_key=sign_key.absolute() if sign_key else None,

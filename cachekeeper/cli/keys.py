@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from cachekeeper import config
 from cachekeeper.cli._common import emit_json, handle_errors, json_option
 
 if TYPE_CHECKING:
@@ -37,8 +38,7 @@ def trust_paths(trust: tuple[Path, ...]) -> list[str]:
     """The ``--trust`` files, else those CACHEKEEPER_TRUSTED_KEYS names (may be none)."""
     if trust:
         return [os.fspath(p) for p in trust]
-    raw = os.environ.get("CACHEKEEPER_TRUSTED_KEYS", "")
-    return [p for p in raw.split(os.pathsep) if p.strip()]
+    return config.trusted_key_paths(os.environ)
 
 
 def trusted_keys(trust: tuple[Path, ...]) -> list[TrustedKey]:

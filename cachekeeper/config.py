@@ -1,0 +1,114 @@
+"""Every ``CACHEKEEPER_*`` environment variable and every default derived from one.
+
+Stdlib only, and nothing is read at import: each function takes the ``environ`` mapping to
+read (callers pass ``os.environ``; tests pass a dict). An empty variable counts as unset.
+
+=================================== ==================================================
+variable                            meaning (default)
+=================================== ==================================================
+``CACHEKEEPER_HOME``                the local store, the agent's work dir, the server's
+                                    data dir and the hook's cache dirs live under it
+                                    (``~/.cache/cachekeeper``)
+``CACHEKEEPER_SERVER``              the cache server URL for push, pull, prejob, agent
+``CACHEKEEPER_TOKEN``               the bearer token those commands send
+``CACHEKEEPER_TRUSTED_KEYS``        public key files to trust, ``os.pathsep``-separated
+``CACHEKEEPER_DEBUG``               any value: a traceback instead of the one-line error
+``CACHEKEEPER_FINGERPRINT_OVERRIDES`` a JSON object merged into the fingerprint (tests)
+``CACHEKEEPER_TEST_FAKE_CUDA``      ``1``: a prewarm child fakes a GPU (our tests only)
+``CACHEKEEPER_RELIABILITY_LOG``     where tests/hardening log outcomes (tests only)
+``CACHEKEEPER_<FIELD>``             the server's settings (``server/settings.py``, read
+                                    by pydantic-settings with ``SERVER_ENV_PREFIX``)
+=================================== ==================================================
+
+Layout under the home::
+
+    $CACHEKEEPER_HOME/
+      blobs/ snapshots/       # the local store (cachekeeper.store)
+      agent/                  # the agent's builds (cachekeeper.client.agent)
+      server/                 # the server's data dir (cachekeeper.server.settings)
+      inductor/<fp16>/        # prejob's cache dir when TORCHINDUCTOR_CACHE_DIR is unset
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "HOME",
+    "SERVER",
+    "TOKEN",
+    "TRUSTED_KEYS",
+    "DEBUG",
+    "FINGERPRINT_OVERRIDES",
+    "TEST_FAKE_CUDA",
+    "SERVER_ENV_PREFIX",
+    "home",
+    "agent_work_dir",
+    "server_data_dir",
+    "node_cache_dir",
+    "trusted_key_paths",
+    "debug",
+    "fingerprint_overrides",
+    "package_version",
+]
+
+HOME = "CACHEKEEPER_HOME"
+SERVER = "CACHEKEEPER_SERVER"
+TOKEN = "CACHEKEEPER_TOKEN"
+TRUSTED_KEYS = "CACHEKEEPER_TRUSTED_KEYS"
+DEBUG = "CACHEKEEPER_DEBUG"
+FINGERPRINT_OVERRIDES = "CACHEKEEPER_FINGERPRINT_OVERRIDES"
+TEST_FAKE_CUDA = "CACHEKEEPER_TEST_FAKE_CUDA"
+SERVER_ENV_PREFIX = "CACHEKEEPER_"
+
+
+def home(environ: Mapping[str, str]) -> Path:
+    """``$CACHEKEEPER_HOME``, else ``~/.cache/cachekeeper``."""
+    value = environ.get(HOME)
+    return Path(value) if value else Path.home() / ".cache" / "cachekeeper"
+
+
+def agent_work_dir(environ: Mapping[str, str]) -> Path:
+    """Where the agent stages its builds: ``<home>/agent``."""
+    return home(environ) / "agent"
+
+
+def server_data_dir(environ: Mapping[str, str]) -> Path:
+    """The server's metadata and blobs: ``<home>/server``."""
+    return home(environ) / "server"
+
+
+def node_cache_dir(fingerprint_digest: str, environ: Mapping[str, str]) -> Path:
+    """The hook's persistent per-fingerprint cache dir: ``<home>/inductor/<digest[:16]>``."""
+    return home(environ) / "inductor" / fingerprint_digest[:16]
+
+
+def trusted_key_paths(environ: Mapping[str, str]) -> list[str]:
+    """The public key files named by ``$CACHEKEEPER_TRUSTED_KEYS`` (may be none)."""
+    return [p for p in environ.get(TRUSTED_KEYS, "").split(os.pathsep) if p.strip()]
+
+
+def debug(environ: Mapping[str, str]) -> bool:
+    """``$CACHEKEEPER_DEBUG`` set: show tracebacks instead of one-line errors."""
+    return bool(environ.get(DEBUG))
+
+
+def fingerprint_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``$CACHEKEEPER_FINGERPRINT_OVERRIDES`` as a dict (empty when unset)."""
+    raw = environ.get(FINGERPRINT_OVERRIDES)
+    return dict(json.loads(raw)) if raw else {}
+
+
+def package_version() -> str:
+    """The installed cachekeeper's version (``0+unknown`` in a bare checkout)."""
+    # importlib.metadata costs tens of ms: only the agent and the server ask, never the hook
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cachekeeper")
+    except PackageNotFoundError:  # pragma: no cover - a bare checkout
+        return "0+unknown"

@@ -1,0 +1,68 @@
+"""Atomic file writes, with one durability rule for every file cachekeeper writes whole.
+
+The rule: write a unique temp file in the destination's own folder (same filesystem, so
+the rename is atomic), fsync it, ``os.replace`` it onto the destination, then fsync the
+folder so the rename itself survives a crash. Readers see the old file or the new one,
+never a part. On any error the temp file is removed and the destination is untouched.
+Temp names are ``.<name>.<random>.tmp``: snapshots never include ``*.tmp`` files.
+
+Writers that stream and verify as they go (the blob store, the restore writer) apply the
+same rule with their own temp folders; this module is for files written in one piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["atomic_writer", "atomic_write_bytes", "atomic_write_text", "fsync_dir"]
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so renames into it are durable (a no-op where folders cannot be)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a folder; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path, *, mode: int | None = None) -> Iterator[BinaryIO]:
+    """A binary file that appears at ``path`` only when the ``with`` block succeeds.
+
+    ``mode`` sets the permission bits (default: what ``open`` gives, i.e. 0o666 & ~umask).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as out:
+            if mode is not None:
+                os.fchmod(out.fileno(), mode)
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically and durably (see the module docstring)."""
+    with atomic_writer(path, mode=mode) as out:
+        out.write(data)
+
+
+def atomic_write_text(path: Path, text: str, *, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically and durably (see the module docstring)."""
+    atomic_write_bytes(path, text.encode(encoding))
