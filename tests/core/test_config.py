@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -34,14 +35,38 @@ def test_lists_flags_and_overrides() -> None:
     assert config.fingerprint_overrides({}) == {}
 
 
+def _reads(tree: ast.AST) -> list[int]:
+    """Lines that look a CACHEKEEPER_ name up: ``x["CACHEKEEPER_.."]``, ``x.get("CACHEKEEPER_..")``."""
+
+    def named(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and str(node.value).startswith("CACHEKEEPER_")
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and named(node.slice):
+            lines.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "getenv", "pop", "setdefault")
+            and node.args
+            and named(node.args[0])
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
 def test_no_other_module_reads_a_cachekeeper_variable() -> None:
-    """Only config.py names the variables' values; others may name them in help and errors."""
-    out = subprocess.run(
-        ["git", "grep", "-nE", r"(\.get\(|environ\[|getenv\()\s*\"CACHEKEEPER_", "--", "cachekeeper",
-         "client", "server"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
-    assert out.stdout == "", out.stdout
+    """Only config.py looks the variables up; others may name them in help and errors."""
+    found = [
+        f"{path.relative_to(REPO)}:{line}"
+        for folder in ("cachekeeper", "client", "server")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path.name != "config.py"
+        for line in _reads(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert found == []
+    assert _reads(ast.parse('import os\nos.environ.get("CACHEKEEPER_HOME")')) == [2]
 
 
 def test_importing_config_is_cheap_for_the_hook() -> None:
