@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
 
+from cachekeeper import wire
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
 from cachekeeper.fingerprint import canonical_json, digest_of
 
@@ -83,12 +84,7 @@ class FileEntry:
     mode: int = 0o644
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "digest": self.digest,
-            "size_bytes": self.size_bytes,
-            "mode": self.mode,
-        }
+        return wire.to_dict(self)
 
     @classmethod
     def from_dict(cls, raw: Any, *, index: int) -> FileEntry:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cachekeeper import wire
 from cachekeeper.errors import ColdCompileBroken, PrewarmFailed
 
 __all__ = [
@@ -99,12 +100,7 @@ class ErrorInfo:
     traceback_tail: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            "message": self.message,
-            "where": self.where,
-            "traceback_tail": list(self.traceback_tail),
-        }
+        return wire.to_dict(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ErrorInfo:
@@ -128,14 +124,7 @@ class RegimeResult:
     verdict: str  # prewarm: compiled|cached|no_compile|bypass; verify: hit|miss|no_compile|bypass
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "label": self.label,
-            "seconds": self.seconds,
-            "seq_seconds": list(self.seq_seconds),
-            "counters": dict(self.counters),
-            "verdict": self.verdict,
-        }
+        return wire.to_dict(self)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import wire
 from cachekeeper.errors import WorkloadInvalid
 
 __all__ = [
@@ -158,7 +159,7 @@ class Entrypoint:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "kwargs": dict(self.kwargs)}
+        return wire.to_dict(self)
 
 
 @dataclass(frozen=True)

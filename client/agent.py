@@ -43,12 +43,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
-from cachekeeper import config
+from cachekeeper import config, wire
 from cachekeeper._proc import pid_alive
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
@@ -166,9 +166,7 @@ class WorkloadOutcome:
     prewarm: dict[str, Any] | None = None  # PrewarmReport.to_dict() when a prewarm ran
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["traceback_tail"] = list(self.traceback_tail)
-        return out
+        return wire.to_dict(self)
 
 
 @dataclass(frozen=True)
