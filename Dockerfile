@@ -13,7 +13,7 @@ COPY pyproject.toml README.md ./
 COPY cachekeeper ./cachekeeper
 COPY server ./server
 COPY client ./client
-RUN pip install . && rm -rf /src
+RUN pip install ".[server]" && rm -rf /src
 
 RUN useradd --system --uid 10001 --home-dir /data cachekeeper \
     && mkdir -p /data && chown cachekeeper /data

@@ -22,6 +22,7 @@ child processes they start. ``prejob`` and ``PrejobReport`` load on first use (P
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from cachekeeper.errors import CachekeeperError
@@ -30,6 +31,28 @@ if TYPE_CHECKING:
     from cachekeeper.client.prejob import PrejobReport, prejob
 
 __version__ = "0.1.0"
+
+
+def _checkout_root(package_dir: str) -> list[str]:
+    """The repository root when this package is imported from a source checkout, else [].
+
+    A checkout keeps ``server/`` and ``client/`` beside this folder; installed (a wheel or
+    the editable finder) they are ``cachekeeper.server`` and ``cachekeeper.client``
+    (pyproject's package-dir). Python started in the repository root imports this folder
+    rather than the installed package, whatever is installed, so the package also searches
+    the root there: ``cachekeeper.server`` is then the checkout's ``server/``. (In a checkout,
+    other root folders become importable under ``cachekeeper.`` too; nothing imports them.)
+    """
+    root = os.path.dirname(package_dir)
+    if os.path.isdir(os.path.join(package_dir, "server")):
+        return []  # installed: the subpackages are here
+    beside = all(
+        os.path.isfile(os.path.join(root, sub, "__init__.py")) for sub in ("server", "client")
+    )
+    return [root] if beside else []
+
+
+__path__.extend(_checkout_root(os.path.dirname(os.path.abspath(__file__))))
 
 __all__ = ["CachekeeperError", "PrejobReport", "prejob", "__version__"]
 

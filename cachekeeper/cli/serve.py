@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import handle_errors
+from cachekeeper.cli._common import echo_err, handle_errors
 from cachekeeper.errors import ConfigInvalid
 
 __all__ = ["serve_cmd"]
@@ -61,13 +62,23 @@ def serve_cmd(
     --config file. With no tokens configured, every route is open, which is refused on a
     non-loopback address unless --insecure-no-auth is given.
     """
-    # Server packages load only for `serve`: the hook's start-up never pays for them.
+    # Server packages load only for `serve`: the hook's start-up never pays for them, and
+    # the base install (training nodes, builders) does not have them.
     import sqlite3
 
-    import uvicorn
+    try:
+        import uvicorn
 
-    from cachekeeper.server.app import create_app
-    from cachekeeper.server.settings import check_data_dir, load_settings, parse_tokens
+        from cachekeeper.server.app import create_app
+        from cachekeeper.server.settings import check_data_dir, load_settings, parse_tokens
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] == "cachekeeper":
+            raise
+        echo_err(
+            f"error: 'cachekeeper serve' needs the server's packages ({exc.name} is not "
+            "installed): pip install 'cachekeeper[server]'"
+        )
+        sys.exit(1)
 
     try:
         flag_tokens = parse_tokens(",".join(tokens)) if tokens else None
