@@ -19,7 +19,10 @@ path that does not resolve, a factory that refuses its arguments).
 
 ``CACHEKEEPER_TEST_FAKE_CUDA=1`` (for cachekeeper's own test suite only, never for users)
 runs a ``cuda:N`` device on the CPU so that the multi-GPU code path can be tested on a
-machine without GPUs. Such a cache is a CPU cache and is useless on a GPU.
+machine without GPUs. Such a cache is a CPU cache and is useless on a GPU. To keep what
+matters about GPU indices, fake ``cuda:N`` puts N into Inductor's key as a real GPU index
+is: it sets ``torch._inductor.config.kernel_name_max_ops`` (an option in the FX graph key
+that no code generation reads), so a cache built on fake ``cuda:0`` misses on ``cuda:1``.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ class _Runner:
         self.mode = mode
         fake = os.environ.get(FAKE_CUDA_ENV) == "1" and device.startswith("cuda")
         self.device = torch.device("cpu" if fake else device)
+        if fake:
+            import torch._inductor.config as inductor_config  # torch only in the child
+
+            # The index in the key, as on a GPU (see the module docstring).
+            inductor_config.kernel_name_max_ops = 10 + (torch.device(device).index or 0)
         if self.device.type == "cuda":
             # Entrypoints that say "cuda" run on this index too.
             torch.cuda.set_device(self.device)

@@ -1,30 +1,104 @@
-"""The one device grammar: ``cpu``, ``cuda`` (every visible GPU) or ``cuda:0,1,...``.
+"""The one device grammar: ``cpu``, ``cuda`` (every visible GPU), ``cuda:0,1,...`` or
+``cuda:0-7`` (ranges may mix with lists: ``cuda:0,5-7``).
 
 Every command that takes ``--device`` (prewarm, verify, agent, pull, prejob) parses it here.
 ``parse_devices`` also checks the indices against the GPUs this process sees (prewarm and
 verify must run on them); ``requested_devices`` only parses, for the hook, which sends the
-list to the server and must not pay for a GPU query of its own.
+list to the server and must not pay for a GPU query of its own. ``format_devices`` writes a
+list back in that grammar (``cuda:0-7``).
+
+The device index is part of Inductor's key: a cache built on ``cuda:0`` misses on ``cuda:1``,
+so a snapshot serves only jobs whose ranks compile on indices it covers, and a builder with
+fewer GPUs than the training nodes cannot build the higher indices. ``coverage_advice``
+says so in one line, with what to do; every place that finds such a gap (verify, explain,
+prejob, status, a builder asked for indices it lacks) uses it or says the same.
 """
 
 from __future__ import annotations
 
 from cachekeeper.errors import PrewarmFailed
 
-__all__ = ["parse_devices", "requested_devices", "select_devices", "visible_gpus"]
+__all__ = [
+    "coverage_advice",
+    "format_devices",
+    "parse_devices",
+    "requested_devices",
+    "select_devices",
+    "visible_gpus",
+]
 
-_GRAMMAR = "expected 'cpu', 'cuda' or 'cuda:0,1,...'"
+_GRAMMAR = "expected 'cpu', 'cuda', 'cuda:0,1,...' or 'cuda:0-7'"
+_MAX_INDEX = 1023  # bounds "cuda:0-N", which the server parses too
 
 
 def _indices(spec: str) -> list[int]:
-    """The GPU indices of ``"cuda:0,1"`` (``cuda:`` may repeat: ``cuda:0,cuda:1``), in order."""
+    """The GPU indices of ``"cuda:0,1"`` or ``"cuda:0-7"`` (``cuda:`` may repeat:
+    ``cuda:0,cuda:1``), in order, without repeats."""
     indices: list[int] = []
     for part in spec.removeprefix("cuda:").split(","):
         part = part.strip().removeprefix("cuda:")
-        if not part.isdigit():
-            raise PrewarmFailed(f"device {spec!r}: {part!r} is not a GPU index")
-        if int(part) not in indices:
-            indices.append(int(part))
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise PrewarmFailed(f"device {spec!r}: {part!r} is not a GPU index or range")
+        end = int(last) if dash else int(first)
+        if end > _MAX_INDEX:
+            raise PrewarmFailed(f"device {spec!r}: {part!r} is past cuda:{_MAX_INDEX}")
+        for index in range(int(first), end + 1):
+            if index not in indices:
+                indices.append(index)
     return indices
+
+
+def format_devices(devices: object) -> str:
+    """``["cuda:0", ..., "cuda:7"]`` -> ``"cuda:0-7"``; ``["cuda:1", "cuda:0"]`` -> ``"cuda:0,1"``.
+
+    Runs of three or more indices become ranges; ``cpu`` (or anything that is not
+    ``cuda:N``) is listed as it is; an empty list is ``"none"``.
+    """
+    items = [str(d) for d in devices or []] if isinstance(devices, list | tuple) else []
+    cuda = sorted({int(d[5:]) for d in items if d.startswith("cuda:") and d[5:].isdigit()})
+    others = sorted({d for d in items if not (d.startswith("cuda:") and d[5:].isdigit())})
+    parts: list[str] = []
+    start = 0
+    while start < len(cuda):
+        end = start
+        while end + 1 < len(cuda) and cuda[end + 1] == cuda[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{cuda[start]}-{cuda[end]}")
+        else:
+            parts.extend(str(i) for i in cuda[start : end + 1])
+        start = end + 1
+    head = [f"cuda:{','.join(parts)}"] if parts else []
+    return ", ".join(head + others) or "none"
+
+
+def coverage_advice(*, covered: object, wanted: object, who: str = "this node") -> str:
+    """Why a snapshot built on ``covered`` cannot serve a job on ``wanted``, and what to do.
+
+    One line, e.g. ``snapshot covers cuda:0,1; this node asks for cuda:0-7: cuda:2-7 never
+    built (the device index is in Inductor's key): build cuda:2-7 on a builder with >= 8
+    GPUs (prewarm --device cuda:2-7), or run one visible GPU per rank (then only cuda:0 is
+    needed)``.
+    """
+    have = {str(d) for d in covered or []} if isinstance(covered, list | tuple) else set()
+    asked = [str(d) for d in wanted or []] if isinstance(wanted, list | tuple) else []
+    missing = [d for d in asked if d not in have]
+    line = (
+        f"snapshot covers {format_devices(sorted(have))}; {who} asks for "
+        f"{format_devices(asked)}: {format_devices(missing)} never built "
+        "(the device index is in Inductor's key)"
+    )
+    indices = [int(d[5:]) for d in missing if d.startswith("cuda:") and d[5:].isdigit()]
+    if not indices:
+        return line
+    needed = max(indices) + 1
+    build = format_devices(missing)
+    gpus = f"{needed} GPUs" if needed > 1 else "1 GPU"
+    advice = f"build {build} on a builder with >= {gpus} (prewarm --device {build})"
+    if "cuda:0" in have:
+        advice += ", or run one visible GPU per rank (then only cuda:0 is needed)"
+    return f"{line}: {advice}"
 
 
 def requested_devices(spec: str | None) -> list[str] | None:
@@ -51,6 +125,8 @@ def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
     """``"cpu"`` -> ``["cpu"]``; ``"cuda"`` -> every visible GPU; ``"cuda:0,1"`` -> those.
 
     ``visible`` (the CUDA indices to accept) defaults to ``visible_gpus()``; tests inject it.
+    Indices that are not visible are refused together, with what to do instead: a machine
+    with fewer GPUs cannot build the higher indices (the index is in Inductor's key).
     """
     spec = spec.strip()
     if spec == "cpu":
@@ -63,10 +139,16 @@ def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
             raise PrewarmFailed("device 'cuda': no GPU is visible (use --device cpu)")
         return [f"cuda:{i}" for i in gpus]
     indices = _indices(spec)
-    for index in indices:
-        if index not in gpus:
-            shown = ",".join(str(i) for i in gpus) or "none"
-            raise PrewarmFailed(f"device cuda:{index} is not visible (visible: {shown})")
+    absent = [f"cuda:{i}" for i in indices if i not in gpus]
+    if absent:
+        shown = format_devices([f"cuda:{i}" for i in gpus])
+        needed = max(i for i in indices if i not in gpus) + 1
+        raise PrewarmFailed(
+            f"device {format_devices(absent)} is not visible (visible: {shown}): this machine"
+            f" cannot build {format_devices(absent)} (the device index is in Inductor's key);"
+            f" build on one with >= {needed} GPUs, or train with one visible GPU per rank"
+            " (then only cuda:0 is needed)"
+        )
     return [f"cuda:{i}" for i in indices]
 
 

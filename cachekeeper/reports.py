@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cachekeeper import wire
+from cachekeeper.devices import format_devices
 from cachekeeper.errors import ColdCompileBroken, PrewarmFailed
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "ProgressEvent",
     "Progress",
     "is_effective",
+    "miss_reason",
     "format_prewarm",
     "format_verify",
 ]
@@ -190,10 +192,17 @@ class VerifyReport:
     cache_dir: str
     devices: tuple[DeviceRun, ...]
     seconds: float
+    built_devices: tuple[str, ...] = ()  # what the cache dir was built on, when known
 
     @property
     def effective(self) -> bool:
         return bool(self.devices) and all(run.effective for run in self.devices)
+
+    @property
+    def reasons(self) -> list[str]:
+        """One line per device that was not effective, naming it (see ``miss_reason``)."""
+        found = (miss_reason(run, built_devices=self.built_devices) for run in self.devices)
+        return [reason for reason in found if reason]
 
     @property
     def status(self) -> VerifyStatus:
@@ -214,7 +223,43 @@ class VerifyReport:
             "effective": self.effective,
             "seconds": self.seconds,
             "devices": [run.to_dict() for run in self.devices],
+            "built_devices": list(self.built_devices),
+            "reasons": self.reasons,
         }
+
+
+def miss_reason(run: DeviceRun, *, built_devices: tuple[str, ...] = ()) -> str | None:
+    """Why ``run`` (a verify) was not effective, naming its device; None when it was.
+
+    ``built_devices`` are the devices the cache dir was built on, when known. A device
+    outside them missed because the device index is in Inductor's key: that is said, with
+    the fix.
+    """
+    if run.mode != "verify" or run.effective:
+        return None
+    if run.status != "ok":
+        return f"{run.device}: the verify run {run.status}"
+    counters = run.counters
+    fx = counters.get("fxgraph_cache_miss", 0)
+    aot = counters.get("autograd_cache_miss", 0)
+    bypass = counters.get("fxgraph_cache_bypass", 0)
+    if fx or aot:
+        what = (
+            f"{run.device} missed {fx} FX graph{'s' if fx != 1 else ''} and {aot}"
+            f" AOTAutograd entr{'ies' if aot != 1 else 'y'}"
+        )
+    elif bypass:
+        what = f"{run.device} bypassed the FX graph cache {bypass} time{'s' if bypass != 1 else ''}"
+    else:
+        what = f"{run.device} compiled nothing through the FX graph cache (no hit)"
+    if built_devices and run.device not in built_devices:
+        return (
+            f"{what}: this cache dir was built on {format_devices(list(built_devices))} only,"
+            " and the device index is in Inductor's key: prewarm --device"
+            f" {run.device} too (or give each rank one visible GPU, so that every rank is"
+            " cuda:0)"
+        )
+    return f"{what}: the workload compiled what the cache dir does not hold"
 
 
 @dataclass(frozen=True)
@@ -348,6 +393,7 @@ def format_verify(report: VerifyReport) -> str:
     ]
     for run in report.devices:
         lines += _run_lines(run)
+    lines += [f"  NOT effective: {reason}" for reason in report.reasons]
     return "\n".join(lines)
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from cachekeeper.children import run_children, work_area
 from cachekeeper.errors import PrewarmFailed
+from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.reports import Progress, VerifyReport
 from cachekeeper.workload import Workload
 
-__all__ = ["verify"]
+__all__ = ["verify", "built_devices"]
 
 
 def verify(
@@ -49,4 +50,19 @@ def verify(
         cache_dir=str(cache_dir),
         devices=tuple(runs),
         seconds=round(time.monotonic() - started, 3),
+        built_devices=built_devices(cache_dir, workload),
     )
+
+
+def built_devices(cache_dir: Path, workload: Workload) -> tuple[str, ...]:
+    """The devices ``cache_dir`` was built on, as far as it shows: the record a prewarm of
+    this workload text left (``cachekeeper.provenance``), else its ``triton/<index>``
+    folders (Triton keeps one per GPU index); ``()`` when neither says."""
+    record = load_prewarm_record(cache_dir, workload.name)
+    if record is not None and record.get("workload_digest") == workload.digest:
+        return tuple(str(d) for d in record.get("devices") or ())
+    try:
+        found = sorted(int(p.name) for p in (cache_dir / "triton").iterdir() if p.name.isdigit())
+    except OSError:
+        return ()
+    return tuple(f"cuda:{i}" for i in found)

@@ -26,6 +26,8 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
+from cachekeeper.devices import coverage_advice
+
 __all__ = [
     "WireError",
     "Check",
@@ -133,6 +135,8 @@ class Mismatch:
     snapshot: Any = None
 
     def describe(self) -> str:
+        if self.field == "devices":  # node: the devices asked for; snapshot: those it covers
+            return coverage_advice(covered=self.snapshot, wanted=self.node)
         return f"{self.field} {_short(self.node)} != {_short(self.snapshot)}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -336,6 +340,9 @@ class StatusRow:
     updated_at: str | None
     last_event: EventOut | None
     agents: tuple[str, ...]
+    devices: tuple[str, ...] = ()  # what the row's snapshot covers
+    uncovered: tuple[str, ...] = ()  # of ?devices=, what it does not cover
+    note: str | None = None  # what to do about ``uncovered``
 
 
 @dataclass(frozen=True, kw_only=True)

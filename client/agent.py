@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cachekeeper import config, wire
 from cachekeeper._proc import pid_alive
+from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 
 if TYPE_CHECKING:
@@ -403,7 +404,8 @@ class _Builder:
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
         self.say(
-            f"{name}: built snapshot {pushed.snapshot_id[:12]} in {report.seconds:.1f} s"
+            f"{name}: built snapshot {pushed.snapshot_id[:12]} covering"
+            f" {format_devices(list(self.options.devices))} in {report.seconds:.1f} s"
             f" ({pushed.uploaded_blobs} blobs uploaded, {pushed.deduplicated_blobs} deduplicated)"
         )
         return self._outcome(

@@ -21,6 +21,12 @@ fingerprint digest:
 - ``failed``: the newest report is ``failed`` (crash, timeout, verify not effective,
   push failed, abandoned on shutdown);
 - ``missing``: nothing was built for the pair (or the snapshot a report named is gone).
+
+Each row also says which devices its warm snapshot covers (``devices``). The device index
+is in Inductor's key, so a snapshot serves only jobs whose ranks compile on those indices.
+``?devices=cuda:0-7`` asks about the training nodes' devices: each row then lists the
+ones its snapshot does not cover (``uncovered``) and a one-line ``note`` on what to do
+(a builder with fewer GPUs than the nodes cannot build the higher indices).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
 
-from cachekeeper.errors import AgentNotFound, InvalidManifest
+from cachekeeper.devices import coverage_advice, requested_devices
+from cachekeeper.errors import AgentNotFound, CachekeeperError, InvalidManifest, InvalidRequest
 from cachekeeper.fingerprint import digest_of
 
 from .auth import ReadScope, WriteScope
@@ -110,6 +117,9 @@ class StatusRow(BaseModel):
     updated_at: str | None
     last_event: EventOut | None
     agents: list[str]
+    devices: list[str] = Field(default_factory=list)
+    uncovered: list[str] = Field(default_factory=list)
+    note: str | None = None
 
 
 class StatusAnswer(BaseModel):
@@ -261,9 +271,16 @@ def _decide(
 
 
 def fleet_status(
-    storage: Storage, *, workload: str | None = None, fingerprint_digest: str | None = None
+    storage: Storage,
+    *,
+    workload: str | None = None,
+    fingerprint_digest: str | None = None,
+    devices: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The status rows (see the module docstring), sorted by workload then digest."""
+    """The status rows (see the module docstring), sorted by workload then digest.
+
+    ``devices``: the devices training nodes use; rows then say what they leave uncovered.
+    """
     catalog = storage.catalog
     registered = [r["name"] for r in catalog.list_workloads()]
     agents = catalog.rows("SELECT id, name, fingerprint_digest FROM agents ORDER BY name")
@@ -277,15 +294,19 @@ def fleet_status(
     events = {(e["workload"], e["fingerprint_digest"]): e for e in latest}
     verified: dict[tuple[str, str], dict[str, Any]] = {}
     for snap in catalog.rows(
-        "SELECT id, workload, fingerprint_digest, created_at FROM snapshots"
+        "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
         " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
     ):
         verified[(snap["workload"], snap["fingerprint_digest"])] = snap  # newest wins
     stored = {e["snapshot_id"] for e in latest if e["snapshot_id"]}
+    covers = {snap["id"]: snap["devices"] for snap in verified.values()}
     if stored:
         marks = ",".join("?" * len(stored))
-        found = catalog.rows(f"SELECT id FROM snapshots WHERE id IN ({marks})", sorted(stored))
+        found = catalog.rows(
+            f"SELECT id, devices FROM snapshots WHERE id IN ({marks})", sorted(stored)
+        )
         stored = {r["id"] for r in found}
+        covers.update({r["id"]: r["devices"] for r in found})
     pairs = {(w, d) for w in registered for d in names_by_digest}
     pairs |= set(events)
     pairs |= {key for key in verified if key[0] in registered}
@@ -297,6 +318,8 @@ def fleet_status(
             continue
         event = events.get((w, d))
         status, snapshot_id, updated_at = _decide(event, verified.get((w, d)), stored)
+        covered = json.loads(covers.get(snapshot_id or "") or "[]")
+        uncovered = [x for x in devices or [] if x not in covered] if snapshot_id else []
         rows.append(
             {
                 "workload": w,
@@ -306,6 +329,13 @@ def fleet_status(
                 "updated_at": updated_at,
                 "last_event": _event_out(event) if event else None,
                 "agents": names_by_digest.get(d, []),
+                "devices": covered,
+                "uncovered": uncovered,
+                "note": (
+                    coverage_advice(covered=covered, wanted=devices, who="a node")
+                    if uncovered
+                    else None
+                ),
             }
         )
     return rows
@@ -317,8 +347,17 @@ def status(
     _: ReadScope,
     workload: Annotated[str | None, Query()] = None,
     fingerprint_digest: Annotated[str | None, Query(pattern=_DIGEST)] = None,
+    devices: Annotated[
+        str | None,
+        Query(max_length=4096, description="the training nodes' devices, e.g. cuda:0-7"),
+    ] = None,
 ) -> dict[str, Any]:
     """warm / building / broken / failed / missing per (workload, fingerprint digest)."""
-    return {
-        "status": fleet_status(storage, workload=workload, fingerprint_digest=fingerprint_digest)
-    }
+    try:
+        wanted = requested_devices(devices) if devices else None
+    except CachekeeperError as exc:
+        raise InvalidRequest(exc.detail) from exc
+    rows = fleet_status(
+        storage, workload=workload, fingerprint_digest=fingerprint_digest, devices=wanted
+    )
+    return {"status": rows}

@@ -48,7 +48,7 @@ device_option = click.option(
     "--device",
     "device",
     default=None,
-    help="cpu, cuda (every visible GPU) or cuda:0,1,... "
+    help="cpu, cuda (every visible GPU), cuda:0,1,... or cuda:0-7 "
     "[default: cuda when a GPU is visible, else cpu]",
 )
 

@@ -7,8 +7,9 @@ import sys
 
 import click
 
-from cachekeeper.cli._common import emit_json, handle_errors, json_option
+from cachekeeper.cli._common import device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.snapshot import load_manifest
+from cachekeeper.errors import CachekeeperError
 
 __all__ = ["fingerprint_cmd", "explain_cmd"]
 
@@ -53,16 +54,24 @@ def fingerprint_cmd(as_json: bool) -> None:
     show_default=True,
     help="How the node's NVIDIA driver must relate to the builder's.",
 )
+@device_option
 @json_option
 @handle_errors
-def explain_cmd(snapshot: str, driver_policy: str, as_json: bool) -> None:
+def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: bool) -> None:
     """Compare this node's fingerprint with a snapshot's, field by field.
 
     SNAPSHOT is an archive file or a local store id. Exits 0 when this node can use
-    the snapshot, 1 when it cannot.
+    the snapshot, 1 when it cannot. The device index is in Inductor's key: the snapshot
+    must cover every device the job's ranks compile on (--device, default every visible
+    GPU; a job that gives each rank one visible GPU uses only cuda:0).
     """
+    from cachekeeper.devices import requested_devices
     from cachekeeper.fingerprint import collect, compare
 
+    try:
+        node_devices = requested_devices(device)
+    except CachekeeperError as exc:
+        raise click.BadParameter(exc.detail, param_hint="--device") from exc
     manifest, _ = load_manifest(snapshot)
     node = collect()
     mismatches = compare(
@@ -70,19 +79,23 @@ def explain_cmd(snapshot: str, driver_policy: str, as_json: bool) -> None:
         manifest.fingerprint,
         driver_policy=driver_policy,  # type: ignore[arg-type]
         devices=list(manifest.devices),
+        node_devices=node_devices,
     )
     if as_json:
         emit_json(
             {
                 "snapshot_id": manifest.id,
                 "compatible": not mismatches,
-                "mismatches": [m.to_dict() for m in mismatches],
+                "mismatches": [{**m.to_dict(), "reason": m.describe()} for m in mismatches],
             }
         )
     elif mismatches:
         click.echo(f"snapshot {manifest.id[:12]} does NOT suit this node:")
         for m in mismatches:
-            click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
+            if m.field == "devices":
+                click.echo(f"  {m.field:<12} {m.describe()}")
+            else:
+                click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
     else:
         click.echo(f"snapshot {manifest.id[:12]} suits this node (driver policy {driver_policy})")
     sys.exit(1 if mismatches else 0)

@@ -75,3 +75,23 @@ def test_devices_must_be_covered() -> None:
     assert compare(node, node, devices=["cuda:0"], node_devices=["cuda:0"]) == []
     cpu = {**BASE, "gpus": []}
     assert compare(cpu, cpu, devices=["cpu"]) == []
+
+
+def test_a_node_with_more_gpus_than_the_builder_is_told_which_indices_and_what_to_do() -> None:
+    # an 8-GPU node against a snapshot built on a 2-GPU builder (the node asks for every GPU)
+    node = {**BASE, "gpus": [{"index": i, "name": "H200", "capability": "9.0"} for i in range(8)]}
+    builder = {**BASE, "gpus": node["gpus"][:2]}
+    (mismatch,) = compare(node, builder, devices=["cuda:0", "cuda:1"])
+    assert mismatch.field == "devices"
+    assert mismatch.describe() == (
+        "snapshot covers cuda:0,1; this node asks for cuda:0-7: cuda:2-7 never built (the"
+        " device index is in Inductor's key): build cuda:2-7 on a builder with >= 8 GPUs"
+        " (prewarm --device cuda:2-7), or run one visible GPU per rank (then only cuda:0 is"
+        " needed)"
+    )
+    assert format_mismatches([mismatch]) == mismatch.describe()
+    # one visible GPU per rank: each rank asks for cuda:0 only, which the snapshot covers
+    assert compare(node, builder, devices=["cuda:0", "cuda:1"], node_devices=["cuda:0"]) == []
+    # a cache of index 0 alone, on a node that uses index 1
+    (alone,) = compare(node, builder, devices=["cuda:0"], node_devices=["cuda:1"])
+    assert "cuda:1 never built" in alone.describe() and ">= 2 GPUs" in alone.describe()

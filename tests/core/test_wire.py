@@ -81,7 +81,8 @@ def test_round_trip_keeps_every_field_in_order():
     assert list(to_dict(parsed)) == list(answer)
     status = {"status": [{"workload": "w", "fingerprint_digest": "f" * 64, "status": "warm",
                           "snapshot_id": DIGEST, "updated_at": None, "last_event": event(),
-                          "agents": ["b1"]}]}  # fmt: skip
+                          "agents": ["b1"], "devices": ["cuda:0", "cuda:1"],
+                          "uncovered": ["cuda:2"], "note": "snapshot covers cuda:0,1; ..."}]}  # fmt: skip
     assert to_dict(from_dict(StatusAnswer, status)) == status
 
 

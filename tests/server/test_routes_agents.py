@@ -8,8 +8,9 @@ from typing import Any
 import httpx
 import pytest
 from cachekeeper.client.api import CacheClient
+from cachekeeper.client.pull import resolve_snapshot
 
-from cachekeeper.errors import Forbidden, InvalidManifest
+from cachekeeper.errors import Forbidden, InvalidManifest, NoMatchingSnapshot
 from cachekeeper.fingerprint import digest_of
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
@@ -185,3 +186,50 @@ def test_client_methods_and_scopes(fresh_server) -> None:
         assert reader.list_agents()[0].fingerprint == json.loads(json.dumps(FINGERPRINT))
         with pytest.raises(Forbidden):
             reader.heartbeat(agent.id)
+
+
+def test_status_says_which_indices_a_builder_with_fewer_gpus_left_unbuilt(fresh_server) -> None:
+    """A 2-GPU builder's snapshot, asked about by 8-GPU training nodes (GPUs are only named
+    in the fingerprints here: no GPU is needed to test what the server says)."""
+    live = fresh_server()
+    gpus = [{"index": i, "name": "NVIDIA H200", "capability": "9.0"} for i in range(8)]
+    builder = dict(FINGERPRINT, gpus=gpus[:2])
+    with httpx.Client(base_url=live.url) as c:
+        assert c.put("/v1/workloads/drafter", content=TINY_TOML.format(name="drafter")).is_success
+        _register(c, fp=builder)
+        manifest, blobs = make_snapshot(
+            {"a.bin": b"a"},
+            workload="drafter",
+            fingerprint=builder,
+            devices=("cuda:0", "cuda:1"),
+            verified=True,
+        )
+        assert push(c, manifest, blobs).status_code == 201
+        key = ("drafter", digest_of(builder))
+        row = _status(c)[key]
+        assert row["status"] == "warm" and row["devices"] == ["cuda:0", "cuda:1"]
+        assert row["uncovered"] == [] and row["note"] is None
+
+        row = _status(c, devices="cuda:0-7")[key]
+        assert row["uncovered"] == [f"cuda:{i}" for i in range(2, 8)]
+        assert row["note"] == (
+            "snapshot covers cuda:0,1; a node asks for cuda:0-7: cuda:2-7 never built (the"
+            " device index is in Inductor's key): build cuda:2-7 on a builder with >= 8 GPUs"
+            " (prewarm --device cuda:2-7), or run one visible GPU per rank (then only cuda:0"
+            " is needed)"
+        )
+        assert _status(c, devices="cuda:0")[key]["note"] is None  # one visible GPU per rank
+        bad = c.get("/v1/status", params={"devices": "gpu0"})
+        assert bad.status_code == 422 and "gpu0" in bad.json()["detail"]
+
+        # the 8-GPU node itself: no match, and the near miss says the same thing
+        node = dict(FINGERPRINT, gpus=gpus)
+        answer = c.post("/v1/resolve", json={"fingerprint": node, "workload": "drafter"}).json()
+        assert answer["snapshot"] is None
+        (mismatch,) = answer["near_misses"][0]["mismatches"]
+        assert mismatch["field"] == "devices" and mismatch["snapshot"] == ["cuda:0", "cuda:1"]
+        with CacheClient(base_url=live.url) as client:
+            with pytest.raises(NoMatchingSnapshot, match=r"cuda:2-7 never built"):
+                resolve_snapshot(client, workload="drafter", fingerprint=node)
+            hit = resolve_snapshot(client, workload="drafter", fingerprint=node, devices=["cuda:0"])
+            assert hit.snapshot_id == manifest.id
