@@ -22,10 +22,17 @@ The rules, and how this module keeps them:
   (missing, corrupt, too large, an archive member that is not a regular ``blobs/<sha256>``
   of the manifest) raise a one-line error naming the entry; the files verified before it
   stay, nothing partial is visible, and a rerun completes the restore.
+- **One owner of the sequence**: ``restore_snapshot`` alone takes the lock, checks
+  whether the dir already holds the snapshot, verifies the signature, writes, and
+  records the marker. Where the bytes come from is a ``SnapshotSource`` (get the
+  manifest; open a stream of the blobs still needed): a local archive file
+  (``restore_archive``), a local blob store (``restore``), an uncompressed tar stream
+  (``restore_from_tar``), or the server (``cachekeeper.client.pull``, which adds
+  resolve and retries under a deadline).
 - **Concurrent restores** into one dir serialize on ``target_lock`` (flock on
-  ``.cachekeeper/lock``); the later ones find the work done and skip it. The lock only
-  avoids duplicate work: flock is a no-op on some NFS/Lustre mounts, and correctness
-  never depends on it (link-without-clobber does).
+  ``.cachekeeper/lock``, taken once per restore); the later ones find the work done and
+  skip it. The lock only avoids duplicate work: flock is a no-op on some NFS/Lustre
+  mounts, and correctness never depends on it (link-without-clobber does).
 - **Signed snapshots** (``trusted_keys``, see ``cachekeeper.signing``): with a trust list,
   the manifest's signature is checked before the target is touched at all (an unsigned,
   untrusted or tampered manifest raises ``SignatureInvalid``), and the restore becomes
@@ -44,7 +51,9 @@ Layout of what this module writes into a cache dir (snapshots exclude dot-names)
                                  # by the next restore when that process is dead
       restored/<snapshot id>     # marker written after a complete, conflict-free restore
 
-**Fast no-op check (``is_restored``)**: the pre-job hook calls it before anything else.
+**Fast no-op check (``is_restored``)**: ``restore_snapshot(..., reuse_marker=True)``
+(pull, and through it the pre-job hook, which also calls it right after its one quick
+resolve) stops here when the dir already holds the snapshot.
 It reads the marker (JSON listing each path and size) and ``stat``-s every path,
 checking existence and size (existence only for rewritten group files); no hashing. It
 takes a few milliseconds for thousands of files. A file changed in place with the same
@@ -57,9 +66,9 @@ import contextlib
 import fcntl
 import json
 import os
-import threading
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -89,16 +98,23 @@ from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
     "BlobSource",
+    "SnapshotSource",
+    "Blobs",
     "RestoreReport",
+    "restore_snapshot",
     "restore",
     "restore_from_tar",
     "restore_archive",
+    "archive_blobs",
     "merge_tree",
     "needed_digests",
     "is_restored",
     "target_lock",
     "STATE_DIR",
 ]
+
+# What a source hands the restore: ``(digest, uncompressed bytes)`` pairs, in any order.
+Blobs = Iterable[tuple[str, BinaryIO]]
 
 
 class BlobSource(Protocol):
@@ -107,9 +123,36 @@ class BlobSource(Protocol):
     def open(self, digest: str) -> BinaryIO: ...
 
 
+class SnapshotSource(Protocol):
+    """Where ``restore_snapshot`` reads one snapshot (archive file, blob store, server)."""
+
+    @property
+    def snapshot_id(self) -> str | None:
+        """The snapshot's id when known before its manifest (a resolve), else None."""
+        ...
+
+    def manifest(self) -> Manifest:
+        """The snapshot's manifest (the restore validates it and checks its signature)."""
+        ...
+
+    def open_blobs(
+        self, needed: Mapping[str, Sequence[FileEntry]]
+    ) -> AbstractContextManager[Blobs]:
+        """A stream of the blobs ``needed`` (digest -> the entries using it) holds.
+
+        Blobs outside ``needed`` may be in it (they are skipped); one that is missing is
+        reported by the restore, naming its entry.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class RestoreReport:
-    """What a restore did (or, with ``dry_run``, would do)."""
+    """What a restore did (or, with ``dry_run``, would do).
+
+    ``already_restored``: the dir's marker said it holds the snapshot, so nothing was
+    looked at (only with ``reuse_marker``; not part of the JSON report).
+    """
 
     snapshot_id: str
     written: int
@@ -118,6 +161,7 @@ class RestoreReport:
     bytes_written: int
     dry_run: bool
     planned: list[str] = field(default_factory=list)  # paths to write (dry runs only)
+    already_restored: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,43 +176,20 @@ class RestoreReport:
 
 
 # -- the lock ----------------------------------------------------------------------------
-_held: dict[str, int] = {}
-_held_guard = threading.Lock()
-
-
 @contextlib.contextmanager
 def target_lock(cache_dir: Path) -> Iterator[None]:
-    """Exclusive flock on ``cache_dir/.cachekeeper/lock`` (re-entrant within a process).
+    """Exclusive flock on ``cache_dir/.cachekeeper/lock``; ``restore_snapshot`` takes it once.
 
     It only avoids duplicate work; where flock is unsupported it silently does nothing.
+    Not re-entrant: a second hold from the same process waits for the first.
     """
     state = Path(cache_dir) / STATE_DIR
     state.mkdir(parents=True, exist_ok=True)
-    key = os.path.realpath(state)
-    with _held_guard:
-        if _held.get(key):
-            _held[key] += 1
-            reentered = True
-        else:
-            reentered = False
-    if reentered:
-        try:
-            yield
-        finally:
-            with _held_guard:
-                _held[key] -= 1
-        return
     fd = os.open(state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
-        with _held_guard:
-            _held[key] = 1
-        try:
-            yield
-        finally:
-            with _held_guard:
-                _held.pop(key, None)
+        yield
     finally:
         os.close(fd)  # closing releases the flock
 
@@ -213,6 +234,13 @@ def _plan(manifest: Manifest, cache_dir: Path) -> _Plan:
     return plan
 
 
+def _empty_plan(manifest: Manifest) -> _Plan:
+    plan = _Plan(todo={})
+    for entry in manifest.files:
+        plan.todo.setdefault(entry.digest, []).append(entry)
+    return plan
+
+
 def needed_digests(manifest: Manifest, cache_dir: Path) -> set[str]:
     """Digests of the manifest's files that ``cache_dir`` lacks (a stat per file)."""
     _check_manifest(manifest)
@@ -233,7 +261,7 @@ def _write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) ->
 def is_restored(
     manifest_id: str, cache_dir: Path, *, trusted_key_ids: Collection[str] | None = None
 ) -> bool:
-    """The pre-job hook's fast check: marker present and every file there with its size.
+    """The already-restored check: marker present and every file there with its size.
 
     With ``trusted_key_ids`` (non-empty), the marker must also say that a restore which
     verified the signature of one of those keys wrote it.
@@ -257,7 +285,111 @@ def is_restored(
     return True
 
 
-# -- the restore paths -------------------------------------------------------------------
+# -- the one restore ---------------------------------------------------------------------
+def _accept(
+    source: SnapshotSource, trusted_keys: Sequence[TrustedKey] | None
+) -> tuple[Manifest, str | None]:
+    """The source's manifest, signature-checked (with a trust list) and rule-checked."""
+    manifest = source.manifest()
+    key_id = verify_manifest(manifest, trusted_keys) if trusted_keys else None
+    _check_manifest(manifest)
+    return manifest, key_id
+
+
+def restore_snapshot(
+    source: SnapshotSource,
+    cache_dir: Path,
+    *,
+    trusted_keys: Sequence[TrustedKey] | None = None,
+    reuse_marker: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RestoreReport:
+    """Make ``cache_dir`` hold the snapshot ``source`` supplies: lock -> already restored?
+    -> verify -> write -> marker, the only place this sequence lives.
+
+    With ``trusted_keys`` (non-empty), the manifest's signature is checked before the
+    target is touched at all, and the restore is all-or-nothing. With ``reuse_marker``,
+    a dir whose marker says it holds the snapshot (``is_restored``) is left as it is
+    (``already_restored``; the hook's path); without it, every present file is hashed.
+    """
+    cache_dir = Path(cache_dir)
+    key_ids = {k.key_id for k in trusted_keys or ()}
+    manifest: Manifest | None = None
+    key_id: str | None = None
+    if key_ids or dry_run or not reuse_marker or source.snapshot_id is None:
+        manifest, key_id = _accept(source, trusted_keys)  # refused before anything is touched
+    snapshot_id = source.snapshot_id or (manifest.id if manifest is not None else "")
+    if dry_run and manifest is not None:
+        plan = _plan(manifest, cache_dir) if cache_dir.is_dir() else _empty_plan(manifest)
+        return _report(manifest, plan, None, dry_run=True)
+    if reuse_marker and is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
+        return _already(snapshot_id)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with target_lock(cache_dir):
+        # another process may have done it while we waited
+        if reuse_marker and is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
+            return _already(snapshot_id)
+        if manifest is None:
+            manifest, key_id = _accept(source, trusted_keys)
+        plan = _plan(manifest, cache_dir)
+        if not plan.todo:
+            if not plan.conflicts:
+                _write_marker(manifest, cache_dir, key_id=key_id)
+            return _report(manifest, plan, None, dry_run=False)
+        # Signed: all-or-nothing (nothing appears until every blob verified).
+        writer = Writer(manifest, cache_dir, progress, hold=key_id is not None)
+        try:
+            try:
+                _feed(source, plan, writer)
+            except BaseException:
+                if key_id is None:
+                    with contextlib.suppress(Exception):
+                        writer.flush()  # what is verified may stay; a rerun does the rest
+                raise
+            writer.flush()
+        finally:
+            writer.close()
+        report = _report(manifest, plan, writer, dry_run=False)
+        if not report.conflicts:
+            _write_marker(manifest, cache_dir, key_id=key_id)
+        return report
+
+
+def _feed(source: SnapshotSource, plan: _Plan, writer: Writer) -> None:
+    """Write every blob of ``plan.todo`` from the source's stream; name what is missing."""
+    with source.open_blobs(dict(plan.todo)) as blobs:
+        for digest, stream in blobs:
+            entries = plan.todo.pop(digest, None)
+            if entries is None:
+                continue  # already present in the target
+            try:
+                writer.write_blob(digest, stream, entries)
+            except zstandard.ZstdError as exc:
+                raise DigestMismatch(
+                    f"blob {digest} for {entries[0].path} is corrupt: {exc}"
+                ) from exc
+    if plan.todo:
+        missing = sorted(e.path for entries in plan.todo.values() for e in entries)
+        raise BlobMissing(
+            f"blob for {missing[0]} is missing from the snapshot stream "
+            f"({len(missing)} files lack their blob)",
+            extra={"missing": sorted(plan.todo)},
+        )
+
+
+def _already(snapshot_id: str) -> RestoreReport:
+    return RestoreReport(
+        snapshot_id=snapshot_id,
+        written=0,
+        skipped=0,
+        conflicts=[],
+        bytes_written=0,
+        dry_run=False,
+        already_restored=True,
+    )
+
+
 def _report(
     manifest: Manifest, plan: _Plan, writer: Writer | None, *, dry_run: bool
 ) -> RestoreReport:
@@ -282,142 +414,36 @@ def _report(
     )
 
 
-def _run(
-    manifest: Manifest,
-    cache_dir: Path,
-    feed: Callable[[_Plan, Writer], None],
-    *,
-    dry_run: bool,
-    progress: Progress | None,
-    trusted_keys: Sequence[TrustedKey] | None,
-) -> RestoreReport:
-    cache_dir = Path(cache_dir)
-    # Both refused before the target is touched at all.
-    key_id = verify_manifest(manifest, trusted_keys) if trusted_keys else None
-    _check_manifest(manifest)
-    if dry_run:
-        plan = _plan(manifest, cache_dir) if cache_dir.is_dir() else _empty_plan(manifest)
-        return _report(manifest, plan, None, dry_run=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with target_lock(cache_dir):
-        plan = _plan(manifest, cache_dir)
-        if not plan.todo:
-            if not plan.conflicts:
-                _write_marker(manifest, cache_dir, key_id=key_id)
-            return _report(manifest, plan, None, dry_run=False)
-        # Signed: all-or-nothing (nothing appears until every blob verified).
-        writer = Writer(manifest, cache_dir, progress, hold=key_id is not None)
-        try:
-            try:
-                feed(plan, writer)
-            except BaseException:
-                if key_id is None:
-                    with contextlib.suppress(Exception):
-                        writer.flush()  # what is verified may stay; a rerun does the rest
-                raise
-            writer.flush()
-        finally:
-            writer.close()
-        report = _report(manifest, plan, writer, dry_run=False)
-        if not report.conflicts:
-            _write_marker(manifest, cache_dir, key_id=key_id)
-        return report
+# -- sources -----------------------------------------------------------------------------
+def archive_blobs(manifest: Manifest, tar_stream: BinaryIO) -> Iterator[tuple[str, BinaryIO]]:
+    """The blobs of an uncompressed snapshot tar stream (non-seekable is fine).
 
-
-def _empty_plan(manifest: Manifest) -> _Plan:
-    plan = _Plan(todo={})
-    for entry in manifest.files:
-        plan.todo.setdefault(entry.digest, []).append(entry)
-    return plan
-
-
-def restore(
-    manifest: Manifest,
-    source: BlobSource,
-    cache_dir: Path,
-    *,
-    dry_run: bool = False,
-    progress: Progress | None = None,
-    trusted_keys: Sequence[TrustedKey] | None = None,
-) -> RestoreReport:
-    """Restore ``manifest`` into ``cache_dir``, reading blobs from ``source``.
-
-    With ``trusted_keys`` (non-empty), only a manifest signed by one of them is restored.
+    A ``manifest.json`` member is skipped; any other member must be a regular
+    ``blobs/<sha256>`` of ``manifest``, at most its declared size, and appear once.
     """
-
-    def feed(plan: _Plan, writer: Writer) -> None:
-        for digest, entries in list(plan.todo.items()):
-            try:
-                stream = source.open(digest)
-            except BlobMissing as exc:
-                raise BlobMissing(
-                    f"blob {digest} for {entries[0].path} is missing from the source",
-                    extra={"missing": [digest], "path": entries[0].path},
-                ) from exc
-            try:
-                with stream:
-                    writer.write_blob(digest, stream, entries)
-            except zstandard.ZstdError as exc:
-                raise DigestMismatch(
-                    f"blob {digest} for {entries[0].path} is corrupt: {exc}"
-                ) from exc
-            del plan.todo[digest]
-
-    return _run(
-        manifest, cache_dir, feed, dry_run=dry_run, progress=progress, trusted_keys=trusted_keys
-    )
-
-
-def restore_from_tar(
-    manifest: Manifest,
-    tar_stream: BinaryIO,
-    cache_dir: Path,
-    *,
-    dry_run: bool = False,
-    progress: Progress | None = None,
-    trusted_keys: Sequence[TrustedKey] | None = None,
-) -> RestoreReport:
-    """Restore from an uncompressed tar stream of ``blobs/<sha256>`` members (may be
-    non-seekable, e.g. an HTTP response); a ``manifest.json`` member is skipped."""
     declared = {e.digest: e for e in manifest.files}
-
-    def feed(plan: _Plan, writer: Writer) -> None:
-        seen: set[str] = set()
-        for member in _members(tar_stream):
-            name = member.name
-            if name in seen:
-                raise InvalidManifest(f"archive member {name!r} appears twice")
-            seen.add(name)
-            if name == MANIFEST_MEMBER and member.isreg():
-                continue
-            if not member.isreg():
-                raise UnsafePath(f"archive member {name!r} is not a regular file (link or device)")
-            digest = blob_digest(name)
-            if digest is None:
-                raise UnsafePath(f"archive member {name!r} is not named blobs/<sha256>")
-            entry = declared.get(digest)
-            if entry is None:
-                raise InvalidManifest(f"archive member {name!r} is not in the manifest")
-            if member.size > entry.size_bytes:
-                raise BlobTooLarge(
-                    f"blob {digest} for {entry.path} is {member.size} bytes in the "
-                    f"archive, larger than its declared {entry.size_bytes}"
-                )
-            entries = plan.todo.pop(digest, None)
-            if entries is None:
-                continue  # already present in the target
-            writer.write_blob(digest, member.stream, entries)  # type: ignore[arg-type]
-        if plan.todo:
-            missing = sorted(e.path for entries in plan.todo.values() for e in entries)
-            raise BlobMissing(
-                f"blob for {missing[0]} is missing from the snapshot stream "
-                f"({len(missing)} files lack their blob)",
-                extra={"missing": sorted(plan.todo)},
+    seen: set[str] = set()
+    for member in _members(tar_stream):
+        name = member.name
+        if name in seen:
+            raise InvalidManifest(f"archive member {name!r} appears twice")
+        seen.add(name)
+        if name == MANIFEST_MEMBER and member.isreg():
+            continue
+        if not member.isreg():
+            raise UnsafePath(f"archive member {name!r} is not a regular file (link or device)")
+        digest = blob_digest(name)
+        if digest is None:
+            raise UnsafePath(f"archive member {name!r} is not named blobs/<sha256>")
+        entry = declared.get(digest)
+        if entry is None:
+            raise InvalidManifest(f"archive member {name!r} is not in the manifest")
+        if member.size > entry.size_bytes:
+            raise BlobTooLarge(
+                f"blob {digest} for {entry.path} is {member.size} bytes in the "
+                f"archive, larger than its declared {entry.size_bytes}"
             )
-
-    return _run(
-        manifest, cache_dir, feed, dry_run=dry_run, progress=progress, trusted_keys=trusted_keys
-    )
+        yield digest, member.stream  # type: ignore[misc]
 
 
 def _members(stream: BinaryIO) -> Iterator[TarMember]:
@@ -432,6 +458,117 @@ def _members(stream: BinaryIO) -> Iterator[TarMember]:
         yield member
 
 
+@dataclass(frozen=True)
+class _StoreSource:
+    """A manifest whose blobs a ``BlobSource`` (a local blob store, a dir) opens one by one."""
+
+    the_manifest: Manifest
+    blobs: BlobSource
+    snapshot_id: str | None = None
+
+    def manifest(self) -> Manifest:
+        return self.the_manifest
+
+    @contextlib.contextmanager
+    def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
+        yield self._each(needed)
+
+    def _each(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[tuple[str, BinaryIO]]:
+        for digest, entries in needed.items():
+            try:
+                stream = self.blobs.open(digest)
+            except BlobMissing as exc:
+                raise BlobMissing(
+                    f"blob {digest} for {entries[0].path} is missing from the source",
+                    extra={"missing": [digest], "path": entries[0].path},
+                ) from exc
+            with stream:
+                yield digest, stream
+
+
+@dataclass(frozen=True)
+class _TarSource:
+    """A manifest and an uncompressed tar stream of its blobs (read once)."""
+
+    the_manifest: Manifest
+    tar_stream: BinaryIO
+    snapshot_id: str | None = None
+
+    def manifest(self) -> Manifest:
+        return self.the_manifest
+
+    def open_blobs(
+        self, needed: Mapping[str, Sequence[FileEntry]]
+    ) -> AbstractContextManager[Blobs]:
+        return contextlib.nullcontext(archive_blobs(self.the_manifest, self.tar_stream))
+
+
+@dataclass
+class _ArchiveFileSource:
+    """A one-file archive (``snapshot.write_archive``): manifest first, then its blobs."""
+
+    path: Path
+    snapshot_id: str | None = None
+    _manifest: Manifest | None = None
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = read_archive_manifest(self.path)
+        return self._manifest
+
+    @contextlib.contextmanager
+    def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
+        with open(self.path, "rb") as fh:
+            stream = open_archive_stream(fh)
+            try:
+                yield archive_blobs(self.manifest(), stream)
+            finally:
+                stream.close()  # stops the read-ahead thread
+
+
+# -- the restore entry points (each only picks a source) ---------------------------------
+def restore(
+    manifest: Manifest,
+    source: BlobSource,
+    cache_dir: Path,
+    *,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+    trusted_keys: Sequence[TrustedKey] | None = None,
+) -> RestoreReport:
+    """Restore ``manifest`` into ``cache_dir``, reading blobs from ``source``.
+
+    With ``trusted_keys`` (non-empty), only a manifest signed by one of them is restored.
+    """
+    return restore_snapshot(
+        _StoreSource(manifest, source),
+        cache_dir,
+        trusted_keys=trusted_keys,
+        dry_run=dry_run,
+        progress=progress,
+    )
+
+
+def restore_from_tar(
+    manifest: Manifest,
+    tar_stream: BinaryIO,
+    cache_dir: Path,
+    *,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+    trusted_keys: Sequence[TrustedKey] | None = None,
+) -> RestoreReport:
+    """Restore from an uncompressed tar stream of ``blobs/<sha256>`` members (may be
+    non-seekable, e.g. an HTTP response); a ``manifest.json`` member is skipped."""
+    return restore_snapshot(
+        _TarSource(manifest, tar_stream),
+        cache_dir,
+        trusted_keys=trusted_keys,
+        dry_run=dry_run,
+        progress=progress,
+    )
+
+
 def restore_archive(
     path: Path,
     cache_dir: Path,
@@ -441,20 +578,16 @@ def restore_archive(
     trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> RestoreReport:
     """Restore a one-file archive (``snapshot.write_archive``) into ``cache_dir``."""
-    manifest = read_archive_manifest(path)
-    with open(path, "rb") as fh:
-        stream = open_archive_stream(fh)
-        try:
-            return restore_from_tar(
-                manifest,
-                stream,
-                cache_dir,
-                dry_run=dry_run,
-                progress=progress,
-                trusted_keys=trusted_keys,
-            )
-        except zstandard.ZstdError as exc:
-            raise DigestMismatch(f"{path} is corrupt: {exc}") from exc
+    try:
+        return restore_snapshot(
+            _ArchiveFileSource(Path(path)),
+            cache_dir,
+            trusted_keys=trusted_keys,
+            dry_run=dry_run,
+            progress=progress,
+        )
+    except zstandard.ZstdError as exc:
+        raise DigestMismatch(f"{path} is corrupt: {exc}") from exc
 
 
 class _DirSource:

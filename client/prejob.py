@@ -12,12 +12,14 @@
    (not ``/tmp``, which many hosts wipe on reboot; one dir per fingerprint, so a new torch
    build never writes into another build's cache).
 2. Resolve the workload with the fingerprint. If the dir already holds that snapshot
-   (``is_restored``, a marker and a stat), stop: this is the common, fast path. It asks
-   with one plain ``http.client`` request, because importing httpx alone costs about
-   130 ms of the 300 ms budget; any trouble on it (an error, a miss, a restore due) falls
-   through to ``CacheClient``, which retries, maps errors and explains.
-3. Otherwise take the dir's lock (other ranks of this node wait on it), check again, and
-   fetch only the blobs the dir lacks, in one archive stream.
+   (the restore's own check, ``cachekeeper.restore.is_restored``: a marker and a stat),
+   stop: this is the common, fast path. It asks with one plain ``http.client`` request,
+   because importing httpx alone costs about 130 ms of the 300 ms budget; any trouble on
+   it (an error, a miss, a restore due) falls through to ``pull``.
+3. Otherwise ``cachekeeper.client.pull.pull``: resolve with ``CacheClient`` (which
+   retries, maps errors and explains), then the one restore, which takes the dir's lock
+   (other ranks of this node wait on it), checks again, and fetches only the blobs the
+   dir lacks, in one archive stream.
 
 Every call runs under one deadline (``timeout_s``); the work also runs in a daemon thread
 that the hook stops waiting for at the deadline, so a stuck filesystem or server cannot
@@ -159,32 +161,30 @@ def _work(
             },
             timeout_s=deadline.bound(timeout_s) / 2,  # leave the full client time to retry
         )
+        # The fast path: the restore's own already-restored check, on the quick answer.
         if quick is not None and is_restored(quick, cache_dir, trusted_key_ids=key_ids):
             result.snapshot_id, result.outcome = quick, "already_restored"
             return
 
-        from .api import CacheClient
-        from .pull import resolve_snapshot, restore_snapshot
+        from .api import CacheClient  # not on the fast path: httpx alone costs ~130 ms
+        from .pull import pull  # the restore stack: only when a restore may be due
+
+        def resolved(snapshot_id: str) -> None:
+            result.snapshot_id = snapshot_id
 
         with CacheClient(base_url=server or "", token=token, timeout_s=timeout_s) as client:
-            resolution = resolve_snapshot(
-                client,
+            done = pull(
+                client=client,
                 workload=workload,
+                cache_dir=cache_dir,
                 fingerprint=fingerprint,
                 driver_policy=driver_policy,
                 devices=devices,
                 deadline=deadline,
+                trusted_keys=trusted_keys,
+                on_resolved=resolved,
             )
-            snapshot_id = resolution.snapshot_id
-            assert snapshot_id is not None
-            result.snapshot_id = snapshot_id
-            if is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
-                result.outcome = "already_restored"
-                return
-            done = restore_snapshot(
-                client, snapshot_id, cache_dir, deadline=deadline, trusted_keys=trusted_keys
-            )
-            result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
+        result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
     except CachekeeperError as exc:
         result.error = exc
     except OSError as exc:  # an unwritable or full cache dir: the job still runs, cold

@@ -1,8 +1,9 @@
 """Pull the snapshot matching this node into a cache dir.
 
-resolve (this node's fingerprint) -> lock the target dir -> already restored? done ->
-fetch the manifest -> the digests the dir lacks -> one archive stream holding only those
--> ``restore_from_tar`` (which verifies every byte and renames files into place).
+resolve (this node's fingerprint) -> ``cachekeeper.restore.restore_snapshot`` with the
+server as its source: the manifest, and one archive stream holding only the blobs the
+dir still needs. The restore owns the rest (lock, already-restored check, signature,
+verified writes, marker); this module only supplies the bytes, and retries.
 
 A download cut off mid-stream leaves only complete, verified files (the restore rules);
 the pull then asks again for what is still needed, a bounded number of times and never
@@ -12,11 +13,12 @@ fetches, the others wait on it and find the work done.
 
 from __future__ import annotations
 
+import contextlib
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any
 
 from cachekeeper.errors import (
     BlobMissing,
@@ -26,15 +28,14 @@ from cachekeeper.errors import (
     ServerError,
     ServerUnavailable,
 )
-from cachekeeper.fingerprint import format_mismatches
-from cachekeeper.manifest import Manifest
+from cachekeeper.fingerprint import collect, format_mismatches
+from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.restore import Blobs, archive_blobs, restore_snapshot
+from cachekeeper.signing import TrustedKey
 
 from .api import CacheClient, Deadline, Resolution
 
-if TYPE_CHECKING:
-    from cachekeeper.signing import TrustedKey
-
-__all__ = ["PullReport", "RestoreOutcome", "pull", "resolve_snapshot", "restore_snapshot"]
+__all__ = ["PullReport", "pull", "resolve_snapshot"]
 
 # Errors a rerun of the download can cure: a broken stream, a flaky server.
 _RETRYABLE = (ServerUnavailable, ServerError, DigestMismatch, BlobMissing)
@@ -66,16 +67,6 @@ class PullReport:
             "attempts": self.attempts,
             "conflicts": list(self.conflicts),
         }
-
-
-@dataclass(frozen=True)
-class RestoreOutcome:
-    """What ``restore_snapshot`` did. ``outcome``: "restored" or "already_restored"."""
-
-    outcome: str
-    blobs_fetched: int = 0
-    attempts: int = 0
-    conflicts: tuple[str, ...] = ()
 
 
 def resolve_snapshot(
@@ -112,74 +103,28 @@ def resolve_snapshot(
     return resolution
 
 
-class _NoBlobs:
-    """A restore source for a dir that already holds every blob (only the marker is due)."""
+class _ServerSnapshot:
+    """The server as a restore source: its manifest, and archive streams of blobs."""
 
-    def open(self, digest: str) -> BinaryIO:
-        raise BlobMissing(f"blob {digest} was not fetched", extra={"missing": [digest]})
+    def __init__(self, client: CacheClient, snapshot_id: str, deadline: Deadline | None) -> None:
+        self.client = client
+        self.snapshot_id = snapshot_id
+        self.deadline = deadline
+        self.blobs_fetched = 0
+        self.fetched_manifest: Manifest | None = None
 
+    def manifest(self) -> Manifest:
+        if self.fetched_manifest is None:
+            self.fetched_manifest = self.client.get_manifest(
+                self.snapshot_id, deadline=self.deadline
+            )
+        return self.fetched_manifest
 
-def restore_snapshot(
-    client: CacheClient,
-    snapshot_id: str,
-    cache_dir: Path,
-    *,
-    deadline: Deadline | None = None,
-    attempts: int = 3,
-    trusted_keys: Sequence[TrustedKey] | None = None,
-) -> RestoreOutcome:
-    """Make ``cache_dir`` hold ``snapshot_id``, fetching only what it lacks.
-
-    A file of the snapshot that exists with other content is kept (a conflict, reported);
-    the rest of the snapshot is still restored. With ``trusted_keys`` (non-empty), the
-    manifest's signature is checked before anything is downloaded or written
-    (``SignatureInvalid`` otherwise), and the restore is all-or-nothing.
-    """
-    from cachekeeper.restore import (
-        is_restored,
-        needed_digests,
-        restore,
-        restore_from_tar,
-        target_lock,
-    )
-    from cachekeeper.signing import verify_manifest
-
-    key_ids = {k.key_id for k in trusted_keys or ()}
-    cache_dir = Path(cache_dir)
-    if key_ids:  # refuse before the target is touched at all
-        manifest: Manifest = client.get_manifest(snapshot_id, deadline=deadline)
-        verify_manifest(manifest, trusted_keys or ())
-        if is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
-            return RestoreOutcome("already_restored")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with target_lock(cache_dir):
-        # another process may have done it while we waited
-        if is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
-            return RestoreOutcome("already_restored")
-        if not key_ids:
-            manifest = client.get_manifest(snapshot_id, deadline=deadline)
-        fetched = 0
-        last: CachekeeperError = ServerError(f"restore of {snapshot_id} did not complete")
-        for attempt in range(1, attempts + 1):
-            needed = needed_digests(manifest, cache_dir)
-            try:
-                if not needed:
-                    report = restore(manifest, _NoBlobs(), cache_dir, trusted_keys=trusted_keys)
-                else:
-                    with client.open_archive(snapshot_id, needed, deadline=deadline) as stream:
-                        report = restore_from_tar(
-                            manifest, stream, cache_dir, trusted_keys=trusted_keys
-                        )
-                    fetched += len(needed)
-                if report.conflicts or is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
-                    return RestoreOutcome("restored", fetched, attempt, tuple(report.conflicts))
-            except _RETRYABLE as exc:
-                last = exc
-            except (tarfile.TarError, EOFError) as exc:
-                last = ServerUnavailable(f"archive of {snapshot_id} was cut off: {exc}")
-            if deadline is not None and deadline.expired:
-                break
-        raise last
+    @contextlib.contextmanager
+    def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
+        with self.client.open_archive(self.snapshot_id, set(needed), deadline=self.deadline) as tar:
+            yield archive_blobs(self.manifest(), tar)
+        self.blobs_fetched += len(needed)
 
 
 def pull(
@@ -193,13 +138,17 @@ def pull(
     deadline: Deadline | None = None,
     attempts: int = 3,
     trusted_keys: Sequence[TrustedKey] | None = None,
+    on_resolved: Callable[[str], None] | None = None,
 ) -> PullReport:
     """Resolve this node's snapshot of ``workload`` and restore it into ``cache_dir``.
 
-    With ``trusted_keys`` (non-empty), only a snapshot signed by one of them is restored.
+    Only what the dir lacks is fetched. A file of the snapshot that exists with other
+    content is kept (a conflict, reported); the rest is still restored. With
+    ``trusted_keys`` (non-empty), only a snapshot signed by one of them is restored: the
+    signature is checked before anything is downloaded or written (``SignatureInvalid``
+    otherwise), and the restore is all-or-nothing. ``on_resolved`` is told the snapshot
+    id as soon as it is known (the hook reports it even when the restore then fails).
     """
-    from cachekeeper.fingerprint import collect
-
     fp = fingerprint if fingerprint is not None else collect()
     resolution = resolve_snapshot(
         client,
@@ -211,22 +160,33 @@ def pull(
     )
     snapshot_id = resolution.snapshot_id
     assert snapshot_id is not None
-    done = restore_snapshot(
-        client,
-        snapshot_id,
-        Path(cache_dir),
-        deadline=deadline,
-        attempts=attempts,
-        trusted_keys=trusted_keys,
-    )
-    return PullReport(
-        snapshot_id=snapshot_id,
-        workload=workload,
-        cache_dir=str(cache_dir),
-        outcome=done.outcome,
-        exact=resolution.exact,
-        verified=resolution.verified,
-        blobs_fetched=done.blobs_fetched,
-        attempts=done.attempts,
-        conflicts=done.conflicts,
-    )
+    if on_resolved is not None:
+        on_resolved(snapshot_id)
+    source = _ServerSnapshot(client, snapshot_id, deadline)
+    last: CachekeeperError = ServerError(f"restore of {snapshot_id} did not complete")
+    for attempt in range(1, attempts + 1):
+        try:
+            report = restore_snapshot(
+                source, Path(cache_dir), trusted_keys=trusted_keys, reuse_marker=True
+            )
+        except _RETRYABLE as exc:
+            if source.fetched_manifest is None:
+                raise  # the manifest itself: the client retried it already
+            last = exc
+        except (tarfile.TarError, EOFError) as exc:
+            last = ServerUnavailable(f"archive of {snapshot_id} was cut off: {exc}")
+        else:
+            return PullReport(
+                snapshot_id=snapshot_id,
+                workload=workload,
+                cache_dir=str(cache_dir),
+                outcome="already_restored" if report.already_restored else "restored",
+                exact=resolution.exact,
+                verified=resolution.verified,
+                blobs_fetched=source.blobs_fetched,
+                attempts=0 if report.already_restored else attempt,
+                conflicts=tuple(report.conflicts),
+            )
+        if deadline is not None and deadline.expired:
+            break
+    raise last

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -434,10 +435,23 @@ def test_eight_concurrent_restores_serialize_and_reuse(
     assert staging_leftovers(dst) == []
 
 
-def test_target_lock_is_reentrant(tmp_path: Path) -> None:
-    with target_lock(tmp_path), target_lock(tmp_path):
-        report = restore(manifest_of({"f": b"1"}), _FailingSource({sha(b"1"): b"1"}, 5), tmp_path)
-    assert report.written == 1
+def test_restore_takes_the_lock_once_and_waits_for_another_holder(tmp_path: Path) -> None:
+    """The lock is not re-entrant: one restore takes it once; a holder in another thread
+    makes it wait (it would deadlock if the restore took it twice, or skip it if not at all).
+    """
+    source = _FailingSource({sha(b"1"): b"1"}, 5)
+    done: list[int] = []
+
+    def run() -> None:
+        done.append(restore(manifest_of({"f": b"1"}), source, tmp_path).written)
+
+    with target_lock(tmp_path):
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join(0.5)
+        assert source.opened == 0  # still waiting for the lock
+    worker.join(60)
+    assert done == [1]
 
 
 # -- Triton group files ---------------------------------------------------------------------
