@@ -6,6 +6,9 @@ Routers, one per resource: ``routes_admin`` (/healthz, /metrics, /v1/gc),
 ``APIRouter`` named ``router`` using the dependencies in ``deps`` and ``auth``, add its
 tables to ``catalog._SCHEMA_STEPS``, and add the module name to ``ROUTER_MODULES`` below.
 
+Every request body is bounded in size and idle time, and JSON bodies are screened (depth,
+non-finite numbers) before a route sees them: ``limits.RequestLimits``.
+
 Every error answers ``{"error": CODE, "detail": TEXT, ...extra}``: ``CachekeeperError``
 with its own code and status, FastAPI's request validation as 422 ``invalid_request``,
 Starlette's HTTP errors (404, 405, ...) with a code derived from the status.
@@ -25,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 
+from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .settings import Settings
 from .storage import Storage
@@ -108,5 +112,6 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
     for name in ROUTER_MODULES:
         module: Any = importlib.import_module(f"{__package__}.{name}")
         app.include_router(module.router)
+    app.add_middleware(RequestLimits, settings=settings)  # inside metrics: refusals count
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Annotated, Any
 
+import anyio
 import zstandard
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,10 +16,11 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from cachekeeper.errors import BlobMissing, DigestMismatch, PayloadTooLarge
+from cachekeeper.errors import BlobMissing, DigestMismatch
 
 from .auth import ReadScope, WriteScope
 from .deps import StorageDep, metrics_of, storage_of
+from .limits import Reservation, StoreRoom, store_room, upload_limiter
 
 __all__ = ["router"]
 
@@ -26,7 +28,6 @@ router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
 
 Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="lowercase sha256 hex")]
 _READ_BYTES = 1 << 20
-_SLACK_BYTES = 1 << 20  # a zstd body may be a little larger than its content
 _END, _ABORT = object(), object()
 
 
@@ -104,7 +105,6 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     """Upload a blob; the server hashes what it receives and stores nothing on a mismatch."""
     storage = storage_of(request)
     metrics = metrics_of(request)
-    limit = storage.settings.max_blob_bytes
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "zstd"):
         return JSONResponse(
@@ -116,9 +116,10 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
         )
     length = request.headers.get("content-length")
     declared = int(length) if length and length.isdigit() else 0
-    if declared > limit + (_SLACK_BYTES if encoding == "zstd" else 0):
-        raise PayloadTooLarge(f"blob body of {declared} bytes is over the limit of {limit} bytes")
-    await run_in_threadpool(storage.ensure_room, declared)
+    # Room under the store's cap is reserved as bytes arrive, never by evicting.
+    reservation = await run_in_threadpool(
+        _reserve, storage, store_room(request.app), digest, declared
+    )
 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
@@ -138,14 +139,21 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
 
     def consume() -> Any:
         chunks: Iterable[bytes] = body_chunks()
+        if reservation is not None:
+            chunks = reservation.counted(chunks)
         if encoding == "zstd":
             chunks = _zstd_decoded(chunks)
+        landed = 0
         try:
-            return storage.put_blob(digest, chunks)
+            result = storage.put_blob(digest, chunks)
+            landed = result.stored_bytes if result.created else 0
+            return result
         except BaseException:
             failed.set()
             raise
         finally:
+            if reservation is not None:
+                reservation.close(stored_bytes=landed)
             # Drain to the terminal item so the producer below never blocks on a full queue.
             try:
                 for _ in body_chunks():
@@ -153,7 +161,11 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
             except _Aborted:
                 pass
 
-    task = asyncio.ensure_future(run_in_threadpool(_swallow_aborted, consume))
+    # Upload threads are bounded apart from the shared pool: stalled or slow uploads wait
+    # for one without holding a thread, and never take those of health, resolve, archive.
+    task = asyncio.ensure_future(
+        anyio.to_thread.run_sync(_swallow_aborted, consume, limiter=upload_limiter(request.app))
+    )
     terminal = _END
     try:
         async for chunk in request.stream():
@@ -175,6 +187,13 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
         {"digest": digest, "size_bytes": result.size_bytes, "created": result.created},
         status_code=201 if result.created else 200,
     )
+
+
+def _reserve(storage: Any, room: StoreRoom, digest: str, declared: int) -> Reservation | None:
+    """Room for an upload of ``declared`` bytes, or None when the blob is already stored."""
+    if storage.blobs.has(digest):
+        return None  # nothing will be added
+    return room.open(declared_bytes=declared)
 
 
 def _swallow_aborted(fn: Any) -> Any:

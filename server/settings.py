@@ -61,6 +61,7 @@ _SIZE_FIELDS = (
     "max_blob_bytes",
     "max_manifest_bytes",
     "max_workload_bytes",
+    "max_json_bytes",
     "max_store_bytes",
 )
 
@@ -144,8 +145,16 @@ class Settings(BaseSettings):
     max_manifest_bytes: int = 64 << 20
     max_files: int = MAX_FILES
     max_workload_bytes: int = 1 << 20
-    # Hard cap on stored (compressed) bytes: an upload over it first evicts LRU snapshots,
-    # then gets 507. None = unlimited.
+    # Every other request body (resolve, blobs/missing, archive, agents, gc): 200 000
+    # digests as JSON fit.
+    max_json_bytes: int = 16 << 20
+    # A request body that sends no byte for this long is cut off (408).
+    body_timeout_s: float = 30.0
+    # Threads that hash and write uploads; uploads beyond it wait without holding a thread,
+    # so uploads (stalled or not) never take the threads health, resolve and archive use.
+    upload_workers: int = 16
+    # Hard cap on stored (compressed) bytes: an upload whose received bytes would pass it
+    # gets 507. Uploads never evict; GC evicts LRU snapshots down to it. None = unlimited.
     max_store_bytes: int | None = None
     # Unreferenced blobs younger than this survive GC (an upload waiting for its publish).
     gc_grace_s: float = 3600.0
@@ -168,6 +177,13 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
+
+    @field_validator("body_timeout_s", "upload_workers")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if value <= 0:
+            raise ValueError(f"{value} is not a positive number")
+        return value
 
     @field_validator("trusted_keys", mode="before")
     @classmethod

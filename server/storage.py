@@ -3,8 +3,8 @@
 The blob bytes live in a ``cachekeeper.blobstore.BlobStore`` (``LocalBlobStore`` under
 ``<data>/blobs`` by default; an S3-compatible backend only needs to implement that
 protocol), their metadata in the ``Catalog``. This module adds what the server needs on
-top: the upload size limit, the hard cap on stored bytes with LRU eviction, publishing a
-manifest, and GC as plan -> execute.
+top: the upload size limit, publishing a manifest, and GC as plan -> execute (which evicts
+LRU snapshots down to the hard cap; uploads never evict, see ``limits.StoreRoom``).
 
 Ordering rules that keep a crash harmless: a blob's row is written only after the blob
 store made the file visible (a crash before leaves at most a temp file, or a file with no
@@ -24,7 +24,6 @@ from typing import Any
 from cachekeeper.blobstore import BlobStore, LocalBlobStore, PutResult
 from cachekeeper.errors import (
     BlobMissing,
-    InsufficientStorage,
     InvalidManifest,
     PayloadTooLarge,
     ServerUnavailable,
@@ -85,20 +84,6 @@ class Storage:
         return cls(settings=settings, catalog=catalog, blobs=blobs)
 
     # -- blobs ------------------------------------------------------------------------
-    def ensure_room(self, incoming_bytes: int) -> None:
-        """Make room for ``incoming_bytes`` under the hard cap (evicting LRU), or 507."""
-        cap = self.settings.max_store_bytes
-        if cap is None:
-            return
-        if self.catalog.store_bytes() + incoming_bytes <= cap:
-            return
-        self.execute_gc(self.plan_gc(target_bytes=max(cap - incoming_bytes, 0)))
-        if self.catalog.store_bytes() + incoming_bytes > cap:
-            raise InsufficientStorage(
-                f"storing {incoming_bytes} more bytes would exceed the store's cap of {cap}"
-                " bytes, and nothing unpinned is left to evict"
-            )
-
     def put_blob(self, digest: str, chunks: Iterable[bytes]) -> PutResult:
         """Store the uncompressed ``chunks`` as blob ``digest`` (hash-checked), then its row."""
         limited = limit_size(chunks, max_bytes=self.settings.max_blob_bytes, what="blob")

@@ -60,7 +60,7 @@ def _store_bytes(c: httpx.Client) -> int:
     raise AssertionError("no store bytes gauge")
 
 
-def test_hard_cap_answers_507_when_nothing_can_be_evicted(fresh_server) -> None:  # type: ignore[no-untyped-def]
+def test_hard_cap_answers_507_and_only_gc_evicts(fresh_server) -> None:  # type: ignore[no-untyped-def]
     live = fresh_server(max_store_bytes=30_000, gc_grace_s=0)
     rng = __import__("random").Random(3)
     with httpx.Client(base_url=live.url) as c:
@@ -71,8 +71,14 @@ def test_hard_cap_answers_507_when_nothing_can_be_evicted(fresh_server) -> None:
         second = rng.randbytes(20_000)
         r = c.put(f"/v1/blobs/{hashlib.sha256(second).hexdigest()}", content=second)
         assert r.status_code == 507 and r.json()["error"] == "insufficient_storage"
-        # unpinned, the old snapshot is evicted to make room
+        # Unpinned, it is still kept: an upload never evicts (issue 18.3), an admin's GC does.
         c.delete(f"/v1/snapshots/{manifest.id}/pin")
+        r = c.put(f"/v1/blobs/{hashlib.sha256(second).hexdigest()}", content=second)
+        assert r.status_code == 507, r.text
+        assert c.get(f"/v1/snapshots/{manifest.id}").status_code == 200
+        live.settings.max_store_bytes = 10_000  # GC evicts down to the cap
+        assert c.post("/v1/gc", json={}).json()["snapshots_evicted"] == [manifest.id]
+        live.settings.max_store_bytes = 30_000
         r = c.put(f"/v1/blobs/{hashlib.sha256(second).hexdigest()}", content=second)
         assert r.status_code == 201, r.text
         assert c.get(f"/v1/snapshots/{manifest.id}").status_code == 404
