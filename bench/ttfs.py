@@ -112,7 +112,17 @@ def bench(workload: Path, *, device: str, runs: int, work: Path) -> dict[str, An
     )  # fmt: skip
     try:
         _wait_healthy(url)
-        proc = _ck("push", str(prewarmed), "--workload", name, "--server", url, "--json", env=env)
+        proc = _ck(
+            "push",
+            str(prewarmed),
+            "--workload",
+            name,
+            "--allow-unregistered",
+            "--server",
+            url,
+            "--json",
+            env=env,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"push failed:\n{proc.stdout}\n{proc.stderr}")
         push_report = json.loads(proc.stdout)

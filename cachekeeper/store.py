@@ -141,6 +141,11 @@ class LocalStore:
                 raise SnapshotNotFound(
                     f"snapshot id prefix {id_or_prefix!r} is ambiguous ({len(matches)} match)"
                 )
+        if len(id_or_prefix) < _MIN_PREFIX:
+            raise SnapshotNotFound(
+                f"no snapshot {id_or_prefix!r} in the local store {self.home} (an id prefix "
+                f"needs at least {_MIN_PREFIX} characters)"
+            )
         raise SnapshotNotFound(f"no snapshot {id_or_prefix!r} in the local store {self.home}")
 
     def load_manifest(self, id_or_prefix: str) -> Manifest:

@@ -1,7 +1,13 @@
-"""What every CLI command shares: error translation and --json output."""
+"""What every CLI command shares: error translation, path and server options, --json output.
+
+Errors: a ``CachekeeperError`` is one line with its code; an ``OSError`` (a path that
+cannot be read or written) is one line naming the path and the cause. Set
+``CACHEKEEPER_DEBUG=1`` for the traceback instead.
+"""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -15,7 +21,9 @@ from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 
 __all__ = [
+    "PathParam",
     "handle_errors",
+    "describe_os_error",
     "emit_json",
     "echo_err",
     "json_option",
@@ -31,11 +39,39 @@ json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON report for scripts."
 )
 
+
+class PathParam(click.Path):
+    """``click.Path`` that refuses an empty value.
+
+    An empty path would mean the current directory (``Path("")`` is ``.``), so an unset
+    variable in ``--cache-dir "$TORCHINDUCTOR_CACHE_DIR"`` would fill the cwd with cache
+    folders. Every path option and argument of the CLI uses this type.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path is not allowed (is a variable in it unset?)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _server_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The server URL without a trailing ``/`` or ``/v1`` (every route path adds ``/v1``)."""
+    if value is None:
+        return None
+    if not value.strip():
+        return None  # an empty CACHEKEEPER_SERVER is no server, as if unset
+    # local import: cachekeeper.client.api is not needed by commands without --server
+    from cachekeeper.client.api import server_root
+
+    return server_root(value)
+
+
 server_option = click.option(
     "--server",
     envvar=config.SERVER,
     metavar="URL",
-    help="Cache server URL (default: $CACHEKEEPER_SERVER).",
+    callback=_server_url,
+    help="Cache server URL, e.g. http://cache:8750 (default: $CACHEKEEPER_SERVER).",
 )
 token_option = click.option(
     "--token",
@@ -66,8 +102,26 @@ def emit_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
+def describe_os_error(exc: OSError) -> str:
+    """``PATH: cause`` for an OSError (both paths for a rename), else its text."""
+    cause = exc.strerror or str(exc) or type(exc).__name__
+    paths = [os.fsdecode(p) for p in (exc.filename, exc.filename2) if p is not None]
+    if not paths:
+        return cause
+    return f"{' -> '.join(paths)}: {cause}"
+
+
+def _os_error_code(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0)
+    return name.lower() if name else "os_error"
+
+
 def handle_errors(fn: F) -> F:
-    """Turn a known CachekeeperError into one line on stderr and its exit code."""
+    """Turn a known CachekeeperError or an OSError into one line on stderr and exit 1.
+
+    A CachekeeperError exits with its own exit code; an OSError names the path and the
+    cause (``error: /srv/x: Permission denied [eacces]``).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -78,6 +132,11 @@ def handle_errors(fn: F) -> F:
                 raise
             echo_err(f"error: {exc.detail} [{exc.code}]")
             sys.exit(exc.exit_code)
+        except OSError as exc:
+            if os.environ.get("CACHEKEEPER_DEBUG"):
+                raise
+            echo_err(f"error: {describe_os_error(exc)} [{_os_error_code(exc)}]")
+            sys.exit(1)
         except KeyboardInterrupt:
             echo_err("interrupted")
             sys.exit(130)

@@ -17,6 +17,7 @@ import click
 
 from cachekeeper import config
 from cachekeeper.cli._common import (
+    PathParam,
     device_option,
     echo_err,
     handle_errors,
@@ -44,7 +45,7 @@ __all__ = ["agent_cmd"]
 @click.option("--once", is_flag=True, help="Run one round and exit.")
 @click.option(
     "--work-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathParam(file_okay=False, path_type=Path),
     default=None,
     help="Where builds are staged (removed after each) [default: $CACHEKEEPER_HOME/agent].",
 )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from cachekeeper import config
-from cachekeeper.cli._common import emit_json, handle_errors, json_option
+from cachekeeper.cli._common import PathParam, emit_json, handle_errors, json_option
 
 if TYPE_CHECKING:
     from cachekeeper.signing import TrustedKey
@@ -18,7 +18,7 @@ __all__ = ["keygen_cmd", "sign_key_option", "trust_option", "trust_paths", "trus
 
 sign_key_option = click.option(
     "--sign-key",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=PathParam(exists=True, dir_okay=False, path_type=Path),
     metavar="PREFIX.key",
     help="Sign the manifest with this Ed25519 private key (from `cachekeeper keygen`).",
 )
@@ -27,7 +27,7 @@ sign_key_option = click.option(
 trust_option = click.option(
     "--trust",
     multiple=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=PathParam(dir_okay=False, path_type=Path),
     metavar="FILE.pub",
     help="Accept only snapshots signed by this public key (repeatable; default: "
     "$CACHEKEEPER_TRUSTED_KEYS, paths separated by ':'). Without any, nothing is checked.",

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import device_option, echo_err, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import (
+    PathParam,
+    device_option,
+    echo_err,
+    emit_json,
+    handle_errors,
+    json_option,
+)
 
 __all__ = ["prewarm_cmd", "progress_to_stderr"]
 
@@ -21,11 +28,11 @@ def progress_to_stderr(event: object) -> None:
 
 
 @click.command(name="prewarm")
-@click.argument("workload", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("workload", type=PathParam(dir_okay=False, path_type=Path))
 @click.option(
     "--cache-dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathParam(file_okay=False, path_type=Path),
     help="The Inductor cache dir to fill (TORCHINDUCTOR_CACHE_DIR of the training job).",
 )
 @device_option

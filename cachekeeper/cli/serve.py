@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import echo_err, handle_errors
+from cachekeeper.cli._common import PathParam, echo_err, handle_errors
 from cachekeeper.errors import ConfigInvalid
 
 __all__ = ["serve_cmd"]
@@ -19,14 +19,14 @@ __all__ = ["serve_cmd"]
 @click.option(
     "--data",
     "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathParam(file_okay=False, path_type=Path),
     default=None,
     help="Data dir for metadata and blobs (default $CACHEKEEPER_HOME/server or ~/.cache/cachekeeper/server).",
 )
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    type=PathParam(dir_okay=False, exists=True, path_type=Path),
     default=None,
     help="TOML config file (keys as in Settings: tokens, max_store_bytes, ...).",
 )

@@ -9,6 +9,7 @@ reported, one warning line each, and do not change the exit code.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,30 @@ from typing import Any
 
 import click
 
-from cachekeeper.cli._common import echo_err, emit_json, handle_errors, json_option, mb
+from cachekeeper.cli._common import PathParam, echo_err, emit_json, handle_errors, json_option, mb
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
+from cachekeeper.errors import SnapshotNotFound
 from cachekeeper.manifest import Manifest
 
-__all__ = ["snapshot_cmd", "restore_cmd", "inspect_cmd", "load_manifest"]
+__all__ = ["snapshot_cmd", "restore_cmd", "inspect_cmd", "load_manifest", "archive_path"]
+
+_ID_CHARS = re.compile(r"[0-9a-f]+")
+
+
+def archive_path(ref: str) -> Path | None:
+    """``ref`` as an archive file, or None when it names a store id.
+
+    A ref that is no file and cannot be an id (not hex: ``missing.tar.zst``, ``dir/x``)
+    is a file that is not there, and says so rather than "no snapshot in the store".
+    """
+    path = Path(ref)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise SnapshotNotFound(f"{ref} is a directory, not a snapshot archive")
+    if not _ID_CHARS.fullmatch(ref.lower()):
+        raise SnapshotNotFound(f"file not found: {ref} (and it is not a snapshot id)")
+    return None
 
 
 def load_manifest(ref: str) -> tuple[Manifest, str]:
@@ -28,8 +48,8 @@ def load_manifest(ref: str) -> tuple[Manifest, str]:
     from cachekeeper.snapshot import read_archive_manifest
     from cachekeeper.store import LocalStore
 
-    path = Path(ref)
-    if path.is_file():
+    path = archive_path(ref)
+    if path is not None:
         return read_archive_manifest(path), "archive"
     return LocalStore().load_manifest(ref), "store"
 
@@ -56,11 +76,11 @@ def _progress(total_bytes: int, label: str) -> Iterator[Any]:
 
 
 @click.command("snapshot")
-@click.argument("cache_dir", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("cache_dir", type=PathParam(path_type=Path, file_okay=False))
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=PathParam(path_type=Path, dir_okay=False),
     help="Also write the one-file archive here (.tar.zst).",
 )
 @click.option("--workload", help="Workload name to record in the manifest.")
@@ -107,7 +127,7 @@ def snapshot_cmd(
 @click.option(
     "--cache-dir",
     required=True,
-    type=click.Path(path_type=Path, file_okay=False),
+    type=PathParam(path_type=Path, file_okay=False),
     help="The cache dir to restore into (created if missing).",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be written; write nothing.")
@@ -128,8 +148,8 @@ def restore_cmd(
     from cachekeeper.store import LocalStore
 
     trusted = trusted_keys(trust)
-    path = Path(snapshot)
-    if path.is_file():
+    path = archive_path(snapshot)
+    if path is not None:
         from cachekeeper.snapshot import read_archive_manifest
 
         total = read_archive_manifest(path).size_bytes

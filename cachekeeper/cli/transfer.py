@@ -16,6 +16,8 @@ from typing import Any
 import click
 
 from cachekeeper.cli._common import (
+    PathParam,
+    describe_os_error,
     device_option,
     echo_err,
     emit_json,
@@ -72,11 +74,16 @@ def _require_server(server: str | None) -> str:
 
 
 @click.command("push")
-@click.argument("cache_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("cache_dir", type=PathParam(exists=True, file_okay=False, path_type=Path))
 @workload_option
 @server_option
 @token_option
 @click.option("--workers", default=4, show_default=True, help="Uploads in flight at once.")
+@click.option(
+    "--allow-unregistered",
+    is_flag=True,
+    help="Publish even if the server has no workload of that name registered.",
+)
 @sign_key_option
 @json_option
 @handle_errors
@@ -86,13 +93,19 @@ def push_cmd(
     server: str | None,
     token: str | None,
     workers: int,
+    allow_unregistered: bool,
     sign_key: Path | None,
     as_json: bool,
 ) -> None:
-    """Snapshot CACHE_DIR and upload it to the server as WORKLOAD's snapshot.
+    """Snapshot CACHE_DIR and upload it to the server as a snapshot of --workload NAME.
 
     Only blobs the server lacks are uploaded (several at once, zstd-compressed); pushing
     the same dir again uploads nothing. Prints what was uploaded and deduplicated.
+
+    NAME must be registered on the server (PUT /v1/workloads/NAME), unless
+    --allow-unregistered. The snapshot is verified only when a `cachekeeper prewarm` of
+    that same workload verified CACHE_DIR; otherwise it is published unverified, and a
+    warning on stderr says why.
     """
     from cachekeeper.client.api import CacheClient
     from cachekeeper.client.push import push
@@ -106,12 +119,21 @@ def push_cmd(
                 workers=workers,
                 progress=progress,
                 sign_key=sign_key,
+                require_registered=not allow_unregistered,
             )
+    if report.unverified_reason is not None:
+        echo_err(
+            f"warning: snapshot {report.snapshot_id[:12]} is published unverified: "
+            f"{report.unverified_reason}"
+        )
     if as_json:
         emit_json(report.to_dict())
         return
     state = "published" if report.created else "already published"
-    click.echo(f"snapshot {report.snapshot_id} {state} for workload {report.workload!r}")
+    verified = "verified" if report.verified else "unverified"
+    click.echo(
+        f"snapshot {report.snapshot_id} {state} for workload {report.workload!r} ({verified})"
+    )
     click.echo(
         f"  uploaded     {report.uploaded_blobs} blobs, {mb(report.uploaded_bytes)} "
         f"({mb(report.uploaded_wire_bytes)} compressed)"
@@ -158,7 +180,7 @@ class _progress_bar:
 @click.option(
     "--cache-dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathParam(file_okay=False, path_type=Path),
     help="The Inductor cache dir to restore into (created if missing).",
 )
 @server_option
@@ -182,7 +204,7 @@ def pull_cmd(
     trust: tuple[Path, ...],
     as_json: bool,
 ) -> None:
-    """Fetch and restore the snapshot of WORKLOAD that matches this node.
+    """Fetch and restore the snapshot of --workload NAME that matches this node.
 
     Only files the dir lacks are downloaded (one archive stream); nothing already in the
     dir is touched. Fails with the field-by-field difference when nothing matches. With
@@ -218,7 +240,7 @@ def pull_cmd(
 @workload_option
 @click.option(
     "--cache-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathParam(file_okay=False, path_type=Path),
     help="Cache dir (default: $TORCHINDUCTOR_CACHE_DIR, else a persistent "
     "~/.cache/cachekeeper/inductor/<fingerprint>/ dir, under $CACHEKEEPER_HOME when set).",
 )
@@ -235,7 +257,7 @@ def pull_cmd(
 @click.option("--strict", is_flag=True, help="Exit non-zero when no cache was restored.")
 @click.option(
     "--env-file",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=PathParam(dir_okay=False, path_type=Path),
     help="Also write the export lines to this file (atomically).",
 )
 @driver_policy_option
@@ -263,13 +285,15 @@ def prejob_cmd(
     trust: tuple[Path, ...],
     as_json: bool,
 ) -> None:
-    """Pre-job hook: restore this node's cache of WORKLOAD and print the env to export.
+    """Pre-job hook: restore this node's cache of --workload NAME; print the env to export.
 
     Use it as eval "$(cachekeeper prejob --workload NAME)". It never fails the job: when
     the server is down, slow, refuses, or has no matching snapshot, it prints one line on
     stderr saying why, still prints the exports, and exits 0 (non-zero with --strict).
     With a trust list (--trust or CACHEKEEPER_TRUSTED_KEYS), an unsigned, untrusted or
     tampered snapshot is not restored: that too is a cold start with its reason.
+    An --env-file that cannot be written is one line on stderr; the exports still go to
+    stdout (with --strict it exits 1).
     """
     from cachekeeper.client.prejob import cold_line, export_lines, prejob, write_env_file
 
@@ -296,7 +320,12 @@ def prejob_cmd(
             f"({report.blobs_fetched} blobs) in {report.elapsed_s:.1f} s"
         )
     if env_file is not None:
-        write_env_file(env_file, lines)
+        try:
+            write_env_file(env_file, lines)
+        except OSError as exc:  # the job must not fail because the env file cannot be written
+            echo_err(f"cachekeeper: cannot write the env file: {describe_os_error(exc)}")
+            if strict:
+                sys.exit(1)
     if as_json:
         emit_json(report.to_dict())
     else:

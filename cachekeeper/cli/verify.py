@@ -11,18 +11,18 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import device_option, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import PathParam, device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.prewarm import progress_to_stderr
 
 __all__ = ["verify_cmd"]
 
 
 @click.command(name="verify")
-@click.argument("workload", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("workload", type=PathParam(dir_okay=False, path_type=Path))
 @click.option(
     "--cache-dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathParam(file_okay=False, path_type=Path),
     help="The Inductor cache dir to check.",
 )
 @device_option

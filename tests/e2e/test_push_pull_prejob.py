@@ -66,7 +66,14 @@ def counter(url: str, name: str) -> float:
 def pushed_flex(live, home, compiled_cache) -> dict:
     """The real compiled cache pushed as workload 'flex' (the first push's JSON report)."""
     proc = ck(
-        "push", str(compiled_cache), "--workload", "flex", "--json", server=live.url, home=home
+        "push",
+        str(compiled_cache),
+        "--workload",
+        "flex",
+        "--allow-unregistered",
+        "--json",
+        server=live.url,
+        home=home,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -77,7 +84,14 @@ def test_push_twice_uploads_nothing_the_second_time(live, home, compiled_cache, 
     assert pushed_flex["created"] is True
     assert pushed_flex["uploaded_blobs"] == pushed_flex["blob_count"] > 0
     proc = ck(
-        "push", str(compiled_cache), "--workload", "flex", "--json", server=live.url, home=home
+        "push",
+        str(compiled_cache),
+        "--workload",
+        "flex",
+        "--allow-unregistered",
+        "--json",
+        server=live.url,
+        home=home,
     )
     assert proc.returncode == 0, proc.stderr
     again = json.loads(proc.stdout)
@@ -104,7 +118,16 @@ def test_prejob_restores_a_cache_a_fresh_process_hits(live, home, pushed_flex, t
 def pushed_small(live, home, tmp_path_factory) -> str:
     src = tmp_path_factory.mktemp("small") / "cache"
     make_cache(src)
-    proc = ck("push", str(src), "--workload", "small", "--json", server=live.url, home=home)
+    proc = ck(
+        "push",
+        str(src),
+        "--workload",
+        "small",
+        "--allow-unregistered",
+        "--json",
+        server=live.url,
+        home=home,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["snapshot_id"]
 
@@ -170,7 +193,7 @@ def test_prejob_without_a_valid_token_compiles_cold(live, home, pushed_small, tm
 def test_push_with_a_read_token_is_forbidden(live, home, tmp_path):
     src = tmp_path / "src"
     make_cache(src)
-    proc = ck("push", str(src), "--workload", "small", server=live.url, token="read-token",
+    proc = ck("push", str(src), "--workload", "small", "--allow-unregistered", server=live.url, token="read-token",
               home=home)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: ") and "[forbidden]" in proc.stderr

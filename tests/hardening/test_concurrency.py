@@ -26,7 +26,7 @@ def test_8_restorers_and_2_pushers_at_once(
     url = server_process.url
     env = child_env(tmp_path / "home")
     base = subprocess.run(
-        cli("push", str(cache_tree), "--workload", "base", "--server", url),
+        cli("push", str(cache_tree), "--workload", "base", "--allow-unregistered", "--server", url),
         env=env,
         capture_output=True,
         timeout=180,
@@ -54,7 +54,15 @@ def test_8_restorers_and_2_pushers_at_once(
         ]
         procs += [
             subprocess.Popen(
-                cli("push", str(src), "--workload", src.name, "--server", url),
+                cli(
+                    "push",
+                    str(src),
+                    "--workload",
+                    src.name,
+                    "--allow-unregistered",
+                    "--server",
+                    url,
+                ),
                 env=child_env(tmp_path / f"home-{p}"),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

@@ -129,7 +129,15 @@ def pushed(cache_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     handle = start_server(Settings(data_dir=data / "data"))
     home = data / "home"
     subprocess.run(
-        cli("push", str(cache_tree), "--workload", "hardening", "--server", handle.url),
+        cli(
+            "push",
+            str(cache_tree),
+            "--workload",
+            "hardening",
+            "--allow-unregistered",
+            "--server",
+            handle.url,
+        ),
         env=child_env(home),
         check=True,
         capture_output=True,

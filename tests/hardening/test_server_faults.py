@@ -102,7 +102,15 @@ def test_server_killed_during_push_never_publishes_without_blobs(
     env = child_env(tmp_path / "client-home")
     server_process.start()
     started = time.monotonic()
-    push = cli("push", str(cache_tree), "--workload", "w", "--server", server_process.url)
+    push = cli(
+        "push",
+        str(cache_tree),
+        "--workload",
+        "w",
+        "--allow-unregistered",
+        "--server",
+        server_process.url,
+    )
     subprocess.run(push, env=env, check=True, capture_output=True, timeout=180)
     full_s = time.monotonic() - started
     server_process.kill()
@@ -113,7 +121,15 @@ def test_server_killed_during_push_never_publishes_without_blobs(
         proc.start()
         try:
             pusher = subprocess.Popen(
-                cli("push", str(cache_tree), "--workload", "w", "--server", proc.url),
+                cli(
+                    "push",
+                    str(cache_tree),
+                    "--workload",
+                    "w",
+                    "--allow-unregistered",
+                    "--server",
+                    proc.url,
+                ),
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -126,7 +142,15 @@ def test_server_killed_during_push_never_publishes_without_blobs(
             _assert_every_snapshot_has_its_blobs(proc.url)
             assert _tmp_files(proc.data_dir) == []
             rerun = subprocess.run(
-                cli("push", str(cache_tree), "--workload", "w", "--server", proc.url),
+                cli(
+                    "push",
+                    str(cache_tree),
+                    "--workload",
+                    "w",
+                    "--allow-unregistered",
+                    "--server",
+                    proc.url,
+                ),
                 env=env,
                 capture_output=True,
                 timeout=180,
@@ -155,7 +179,15 @@ def test_server_killed_mid_download_leaves_only_complete_files(
     rng = random.Random(3)
     env = child_env(tmp_path / "client-home")
     server_process.start()
-    push = cli("push", str(cache_tree), "--workload", "w", "--server", server_process.url)
+    push = cli(
+        "push",
+        str(cache_tree),
+        "--workload",
+        "w",
+        "--allow-unregistered",
+        "--server",
+        server_process.url,
+    )
     subprocess.run(push, env=env, check=True, capture_output=True, timeout=180)
     expected = visible_files(cache_tree)
 

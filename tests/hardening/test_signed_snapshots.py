@@ -197,7 +197,13 @@ def test_pull_and_prejob_refuse_what_is_not_trusted(
         )
 
     # 1. unsigned
-    assert _run(["push", str(small_cache), "--workload", "w", "--server", url], env).returncode == 0
+    assert (
+        _run(
+            ["push", str(small_cache), "--workload", "w", "--allow-unregistered", "--server", url],
+            env,
+        ).returncode
+        == 0
+    )
     refused("unsigned snapshot", "unsigned")
     # 2. signed by a key not in the trust list (another snapshot, newer: resolve picks it)
     import shutil
@@ -212,6 +218,7 @@ def test_pull_and_prejob_refuse_what_is_not_trusted(
                 str(variant),
                 "--workload",
                 "w",
+                "--allow-unregistered",
                 "--server",
                 url,
                 "--sign-key",
@@ -232,6 +239,7 @@ def test_pull_and_prejob_refuse_what_is_not_trusted(
             str(genuine),
             "--workload",
             "w",
+            "--allow-unregistered",
             "--server",
             url,
             "--sign-key",

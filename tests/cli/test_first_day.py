@@ -1,0 +1,221 @@
+"""The first day of a new site (issue 17): paths that cannot be written, empty paths, an
+unregistered workload, and the messages a newcomer meets. Every command is a real process
+(or click's runner), against a real server where one is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cachekeeper.server.settings import Settings
+
+from tests.helpers.live_server import LiveServer, start_server
+
+CK = str(Path(sys.executable).parent / "cachekeeper")
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"
+
+
+def ck(
+    *args: str, cwd: Path, home: Path | None = None, **env_extra: str
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("CACHEKEEPER_", "TORCHINDUCTOR_"))
+    }
+    env["CACHEKEEPER_HOME"] = str(home or cwd / "home")
+    env.update(env_extra)
+    return subprocess.run(
+        [CK, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture
+def unwritable(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in (root ignores modes: use sysfs)."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    folder = Path("/sys")
+    probe = folder / f"cachekeeper-probe-{uuid.uuid4().hex}"
+    try:
+        probe.write_text("")
+    except OSError:
+        yield folder
+        return
+    probe.unlink()
+    pytest.skip("no unwritable directory available to root here")
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    root = tmp_path / "cache"
+    (root / "fxgraph" / "ab").mkdir(parents=True)
+    (root / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
+    (root / "ab.py").write_bytes(b"print(1)")
+    return root
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server")))
+    r = httpx.put(f"{server.url}/v1/workloads/cpu-tiny", content=TINY.read_bytes())
+    assert r.status_code == 200, r.text
+    yield server
+    server.stop()
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """The single stderr line, which must hold each needle and no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# -- 17.1: a path that cannot be written is one line, and never fails the job -----------
+def test_prejob_with_an_unwritable_env_file_still_exports(tmp_path: Path, unwritable: Path) -> None:
+    env_file = unwritable / "prejob.env"
+    proc = ck("prejob", "--workload", "w", "--cache-dir", str(tmp_path / "c"),
+              "--env-file", str(env_file), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={tmp_path / 'c'}\n"
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert any(
+        line.startswith("cachekeeper: cannot write the env file: ") and str(unwritable) in line
+        for line in lines
+    ), proc.stderr
+    strict = ck("prejob", "--workload", "w", "--cache-dir", str(tmp_path / "c"), "--strict",
+                "--env-file", str(env_file), cwd=tmp_path)  # fmt: skip
+    assert strict.returncode != 0 and strict.stdout == ""
+
+
+def test_snapshot_to_an_unwritable_archive_is_one_line(
+    tmp_path: Path, unwritable: Path, cache: Path
+) -> None:
+    out = unwritable / "cache.tar.zst"
+    proc = ck("snapshot", str(cache), "-o", str(out), cwd=tmp_path)
+    assert proc.returncode == 1
+    one_error_line(proc, "error: ", str(unwritable))
+
+
+def test_restore_into_an_unwritable_dir_is_one_line(
+    tmp_path: Path, unwritable: Path, cache: Path
+) -> None:
+    archive = tmp_path / "cache.tar.zst"
+    assert ck("snapshot", str(cache), "-o", str(archive), cwd=tmp_path).returncode == 0
+    proc = ck("restore", str(archive), "--cache-dir", str(unwritable / "c"), cwd=tmp_path)
+    assert proc.returncode == 1
+    one_error_line(proc, "error: ", str(unwritable / "c"))
+
+
+def test_push_with_an_unwritable_local_store_is_one_line(
+    tmp_path: Path, unwritable: Path, cache: Path, live: LiveServer
+) -> None:
+    proc = ck("push", str(cache), "--workload", "cpu-tiny", "--server", live.url,
+              cwd=tmp_path, home=unwritable / "ck-home")  # fmt: skip
+    assert proc.returncode == 1
+    one_error_line(proc, "error: ", str(unwritable / "ck-home"))
+
+
+def test_pull_into_an_unwritable_dir_is_one_line(
+    tmp_path: Path, unwritable: Path, cache: Path, live: LiveServer
+) -> None:
+    pushed = ck("push", str(cache), "--workload", "cpu-tiny", "--server", live.url, cwd=tmp_path)
+    assert pushed.returncode == 0, pushed.stderr
+    proc = ck("pull", "--workload", "cpu-tiny", "--cache-dir", str(unwritable / "c"),
+              "--server", live.url, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1
+    one_error_line(proc, "error: ", str(unwritable / "c"))
+
+
+# -- 17.2: an empty path is refused, and nothing lands in the cwd ----------------------
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prejob", "--workload", "w", "--cache-dir", ""],
+        ["prejob", "--workload", "w", "--env-file", ""],
+        ["pull", "--workload", "w", "--cache-dir", "", "--server", "http://127.0.0.1:9"],
+        ["verify", str(TINY), "--cache-dir", ""],
+        ["prewarm", str(TINY), "--cache-dir", " "],
+        ["restore", "x.tar.zst", "--cache-dir", ""],
+        ["snapshot", ""],
+        ["push", "", "--workload", "w"],
+    ],
+    ids=lambda a: f"{a[0]}:{a[a.index('') if '' in a else -1]!s}",
+)
+def test_an_empty_path_is_a_usage_error(tmp_path: Path, args: list[str]) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = ck(*args, cwd=work, home=tmp_path / "home")
+    assert proc.returncode == 2, proc.stderr
+    assert "an empty path is not allowed" in proc.stderr
+    assert list(work.iterdir()) == []
+
+
+# -- 17.6: push names what it publishes ------------------------------------------------
+def test_push_of_an_unregistered_workload_is_refused_unless_allowed(
+    tmp_path: Path, cache: Path, live: LiveServer
+) -> None:
+    proc = ck("push", str(cache), "--workload", "typo", "--server", live.url, cwd=tmp_path)
+    assert proc.returncode == 1
+    one_error_line(proc, "no workload 'typo' is registered", "--allow-unregistered",
+                   "[workload_not_found]")  # fmt: skip
+    listed = httpx.get(f"{live.url}/v1/snapshots", params={"workload": "typo"}).json()
+    assert listed["snapshots"] == []
+    proc = ck("push", str(cache), "--workload", "typo", "--allow-unregistered",
+              "--server", live.url, "--json", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["verified"] is False
+
+
+def test_push_says_the_snapshot_is_unverified_and_why(
+    tmp_path: Path, cache: Path, live: LiveServer
+) -> None:
+    # A prewarm record for another workload, as `cachekeeper prewarm` leaves it.
+    record = cache / ".cachekeeper" / "prewarm" / "other.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"workload": "other", "stats": {"verify": {"effective": True}}}))
+    proc = ck("push", str(cache), "--workload", "cpu-tiny", "--server", live.url, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    warning = proc.stderr.strip().splitlines()[-1]
+    assert warning.startswith("warning: snapshot ")
+    assert "published unverified" in warning
+    assert "prewarmed and verified for 'other', not for 'cpu-tiny'" in warning
+    assert "(unverified)" in proc.stdout
+
+
+# -- 17.13: messages a newcomer meets -------------------------------------------------
+def test_inspect_of_a_missing_file_says_file_not_found(tmp_path: Path) -> None:
+    proc = ck("inspect", "missing.tar.zst", cwd=tmp_path)
+    assert proc.returncode == 1
+    one_error_line(proc, "missing.tar.zst", "file not found")
+
+
+def test_a_short_id_prefix_says_it_needs_4_characters(tmp_path: Path, cache: Path) -> None:
+    assert ck("snapshot", str(cache), cwd=tmp_path).returncode == 0
+    proc = ck("rm", "073", "--yes", cwd=tmp_path)
+    assert proc.returncode == 1
+    one_error_line(proc, "'073'", "at least 4 characters")
+
+
+def test_pull_help_shows_workload_as_an_option(tmp_path: Path) -> None:
+    for command in ("pull", "push", "prejob"):
+        text = ck(command, "--help", cwd=tmp_path).stdout
+        description = " ".join(text.split("Options:")[0].split())
+        assert "WORKLOAD" not in description, (command, description)
+        assert "--workload NAME" in description
