@@ -133,7 +133,7 @@ def handle_errors(fn: F) -> F:
             echo_err(f"error: {exc.detail} [{exc.code}]")
             sys.exit(exc.exit_code)
         except OSError as exc:
-            if os.environ.get("CACHEKEEPER_DEBUG"):
+            if config.debug(os.environ):
                 raise
             echo_err(f"error: {describe_os_error(exc)} [{_os_error_code(exc)}]")
             sys.exit(1)
