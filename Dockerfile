@@ -10,10 +10,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY deploy/constraints-server.txt ./deploy/
 COPY cachekeeper ./cachekeeper
 COPY server ./server
 COPY client ./client
-RUN pip install ".[server]" && rm -rf /src
+# The base package plus the server extra, every dependency at the version CI tested
+# (deploy/constraints-server.txt; deploy/constraints-server.sh regenerates it).
+RUN pip install -c deploy/constraints-server.txt ".[server]" && pip check && rm -rf /src
 
 RUN useradd --system --uid 10001 --home-dir /data cachekeeper \
     && mkdir -p /data && chown cachekeeper /data

@@ -8,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from cachekeeper.cli import COMMANDS
 
@@ -157,3 +160,25 @@ def test_wheel_imports_server_and_hook_from_the_repo_root_and_elsewhere(tmp_path
         assert Path(server_file).is_relative_to(home), (cwd, server_file)
         assert Path(prejob_file).is_relative_to(home), (cwd, prejob_file)
         assert "Usage:" in out.stdout
+
+
+def test_server_constraints_pin_every_dependency_within_pyproject() -> None:
+    """deploy/constraints-server.txt (the server image's versions) pins each dependency of
+    the base install and the server extra at a version pyproject.toml allows."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [Requirement(r) for r in project["dependencies"]]
+    wanted += [Requirement(r) for r in project["optional-dependencies"]["server"]]
+    pins: dict[str, str] = {}
+    for line in (REPO / "deploy" / "constraints-server.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version.strip()
+    assert "cachekeeper" not in pins
+    for requirement in wanted:
+        version = pins.get(canonicalize_name(requirement.name))
+        assert version is not None, (
+            f"{requirement.name} is not pinned: run deploy/constraints-server.sh"
+        )
+        assert requirement.specifier.contains(version), (
+            f"{requirement.name}=={version} not in {requirement}"
+        )
