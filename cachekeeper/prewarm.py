@@ -26,7 +26,9 @@ from typing import Any
 
 from cachekeeper.children import run_children, slug, work_area
 from cachekeeper.errors import CachekeeperError
+from cachekeeper.provenance import record_prewarm
 from cachekeeper.reports import ErrorInfo, PrewarmReport, Progress
+from cachekeeper.restore import merge_tree
 from cachekeeper.verify import verify
 from cachekeeper.workload import Workload
 
@@ -70,8 +72,6 @@ def prewarm(
             )
         merged: dict[str, dict[str, Any]] = {}
         try:
-            from cachekeeper.restore import merge_tree
-
             cache_dir.mkdir(parents=True, exist_ok=True)
             for device in devices:
                 merged[device] = merge_tree(staging[device], cache_dir).to_dict()
@@ -98,7 +98,6 @@ def prewarm(
         merged=merged,
         verify=verify_report,
     )
-    from cachekeeper.provenance import record_prewarm
 
     record_prewarm(
         cache_dir,

@@ -31,6 +31,8 @@ from cachekeeper.archive import open_archive_stream, read_manifest_member, write
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
 from cachekeeper.errors import LinkInCacheDir
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.provenance import load_prewarm_record
+from cachekeeper.signing import load_signing_key, sign_manifest
 from cachekeeper.store import LocalStore
 
 __all__ = [
@@ -150,12 +152,8 @@ def snapshot_dir(
     """
     root = Path(root)
     if sign_key is not None:
-        from cachekeeper.signing import load_signing_key
-
         load_signing_key(sign_key)  # fail early on a missing or wrong key
     if workload is not None and stats is None:
-        from cachekeeper.provenance import load_prewarm_record
-
         record = load_prewarm_record(root, workload)
         if record is not None:
             stats = record.get("stats")
@@ -176,8 +174,6 @@ def snapshot_dir(
         stats=stats,
     )
     if sign_key is not None:
-        from cachekeeper.signing import sign_manifest
-
         manifest = sign_manifest(manifest, sign_key)
     store.save_manifest(manifest)
     return manifest

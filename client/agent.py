@@ -52,6 +52,12 @@ from cachekeeper import config, wire
 from cachekeeper._proc import pid_alive
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
+from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.prewarm import prewarm
+from cachekeeper.store import LocalStore
+from cachekeeper.workload import parse_workload
+
+from .push import push
 
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient
@@ -248,8 +254,6 @@ def run_round(
     Raises ServerUnavailable (or the server's error) when registering or listing the
     workloads fails; a failure while building one workload is that workload's outcome.
     """
-    from cachekeeper.fingerprint import collect, digest_of
-
     stop = stop or StopSignal()
     say = log or (lambda line: None)
     started = time.monotonic()
@@ -344,8 +348,6 @@ class _Builder:
         return self._report(outcome)
 
     def _skip_or_build(self, name: str, started: float) -> WorkloadOutcome:
-        from cachekeeper.workload import parse_workload
-
         workload = parse_workload(self.client.get_workload(name), source=f"{name} (server)")
         warm = self._warm_snapshot(name, workload.digest)
         if warm is not None:
@@ -369,11 +371,6 @@ class _Builder:
         return found.snapshot_id
 
     def _build(self, workload: Any, started: float) -> WorkloadOutcome:
-        from cachekeeper.client.push import push
-
-        from cachekeeper.prewarm import prewarm
-        from cachekeeper.store import LocalStore
-
         name = workload.name
         work_dir = self.options.work_dir
         work_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
+from cachekeeper.archive import ReadAhead
 from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
@@ -237,8 +238,6 @@ class CacheClient:
         breaks or stalls mid-stream raises ``ServerUnavailable`` from ``read``.
         """
         import zstandard
-
-        from cachekeeper.archive import ReadAhead
 
         response = self._send(
             "POST",

@@ -19,6 +19,7 @@ from typing import Any
 from cachekeeper.errors import BlobMissing, Forbidden, Unauthorized, WorkloadNotFound
 from cachekeeper.manifest import Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_workloads
+from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
 
 from .api import CacheClient, Deadline
@@ -177,8 +178,6 @@ def _push(
     sign_key: str | os.PathLike[str] | None,
     require_registered: bool,
 ) -> PushReport:
-    from cachekeeper.snapshot import snapshot_dir
-
     if require_registered:
         check_registered(client, workload)
     store = store if store is not None else LocalStore()

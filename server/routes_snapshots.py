@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachekeeper.errors import InvalidManifest, PayloadTooLarge, SnapshotNotFound
 from cachekeeper.manifest import Manifest
+from cachekeeper.signing import load_trusted_keys, verify_manifest
 
 from .archive import archive_chunks
 from .auth import AdminScope, ReadScope, WriteScope
@@ -85,8 +86,6 @@ def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
         )
     manifest = Manifest.from_dict(raw, max_files=max_files)
     if storage.settings.require_signatures:
-        from cachekeeper.signing import load_trusted_keys, verify_manifest
-
         # Read per publish (two tiny files): a rotated key needs no restart.
         verify_manifest(manifest, load_trusted_keys(storage.settings.trusted_keys))
     return storage.publish(manifest)

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from cachekeeper.errors import WorkloadInvalid, WorkloadNotFound
+from cachekeeper.workload import parse_workload
 
 from .auth import AdminScope, ReadScope, WriteScope
 from .deps import StorageDep, storage_of
@@ -43,8 +44,6 @@ def list_workloads(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
 
 
 def _register(storage: Storage, name: str, body: bytes) -> dict[str, Any]:
-    from cachekeeper.workload import parse_workload  # the CLI's own parser, loaded lazily
-
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:

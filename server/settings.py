@@ -32,6 +32,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from cachekeeper import config
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.manifest import MAX_FILES
+from cachekeeper.signing import load_trusted_keys
 
 __all__ = [
     "Scope",
@@ -197,8 +198,6 @@ class Settings(BaseSettings):
         if self.require_signatures and not self.trusted_keys:
             raise ValueError("require_signatures is set but no trusted_keys are configured")
         if self.trusted_keys:
-            from cachekeeper.signing import load_trusted_keys  # keeps cryptography off import
-
             load_trusted_keys(self.trusted_keys)  # an unreadable key fails at start-up
         return self
 

@@ -26,6 +26,9 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option
+from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
+from cachekeeper.client.api import CacheClient
+from cachekeeper.devices import select_devices
 
 __all__ = ["agent_cmd"]
 
@@ -88,10 +91,6 @@ def agent_cmd(
     agent carries on. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
     Progress goes to stderr; --json prints each round's report on stdout.
     """
-    from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
-    from cachekeeper.client.api import CacheClient
-    from cachekeeper.devices import select_devices
-
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     options = AgentOptions(

@@ -9,7 +9,9 @@ import click
 
 from cachekeeper.cli._common import device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.snapshot import load_manifest
+from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
+from cachekeeper.fingerprint import collect, compare, digest_of
 
 __all__ = ["fingerprint_cmd", "explain_cmd"]
 
@@ -19,8 +21,6 @@ __all__ = ["fingerprint_cmd", "explain_cmd"]
 @handle_errors
 def fingerprint_cmd(as_json: bool) -> None:
     """Print this machine's environment fingerprint and its digest."""
-    from cachekeeper.fingerprint import collect, digest_of
-
     fp = collect()
     digest = digest_of(fp)
     if as_json:
@@ -65,9 +65,6 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
     must cover every device the job's ranks compile on (--device, default every visible
     GPU; a job that gives each rank one visible GPU uses only cuda:0).
     """
-    from cachekeeper.devices import requested_devices
-    from cachekeeper.fingerprint import collect, compare
-
     try:
         node_devices = requested_devices(device)
     except CachekeeperError as exc:

@@ -10,6 +10,7 @@ import click
 
 from cachekeeper import config
 from cachekeeper.cli._common import PathParam, emit_json, handle_errors, json_option
+from cachekeeper.signing import generate_keypair, load_trusted_keys
 
 if TYPE_CHECKING:
     from cachekeeper.signing import TrustedKey
@@ -43,8 +44,6 @@ def trust_paths(trust: tuple[Path, ...]) -> list[str]:
 
 def trusted_keys(trust: tuple[Path, ...]) -> list[TrustedKey]:
     """The trusted public keys, loaded (a one-line error names an unreadable one)."""
-    from cachekeeper.signing import load_trusted_keys
-
     return load_trusted_keys(trust_paths(trust))
 
 
@@ -64,8 +63,6 @@ def keygen_cmd(prefix: str, as_json: bool) -> None:
     Sign with `snapshot/push/agent --sign-key PREFIX.key`; nodes trust the public key with
     `--trust PREFIX.pub` or CACHEKEEPER_TRUSTED_KEYS. Existing files are never overwritten.
     """
-    from cachekeeper.signing import generate_keypair
-
     key_path, pub_path, key_id = generate_keypair(prefix)
     if as_json:
         emit_json({"private_key": str(key_path), "public_key": str(pub_path), "key_id": key_id})

@@ -19,6 +19,10 @@ from cachekeeper.cli._common import (
     handle_errors,
     json_option,
 )
+from cachekeeper.devices import select_devices
+from cachekeeper.prewarm import prewarm
+from cachekeeper.reports import format_prewarm
+from cachekeeper.workload import load_workload
 
 __all__ = ["prewarm_cmd", "progress_to_stderr"]
 
@@ -49,11 +53,6 @@ def prewarm_cmd(
     reported with its traceback, nothing is merged, and the exit code is 3. Progress goes
     to stderr. Exit 0 when the merged cache verifies effective, 1 when it does not.
     """
-    from cachekeeper.devices import select_devices
-    from cachekeeper.prewarm import prewarm
-    from cachekeeper.reports import format_prewarm
-    from cachekeeper.workload import load_workload
-
     parsed = load_workload(workload)
     report = prewarm(
         parsed,

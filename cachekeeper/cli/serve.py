@@ -69,8 +69,8 @@ def serve_cmd(
     try:
         import uvicorn
 
-        from cachekeeper.server.app import create_app
-        from cachekeeper.server.settings import check_data_dir, load_settings, parse_tokens
+        from cachekeeper.server.app import create_app  # optional: needs cachekeeper[server]
+        from cachekeeper.server.settings import check_data_dir, load_settings, parse_tokens  # same
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] == "cachekeeper":
             raise

@@ -21,6 +21,9 @@ from cachekeeper.cli._common import PathParam, echo_err, emit_json, handle_error
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.errors import SnapshotNotFound
 from cachekeeper.manifest import Manifest
+from cachekeeper.restore import restore, restore_archive
+from cachekeeper.snapshot import read_archive_manifest, snapshot_dir, write_archive
+from cachekeeper.store import LocalStore
 
 __all__ = ["snapshot_cmd", "restore_cmd", "inspect_cmd", "load_manifest", "archive_path"]
 
@@ -45,9 +48,6 @@ def archive_path(ref: str) -> Path | None:
 
 def load_manifest(ref: str) -> tuple[Manifest, str]:
     """The manifest named by an archive path or a store id; and where it came from."""
-    from cachekeeper.snapshot import read_archive_manifest
-    from cachekeeper.store import LocalStore
-
     path = archive_path(ref)
     if path is not None:
         return read_archive_manifest(path), "archive"
@@ -95,9 +95,6 @@ def snapshot_cmd(
     as_json: bool,
 ) -> None:
     """Snapshot CACHE_DIR into the local store (and, with -o, into one archive file)."""
-    from cachekeeper.snapshot import snapshot_dir, write_archive
-    from cachekeeper.store import LocalStore
-
     store = LocalStore()
     try:
         manifest = snapshot_dir(cache_dir, store=store, workload=workload, sign_key=sign_key)
@@ -144,14 +141,9 @@ def restore_cmd(
     (--trust or CACHEKEEPER_TRUSTED_KEYS), only a snapshot signed by one of those keys
     is restored, and all of it or nothing.
     """
-    from cachekeeper.restore import restore, restore_archive
-    from cachekeeper.store import LocalStore
-
     trusted = trusted_keys(trust)
     path = archive_path(snapshot)
     if path is not None:
-        from cachekeeper.snapshot import read_archive_manifest
-
         total = read_archive_manifest(path).size_bytes
         with _progress(total, "restoring") as progress:
             report = restore_archive(

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from cachekeeper.cli._common import emit_json, handle_errors, json_option, mb
+from cachekeeper.store import LocalStore
 
 __all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
 
@@ -20,8 +21,6 @@ __all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
 @handle_errors
 def ls_cmd(as_json: bool) -> None:
     """List snapshots in the local store, newest first."""
-    from cachekeeper.store import LocalStore
-
     rows = LocalStore().list()
     if as_json:
         emit_json([r.to_dict() for r in rows])
@@ -63,8 +62,6 @@ def _run_plan(plan: Any, *, dry_run: bool, as_json: bool, what: str) -> None:
 @handle_errors
 def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> None:
     """Remove snapshots (ids or unique prefixes) and the blobs only they use."""
-    from cachekeeper.store import LocalStore
-
     plan = LocalStore().plan_remove(list(ids))
     if not dry_run and not yes:
         click.confirm(
@@ -82,6 +79,4 @@ def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> Non
 @handle_errors
 def gc_cmd(dry_run: bool, as_json: bool) -> None:
     """Delete local blobs that no stored snapshot references."""
-    from cachekeeper.store import LocalStore
-
     _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")

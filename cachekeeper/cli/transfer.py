@@ -3,8 +3,8 @@
 They share the server/token, workload, driver-policy and device options, and the rule below.
 
 Kept light on purpose: ``prejob`` runs before every training job, so this module imports
-only click at load time; httpx, the restore code and rich (for push's progress bar) are
-imported inside the commands that use them.
+click and the hook (``cachekeeper.client.prejob``) at load time; the push and pull client
+code and rich (for push's progress bar) are imported inside the commands that use them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option, trust_option, trust_paths, trusted_keys
+from cachekeeper.client.prejob import cold_line, export_lines, prejob, write_env_file
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
 
@@ -107,8 +108,8 @@ def push_cmd(
     that same workload verified CACHE_DIR; otherwise it is published unverified, and a
     warning on stderr says why.
     """
-    from cachekeeper.client.api import CacheClient
-    from cachekeeper.client.push import push
+    from cachekeeper.client.api import CacheClient  # hook start-up: prejob shares this module
+    from cachekeeper.client.push import push  # hook start-up: snapshot code, not for prejob
 
     with CacheClient(base_url=_require_server(server), token=token) as client:
         with _progress_bar(enabled=not as_json and sys.stderr.isatty()) as progress:
@@ -211,8 +212,8 @@ def pull_cmd(
     a trust list (--trust or CACHEKEEPER_TRUSTED_KEYS), a snapshot not signed by one of
     those keys is refused and nothing is written.
     """
-    from cachekeeper.client.api import CacheClient, Deadline
-    from cachekeeper.client.pull import pull
+    from cachekeeper.client.api import CacheClient, Deadline  # hook start-up (as in push)
+    from cachekeeper.client.pull import pull  # hook start-up: restore code, not for a no-op
 
     trusted = trusted_keys(trust)
     with CacheClient(base_url=_require_server(server), token=token) as client:
@@ -295,8 +296,6 @@ def prejob_cmd(
     An --env-file that cannot be written is one line on stderr; the exports still go to
     stdout (with --strict it exits 1).
     """
-    from cachekeeper.client.prejob import cold_line, export_lines, prejob, write_env_file
-
     report = prejob(
         workload=workload,
         server=server,

@@ -13,6 +13,10 @@ import click
 
 from cachekeeper.cli._common import PathParam, device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.prewarm import progress_to_stderr
+from cachekeeper.devices import select_devices
+from cachekeeper.reports import format_verify
+from cachekeeper.verify import verify
+from cachekeeper.workload import load_workload
 
 __all__ = ["verify_cmd"]
 
@@ -38,11 +42,6 @@ def verify_cmd(
     least one hit. Exit 0 when effective, 1 when not, 2 on error. A run that misses
     compiles what it misses, and Inductor adds those entries to the cache dir.
     """
-    from cachekeeper.devices import select_devices
-    from cachekeeper.reports import format_verify
-    from cachekeeper.verify import verify
-    from cachekeeper.workload import load_workload
-
     parsed = load_workload(workload)
     report = verify(
         parsed,
