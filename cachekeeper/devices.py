@@ -17,7 +17,6 @@ prejob, status, a builder asked for indices it lacks) uses it or says the same.
 from __future__ import annotations
 
 from cachekeeper.errors import PrewarmFailed
-from cachekeeper.fingerprint import collect
 
 __all__ = [
     "coverage_advice",
@@ -117,6 +116,8 @@ def requested_devices(spec: str | None) -> list[str] | None:
 
 def visible_gpus() -> list[int]:
     """The CUDA indices this process can see, from the fingerprint (no torch import)."""
+    from cachekeeper.fingerprint import collect  # cycle: fingerprint -> wire -> devices
+
     return [int(gpu["index"]) for gpu in collect().get("gpus") or []]
 
 
