@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -89,7 +90,8 @@ def agent_cmd(
     (see GET /v1/status). Workloads that are already warm compile nothing. A workload that
     crashes, hangs past --build-timeout or whose cold compile raises is reported and the
     agent carries on. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
-    Progress goes to stderr; --json prints each round's report on stdout.
+    Progress goes to stderr, each line stamped with the UTC time; --json prints each
+    round's report on stdout.
     """
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
@@ -101,12 +103,15 @@ def agent_cmd(
         sign_key=sign_key.absolute() if sign_key else None,
     )
 
+    def log(line: str) -> None:
+        echo_err(f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ} {line}")
+
     def on_round(report: RoundReport) -> None:
         counts: dict[str, int] = {}
         for outcome in report.outcomes:
             counts[outcome.status] = counts.get(outcome.status, 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no workloads"
-        echo_err(f"round done in {report.seconds:.1f} s: {summary}")
+        log(f"round done in {report.seconds:.1f} s: {summary}")
         if as_json:
             click.echo(json.dumps(report.to_dict(), sort_keys=True), nl=True)
 
@@ -119,8 +124,8 @@ def agent_cmd(
             interval_s=interval_s,
             once=once,
             stop=stop,
-            log=echo_err,
+            log=log,
             on_round=on_round,
         )
     if stop.is_set():
-        echo_err("agent stopped")
+        log("agent stopped")

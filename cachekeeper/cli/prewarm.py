@@ -51,14 +51,14 @@ def prewarm_cmd(
 
     Each device compiles into an empty staging dir first; a cold compile that raises is
     reported with its traceback, nothing is merged, and the exit code is 3. Progress goes
-    to stderr. Exit 0 when the merged cache verifies effective, 1 when it does not.
+    to stderr (also with --json, whose report is all stdout holds). Exit 0 when the merged cache verifies effective, 1 when it does not.
     """
     parsed = load_workload(workload)
     report = prewarm(
         parsed,
         cache_dir,
         devices=select_devices(device),
-        progress=None if as_json else progress_to_stderr,
+        progress=progress_to_stderr,  # stderr even with --json: stdout is the report
         timeout_s=timeout_s,
     )
     if as_json:

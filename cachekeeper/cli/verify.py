@@ -48,7 +48,7 @@ def verify_cmd(
         cache_dir,
         devices=select_devices(device),
         timeout_s=timeout_s,
-        progress=None if as_json else progress_to_stderr,
+        progress=progress_to_stderr,  # stderr even with --json: stdout is the report
     )
     if as_json:
         emit_json(report.to_dict())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -219,3 +220,41 @@ def test_pull_help_shows_workload_as_an_option(tmp_path: Path) -> None:
         description = " ".join(text.split("Options:")[0].split())
         assert "WORKLOAD" not in description, (command, description)
         assert "--workload NAME" in description
+
+
+# -- 17.10: progress on stderr, the report alone on stdout; agent lines carry the time -----
+QUICK_TOML = """\
+name = "quick"
+[[entrypoint]]
+target = "fixtures_pkg.warmup:sleep"
+kwargs = { seconds = 0 }
+"""
+
+
+def test_prewarm_json_prints_progress_on_stderr_and_only_json_on_stdout(tmp_path: Path) -> None:
+    """An entrypoint that compiles nothing: the children start torch, nothing is cached,
+    so the verify finds no hit (exit 1); the claim is only where each line goes."""
+    workload = tmp_path / "quick.toml"
+    workload.write_text(QUICK_TOML)
+    fixtures = REPO / "tests" / "e2e"
+    proc = ck("prewarm", str(workload), "--cache-dir", str(tmp_path / "c"), "--device", "cpu",
+              "--json", cwd=tmp_path, PYTHONPATH=str(fixtures))  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr
+    report = json.loads(proc.stdout)  # the whole of stdout is one JSON document
+    assert report["workload"] == "quick"
+    progress = [line for line in proc.stderr.splitlines() if "entrypoint" in line]
+    assert any(line.rstrip().endswith("...") for line in progress), proc.stderr
+    assert any("cpu prewarm entrypoint[0]" in line for line in progress), proc.stderr
+    assert any("cpu verify entrypoint[0]" in line for line in progress), proc.stderr
+
+
+def test_agent_log_lines_carry_a_utc_timestamp(tmp_path: Path) -> None:
+    with start_server(Settings(data_dir=tmp_path / "server")) as server:
+        proc = ck("agent", "--server", server.url, "--once", "--device", "cpu", "--json",
+                  "--work-dir", str(tmp_path / "work"), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines and any("round done" in line for line in lines), proc.stderr
+    for line in lines:
+        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", line), line
+    assert json.loads(proc.stdout)["outcomes"] == []
