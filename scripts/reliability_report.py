@@ -80,6 +80,34 @@ EXISTING = {
         "blob, manifest and file-count limits on the server (413)",
         "refused",
     ),
+    "tests/server/test_settings.py::test_served_with_an_empty_tokens_variable_auth_stays_on": (
+        "configuration",
+        "CACHEKEEPER_TOKENS= (empty) next to --config [tokens]: auth stays on (anonymous 401)",
+        "kept",
+    ),
+    "tests/server/test_settings.py::test_empty_tokens_variable_keeps_the_config_files_tokens": (
+        "configuration",
+        "CACHEKEEPER_TOKENS empty, blank, '{}' or ',': the file's tokens kept, or refused",
+        "refused",
+    ),
+    "tests/server/test_settings.py::test_config_errors_name_the_setting_its_source_and_value": (
+        "configuration",
+        "bad token scope, a size '10 parsecs', a port 'eighty', unknown config key"
+        " 'anonymous_reads', bad TOML: one line naming setting, source and value",
+        "refused",
+    ),
+    "tests/server/test_settings.py::test_an_exposed_server_without_auth_refuses_to_start": (
+        "configuration",
+        "serve on 0.0.0.0, ::, a LAN address or a host name with auth off and no"
+        " --insecure-no-auth",
+        "refused",
+    ),
+    "tests/server/test_settings.py::test_an_unusable_data_dir_is_one_line_naming_the_path": (
+        "configuration",
+        "serve --data under a regular file, or whose meta.sqlite is a directory: one line,"
+        " no traceback",
+        "refused",
+    ),
     "tests/server/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (
         "server killed",
         "client connection cut mid-upload (no blob stored)",
