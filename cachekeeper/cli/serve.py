@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -64,8 +65,6 @@ def serve_cmd(
     """
     # Server packages load only for `serve`: the hook's start-up never pays for them, and
     # the base install (training nodes, builders) does not have them.
-    import sqlite3
-
     try:
         import uvicorn
 
