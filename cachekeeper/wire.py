@@ -11,6 +11,9 @@ keys it does not know are ignored, so a server may add fields. A field added lat
 have a default, so answers of older servers still parse. ``to_dict(shape)`` is the
 reverse (tuples become lists).
 
+Answers hold tuples; request bodies hold lists, so that pydantic's 422 messages
+("List should have at most ...") stay what they were.
+
 Field constraints (a digest's pattern, a list's length) are ``Check`` metadata:
 ``from_dict`` enforces them, and pydantic, which calls ``Check.__get_pydantic_core_schema__``
 when the server builds its validators, enforces and documents them in the OpenAPI schema.
@@ -23,13 +26,14 @@ import json
 import re
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from cachekeeper.devices import coverage_advice
 
 __all__ = [
     "WireError",
+    "DIGEST_PATTERN",
     "Check",
     "from_dict",
     "to_dict",
@@ -175,7 +179,7 @@ class ResolveRequest:
     fingerprint: dict[str, Any]
     workload: str | None = None
     driver_policy: DriverPolicy = "newer"
-    devices: Annotated[tuple[str, ...], Check(max_length=1024)] | None = None
+    devices: Annotated[list[str], Check(max_length=1024)] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +211,7 @@ class ResolveAnswer:
 
 # -- blobs and snapshots ----------------------------------------------------------------------
 
-DigestList = Annotated[tuple[Digest, ...], Check(max_length=1_000_000)]
+DigestList = Annotated[list[Digest], Check(max_length=1_000_000)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,8 +279,8 @@ class AgentRegistration:
     name: Annotated[str, Check(pattern=AGENT_NAME_PATTERN)]
     fingerprint: dict[str, Any]
     fingerprint_digest: Annotated[str, Check(pattern=DIGEST_PATTERN)] | None = None
-    gpus: Annotated[tuple[dict[str, Any], ...], Check(max_length=1024)] = ()
-    devices: Annotated[tuple[str, ...], Check(max_length=1024)] = ()
+    gpus: Annotated[list[dict[str, Any]], Check(max_length=1024)] = field(default_factory=list)
+    devices: Annotated[list[str], Check(max_length=1024)] = field(default_factory=list)
     version: Annotated[str, Check(max_length=64)] = ""
 
 
@@ -314,8 +318,8 @@ class AgentEvent:
     status: EventStatus
     detail: Annotated[str, Check(max_length=8000)] = ""
     traceback_tail: Annotated[
-        tuple[Annotated[str, Check(max_length=2000)], ...], Check(max_length=100)
-    ] = ()
+        list[Annotated[str, Check(max_length=2000)]], Check(max_length=100)
+    ] = field(default_factory=list)
     snapshot_id: Digest | None = None
     seconds: Annotated[float, Check(ge=0)] | None = None
 

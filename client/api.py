@@ -177,7 +177,7 @@ class CacheClient:
             fingerprint=dict(fingerprint),
             workload=workload,
             driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
-            devices=None if devices is None else tuple(devices),
+            devices=None if devices is None else list(devices),
         )
         response = self._send("POST", "/v1/resolve", json_body=to_dict(body), deadline=deadline)
         return _answer(response, ResolveAnswer, "resolve")
@@ -284,8 +284,8 @@ class CacheClient:
             name=name,
             fingerprint=dict(fingerprint),
             fingerprint_digest=fingerprint_digest,
-            devices=tuple(devices),
-            gpus=tuple(gpus),
+            devices=list(devices),
+            gpus=list(gpus),
             version=version,
         )
         response = self._send("POST", "/v1/agents", json_body=to_dict(body), deadline=deadline)
@@ -315,7 +315,7 @@ class CacheClient:
             fingerprint_digest=fingerprint_digest,
             status=cast(Any, status),  # the server refuses an unknown status
             detail=detail,
-            traceback_tail=tuple(traceback_tail),
+            traceback_tail=list(traceback_tail),
             snapshot_id=snapshot_id,
             seconds=seconds,
         )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+
+from cachekeeper.wire import GcAnswer, GcRequest, Health
 
 from .auth import AdminScope
 from .deps import StorageDep, metrics_of
@@ -16,26 +15,10 @@ __all__ = ["router"]
 router = APIRouter(tags=["admin"])
 
 
-class Health(BaseModel):
-    status: str
-    version: str
-
-
-class GcRequest(BaseModel):
-    dry_run: bool = False
-
-
-class GcAnswer(BaseModel):
-    snapshots_evicted: list[str]
-    blobs_deleted: int
-    bytes_freed: int
-    dry_run: bool
-
-
 @router.get("/healthz", response_model=Health)
-def healthz(request: Request) -> dict[str, str]:
+def healthz(request: Request) -> Health:
     """Liveness: answers without touching the store."""
-    return {"status": "ok", "version": request.app.version}
+    return Health(status="ok", version=request.app.version)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -57,10 +40,15 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
 
 
 @router.post("/v1/gc", response_model=GcAnswer)
-def gc(storage: StorageDep, _: AdminScope, body: GcRequest | None = None) -> dict[str, Any]:
+def gc(storage: StorageDep, _: AdminScope, body: GcRequest | None = None) -> GcAnswer:
     """Evict LRU unpinned snapshots down to the cap, then delete unreferenced blobs."""
     dry_run = body.dry_run if body is not None else False
     plan = storage.plan_gc()
     if not dry_run:
         storage.execute_gc(plan)
-    return plan.to_dict(dry_run=dry_run)
+    return GcAnswer(
+        snapshots_evicted=plan.snapshots_evicted,
+        blobs_deleted=len(plan.blobs) + len(plan.orphan_files),
+        bytes_freed=plan.bytes_freed,
+        dry_run=dry_run,
+    )

@@ -33,97 +33,41 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
-from pydantic import BaseModel, Field
 
 from cachekeeper.devices import coverage_advice, requested_devices
 from cachekeeper.errors import AgentNotFound, CachekeeperError, InvalidManifest, InvalidRequest
 from cachekeeper.fingerprint import digest_of
+from cachekeeper.wire import (
+    DIGEST_PATTERN,
+    AgentEvent,
+    AgentInfo,
+    AgentList,
+    AgentRegistration,
+    EventOut,
+    RegisterAnswer,
+    StatusAnswer,
+    to_dict,
+)
 
 from .auth import ReadScope, WriteScope
 from .catalog import utc_now
 from .deps import StorageDep
+from .responses import error_responses
 from .storage import Storage
 
 __all__ = ["router", "agent_id_for", "fleet_status"]
 
 router = APIRouter(prefix="/v1", tags=["agents"])
 
-_DIGEST = r"^[0-9a-f]{64}$"
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-EventStatus = Literal["built", "skipped", "building", "cold_compile_broken", "failed"]
 AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent's id")]
 
 
 def agent_id_for(name: str, fingerprint_digest: str) -> str:
     """The id an agent of ``name`` gets for an environment (stable across registrations)."""
     return hashlib.sha256(f"{name}\n{fingerprint_digest}".encode()).hexdigest()[:16]
-
-
-class AgentRegistration(BaseModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
-    fingerprint: dict[str, Any]
-    fingerprint_digest: str | None = Field(default=None, pattern=_DIGEST)
-    gpus: list[dict[str, Any]] = Field(default_factory=list, max_length=1024)
-    devices: list[str] = Field(default_factory=list, max_length=1024)
-    version: str = Field(default="", max_length=64)
-
-
-class AgentInfo(BaseModel):
-    id: str
-    name: str
-    fingerprint_digest: str
-    fingerprint: dict[str, Any]
-    devices: list[str]
-    gpus: list[dict[str, Any]]
-    version: str
-    registered_at: str
-    last_seen_at: str
-
-
-class RegisterAnswer(AgentInfo):
-    created: bool
-
-
-class AgentList(BaseModel):
-    agents: list[AgentInfo]
-
-
-class AgentEvent(BaseModel):
-    workload: str = Field(pattern=_NAME)
-    fingerprint_digest: str = Field(pattern=_DIGEST)
-    status: EventStatus
-    detail: str = Field(default="", max_length=8000)
-    traceback_tail: list[Annotated[str, Field(max_length=2000)]] = Field(
-        default_factory=list, max_length=100
-    )
-    snapshot_id: str | None = Field(default=None, pattern=_DIGEST)
-    seconds: float | None = Field(default=None, ge=0)
-
-
-class EventOut(AgentEvent):
-    id: int
-    at: str
-    agent_id: str
-
-
-class StatusRow(BaseModel):
-    workload: str
-    fingerprint_digest: str
-    status: Literal["warm", "building", "broken", "failed", "missing"]
-    snapshot_id: str | None
-    updated_at: str | None
-    last_event: EventOut | None
-    agents: list[str]
-    devices: list[str] = Field(default_factory=list)
-    uncovered: list[str] = Field(default_factory=list)
-    note: str | None = None
-
-
-class StatusAnswer(BaseModel):
-    status: list[StatusRow]
 
 
 # -- agents ---------------------------------------------------------------------------------
@@ -151,7 +95,7 @@ def _agent_row(storage: Storage, agent_id: str) -> dict[str, Any]:
     return found[0]
 
 
-@router.post("/agents", response_model=RegisterAnswer)
+@router.post("/agents", response_model=RegisterAnswer, responses=error_responses(InvalidManifest))
 def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Register (or refresh) an agent for its environment; idempotent per name + digest."""
     try:
@@ -187,7 +131,11 @@ def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) 
     return {**_agent_out(_agent_row(storage, agent_id)), "created": created}
 
 
-@router.post("/agents/{agent_id}/heartbeat", response_model=AgentInfo)
+@router.post(
+    "/agents/{agent_id}/heartbeat",
+    response_model=AgentInfo,
+    responses=error_responses(AgentNotFound),
+)
 def heartbeat(agent_id: AgentId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Record that the agent is alive (``last_seen_at``)."""
     with storage.catalog.writing() as db:
@@ -202,7 +150,12 @@ def list_agents(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
     return {"agents": [_agent_out(r) for r in rows]}
 
 
-@router.post("/agents/{agent_id}/events", status_code=201, response_model=EventOut)
+@router.post(
+    "/agents/{agent_id}/events",
+    status_code=201,
+    response_model=EventOut,
+    responses=error_responses(AgentNotFound),
+)
 def report_event(
     agent_id: AgentId, body: AgentEvent, storage: StorageDep, _: WriteScope
 ) -> dict[str, Any]:
@@ -227,7 +180,7 @@ def report_event(
         )
         db.execute("UPDATE agents SET last_seen_at = ? WHERE id = ?", [now, agent_id])
         event_id = cursor.lastrowid
-    return {**body.model_dump(), "id": event_id, "at": now, "agent_id": agent_id}
+    return {**to_dict(body), "id": event_id, "at": now, "agent_id": agent_id}
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -346,7 +299,7 @@ def status(
     storage: StorageDep,
     _: ReadScope,
     workload: Annotated[str | None, Query()] = None,
-    fingerprint_digest: Annotated[str | None, Query(pattern=_DIGEST)] = None,
+    fingerprint_digest: Annotated[str | None, Query(pattern=DIGEST_PATTERN)] = None,
     devices: Annotated[
         str | None,
         Query(max_length=4096, description="the training nodes' devices, e.g. cuda:0-7"),

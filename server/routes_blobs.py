@@ -12,15 +12,23 @@ import anyio
 import zstandard
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from cachekeeper.errors import BlobMissing, DigestMismatch
+from cachekeeper.errors import (
+    BlobMissing,
+    DigestMismatch,
+    InsufficientStorage,
+    RangeNotSatisfiable,
+    ServerUnavailable,
+    UnsupportedEncoding,
+)
+from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
 from .auth import ReadScope, WriteScope
 from .deps import StorageDep, metrics_of, storage_of
 from .limits import Reservation, StoreRoom, store_room, upload_limiter
+from .responses import error_responses
 
 __all__ = ["router"]
 
@@ -29,20 +37,6 @@ router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
 Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="lowercase sha256 hex")]
 _READ_BYTES = 1 << 20
 _END, _ABORT = object(), object()
-
-
-class MissingRequest(BaseModel):
-    digests: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(max_length=1_000_000)
-
-
-class MissingAnswer(BaseModel):
-    missing: list[str]
-
-
-class PutAnswer(BaseModel):
-    digest: str
-    size_bytes: int
-    created: bool
 
 
 @router.post("/missing", response_model=MissingAnswer)
@@ -99,7 +93,15 @@ def _zstd_decoded(chunks: Iterable[bytes]) -> Iterator[bytes]:
             },
         }
     },
-    responses={413: {"description": "over max_blob_bytes"}, 507: {"description": "store full"}},
+    responses={
+        200: {"model": PutAnswer, "description": "the blob was already stored"},
+        **error_responses(
+            DigestMismatch,  # also for a body that is not a valid zstd stream
+            UnsupportedEncoding,
+            InsufficientStorage,
+            ServerUnavailable,  # collected by a concurrent GC while uploading: retry
+        ),
+    },
 )
 async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     """Upload a blob; the server hashes what it receives and stores nothing on a mismatch."""
@@ -183,10 +185,8 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     metrics.inc(
         "cachekeeper_blob_uploads_total", result="created" if result.created else "existing"
     )
-    return JSONResponse(
-        {"digest": digest, "size_bytes": result.size_bytes, "created": result.created},
-        status_code=201 if result.created else 200,
-    )
+    answer = PutAnswer(digest=digest, size_bytes=result.size_bytes, created=result.created)
+    return JSONResponse(to_dict(answer), status_code=201 if result.created else 200)
 
 
 def _reserve(storage: Any, room: StoreRoom, digest: str, declared: int) -> Reservation | None:
@@ -250,7 +250,11 @@ def _raw(storage: Any, digest: str) -> Iterator[bytes]:
 @router.get(
     "/{digest}",
     response_class=Response,
-    responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "a range"}},
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        206: {"description": "a range"},
+        **error_responses((404, BlobMissing), RangeNotSatisfiable),
+    },
 )
 def get_blob(digest: Digest, request: Request, storage: StorageDep, _: ReadScope) -> Response:
     """The blob's bytes, streamed; ``Range`` supported; ``Accept-Encoding: zstd`` gets the frame."""

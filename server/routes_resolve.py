@@ -11,49 +11,24 @@ matches, the workload has no snapshot yet, or no workload of that name is regist
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
 
 from cachekeeper.errors import InvalidManifest
 from cachekeeper.fingerprint import compare
+from cachekeeper.wire import ResolveAnswer, ResolveRequest
 
 from .auth import ReadScope
 from .catalog import summary_of
 from .deps import StorageDep, metrics_of
+from .responses import error_responses
 from .storage import Storage
 
 __all__ = ["router", "resolve"]
 
 router = APIRouter(prefix="/v1", tags=["resolve"])
 NEAR_MISSES = 3
-
-
-class ResolveRequest(BaseModel):
-    fingerprint: dict[str, Any]
-    workload: str | None = None
-    driver_policy: Literal["newer", "exact", "any"] = "newer"
-    devices: list[str] | None = Field(default=None, max_length=1024)
-
-
-class MismatchOut(BaseModel):
-    field: str
-    node: Any = None
-    snapshot: Any = None
-
-
-class NearMiss(BaseModel):
-    snapshot: dict[str, Any]
-    mismatches: list[MismatchOut]
-
-
-class ResolveAnswer(BaseModel):
-    snapshot: dict[str, Any] | None
-    verified: bool
-    exact: bool
-    near_misses: list[NearMiss]
-    reason: str | None = None  # on a miss, why (one sentence); None on a hit
 
 
 def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
@@ -117,7 +92,7 @@ def _neg(text: str) -> tuple[int, ...]:
     return tuple(-ord(c) for c in text)
 
 
-@router.post("/resolve", response_model=ResolveAnswer)
+@router.post("/resolve", response_model=ResolveAnswer, responses=error_responses(InvalidManifest))
 def resolve_route(
     body: ResolveRequest, request: Request, storage: StorageDep, _: ReadScope
 ) -> dict[str, Any]:

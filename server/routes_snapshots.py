@@ -7,16 +7,25 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from cachekeeper.errors import InvalidManifest, PayloadTooLarge, SnapshotNotFound
+from cachekeeper.errors import (
+    BlobMissing,
+    InvalidManifest,
+    PayloadTooLarge,
+    SignatureInvalid,
+    SnapshotNotFound,
+    UnsafePath,
+    UnsupportedFormat,
+)
 from cachekeeper.manifest import Manifest
 from cachekeeper.signing import load_trusted_keys, verify_manifest
+from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
 
 from .archive import archive_chunks
 from .auth import AdminScope, ReadScope, WriteScope
 from .deps import StorageDep, metrics_of, storage_of
+from .responses import error_responses
 from .storage import Storage
 
 __all__ = ["router", "read_body"]
@@ -24,32 +33,6 @@ __all__ = ["router", "read_body"]
 router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
 
 SnapshotId = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the manifest's sha256")]
-
-
-class Summary(BaseModel):
-    id: str
-    workload: str | None
-    fingerprint_digest: str
-    devices: list[str]
-    verified: bool
-    signed: bool
-    size_bytes: int
-    file_count: int
-    created_at: str
-    last_used_at: str | None
-    pinned: bool
-
-
-class PublishAnswer(Summary):
-    created: bool
-
-
-class SnapshotList(BaseModel):
-    snapshots: list[Summary]
-
-
-class ArchiveRequest(BaseModel):
-    digests: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(max_length=1_000_000)
 
 
 async def read_body(request: Request, *, limit: int, what: str) -> bytes:
@@ -104,9 +87,14 @@ def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
         }
     },
     responses={
-        409: {"description": "blobs missing"},
-        413: {"description": "too large"},
-        422: {"description": "invalid manifest, or signature_invalid when signatures are required"},
+        200: {"model": PublishAnswer, "description": "an identical manifest was already published"},
+        **error_responses(
+            BlobMissing,
+            InvalidManifest,
+            UnsafePath,
+            UnsupportedFormat,
+            SignatureInvalid,  # only when the server requires signatures
+        ),
     },
 )
 async def publish_snapshot(request: Request, _: WriteScope) -> Response:
@@ -145,7 +133,7 @@ def _manifest_text(storage: Storage, snapshot_id: str) -> str:
 @router.get(
     "/{snapshot_id}",
     response_class=Response,
-    responses={200: {"content": {"application/json": {}}}},
+    responses={200: {"content": {"application/json": {}}}, **error_responses(SnapshotNotFound)},
 )
 def get_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: ReadScope) -> Response:
     """The manifest JSON, signature included."""
@@ -178,7 +166,8 @@ def _archive(
 
 
 _ARCHIVE_DOC: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"application/zstd": {}}, "description": "zstd(tar)"}
+    200: {"content": {"application/zstd": {}}, "description": "zstd(tar)"},
+    **error_responses(SnapshotNotFound),
 }
 
 
@@ -202,7 +191,12 @@ def post_archive(
     return _archive(request, storage, snapshot_id, body.digests)
 
 
-@router.delete("/{snapshot_id}", status_code=204, response_class=Response)
+@router.delete(
+    "/{snapshot_id}",
+    status_code=204,
+    response_class=Response,
+    responses=error_responses(SnapshotNotFound),
+)
 def delete_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: AdminScope) -> Response:
     """Remove a snapshot; blobs no other snapshot uses go at the next GC."""
     if not storage.catalog.delete_snapshot(snapshot_id):
@@ -218,13 +212,17 @@ def _pin(storage: Storage, snapshot_id: str, *, pinned: bool) -> dict[str, Any]:
     return summary
 
 
-@router.post("/{snapshot_id}/pin", response_model=Summary)
+@router.post(
+    "/{snapshot_id}/pin", response_model=Summary, responses=error_responses(SnapshotNotFound)
+)
 def pin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Keep a snapshot out of LRU eviction."""
     return _pin(storage, snapshot_id, pinned=True)
 
 
-@router.delete("/{snapshot_id}/pin", response_model=Summary)
+@router.delete(
+    "/{snapshot_id}/pin", response_model=Summary, responses=error_responses(SnapshotNotFound)
+)
 def unpin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Let LRU eviction take a snapshot again."""
     return _pin(storage, snapshot_id, pinned=False)

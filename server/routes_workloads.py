@@ -7,14 +7,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from cachekeeper.errors import WorkloadInvalid, WorkloadNotFound
+from cachekeeper.wire import WorkloadInfo, WorkloadList
 from cachekeeper.workload import parse_workload
 
 from .auth import AdminScope, ReadScope, WriteScope
 from .deps import StorageDep, storage_of
+from .responses import error_responses
 from .routes_snapshots import read_body
 from .storage import Storage
 
@@ -25,16 +26,6 @@ router = APIRouter(prefix="/v1/workloads", tags=["workloads"])
 WorkloadName = Annotated[
     str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="the workload's name")
 ]
-
-
-class WorkloadInfo(BaseModel):
-    name: str
-    digest: str
-    updated_at: str
-
-
-class WorkloadList(BaseModel):
-    workloads: list[WorkloadInfo]
 
 
 @router.get("", response_model=WorkloadList)
@@ -66,7 +57,12 @@ _TOML_BODY = {
 }
 
 
-@router.put("/{name}", response_model=WorkloadInfo, openapi_extra=_TOML_BODY)
+@router.put(
+    "/{name}",
+    response_model=WorkloadInfo,
+    openapi_extra=_TOML_BODY,
+    responses=error_responses(WorkloadInvalid),
+)
 async def put_workload(name: WorkloadName, request: Request, _: WriteScope) -> dict[str, Any]:
     """Register or replace a workload; the TOML must parse and name itself ``name``."""
     storage = storage_of(request)
@@ -75,7 +71,9 @@ async def put_workload(name: WorkloadName, request: Request, _: WriteScope) -> d
 
 
 @router.get(
-    "/{name}", response_class=Response, responses={200: {"content": {"application/toml": {}}}}
+    "/{name}",
+    response_class=Response,
+    responses={200: {"content": {"application/toml": {}}}, **error_responses(WorkloadNotFound)},
 )
 def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Response:
     """The workload's TOML text as registered."""
@@ -85,7 +83,12 @@ def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Respo
     return Response(row["toml"], media_type="application/toml")
 
 
-@router.delete("/{name}", status_code=204, response_class=Response)
+@router.delete(
+    "/{name}",
+    status_code=204,
+    response_class=Response,
+    responses=error_responses(WorkloadNotFound),
+)
 def delete_workload(name: WorkloadName, storage: StorageDep, _: AdminScope) -> Response:
     """Unregister a workload (its snapshots stay)."""
     if not storage.catalog.delete_workload(name):

@@ -55,14 +55,6 @@ class GcPlan:
     bytes_freed: int
     orphan_files: tuple[str, ...] = field(default=())
 
-    def to_dict(self, *, dry_run: bool) -> dict[str, Any]:
-        return {
-            "snapshots_evicted": list(self.snapshots_evicted),
-            "blobs_deleted": len(self.blobs) + len(self.orphan_files),
-            "bytes_freed": self.bytes_freed,
-            "dry_run": dry_run,
-        }
-
 
 class Storage:
     """The server's store: a blob backend plus the metadata catalog."""

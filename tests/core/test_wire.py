@@ -91,7 +91,7 @@ def test_unknown_keys_are_ignored_and_defaults_filled():
     assert parsed.seconds == 1.5
     bare = {k: v for k, v in event().items() if k not in ("detail", "traceback_tail", "seconds")}
     parsed = from_dict(EventOut, bare)
-    assert (parsed.detail, parsed.traceback_tail, parsed.seconds) == ("", (), None)
+    assert (parsed.detail, parsed.traceback_tail, parsed.seconds) == ("", [], None)
 
 
 @pytest.mark.parametrize(
