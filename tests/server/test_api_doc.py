@@ -23,7 +23,14 @@ from cachekeeper import wire
 from cachekeeper.errors import ERRORS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
-COMMON = {"unauthorized", "forbidden", "invalid_request", "server_error"}
+COMMON = {  # any route (server/responses.py); stated once at the top of docs/api.md
+    "unauthorized",
+    "forbidden",
+    "invalid_request",
+    "payload_too_large",
+    "request_timeout",
+    "server_error",
+}
 METHODS = {"GET", "POST", "PUT", "DELETE", "PATCH"}
 
 Route = tuple[str, str]  # (method, path)
