@@ -81,25 +81,39 @@ def _counts(result: dict[str, Any]) -> dict[str, int]:
                                       "autograd_cache_hit", "autograd_cache_miss")}  # fmt: skip
 
 
-def bench(workload: Path, *, device: str, runs: int, work: Path) -> dict[str, Any]:
+def bench(
+    workload: Path,
+    *,
+    device: str,
+    runs: int,
+    work: Path,
+    prewarmed: Path | None = None,
+    prewarm_json: Path | None = None,
+) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.pop("TRITON_CACHE_DIR", None)
     env["CACHEKEEPER_HOME"] = str(work / "home")
     name = _load_name(workload)
-    prewarmed = work / "prewarmed"
     mega = work / "megacache.bin"
 
-    print(f"[ttfs] prewarm {name} on {device}", file=sys.stderr, flush=True)
-    t0 = time.time()
-    proc = _ck("prewarm", str(workload), "--cache-dir", str(prewarmed), "--device", device,
-               "--json", env=env)  # fmt: skip
-    prewarm_s = time.time() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"prewarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    prewarm_report = json.loads(proc.stdout)
+    if prewarmed is not None and prewarm_json is not None:
+        # a dir that `prewarm --json` already filled (bench/multigpu.py's cuda:0-alone run)
+        print(f"[ttfs] reusing {prewarmed} (prewarmed on {device})", file=sys.stderr, flush=True)
+        prewarm_report = json.loads(prewarm_json.read_text())
+        prewarm_s = float(prewarm_report["seconds"])
+    else:
+        prewarmed = work / "prewarmed"
+        print(f"[ttfs] prewarm {name} on {device}", file=sys.stderr, flush=True)
+        t0 = time.time()
+        proc = _ck("prewarm", str(workload), "--cache-dir", str(prewarmed), "--device", device,
+                   "--json", env=env)  # fmt: skip
+        prewarm_s = time.time() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"prewarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
+        prewarm_report = json.loads(proc.stdout)
     cache_bytes, cache_files = _dir_bytes(prewarmed)
 
     port = _free_port()
@@ -112,17 +126,8 @@ def bench(workload: Path, *, device: str, runs: int, work: Path) -> dict[str, An
     )  # fmt: skip
     try:
         _wait_healthy(url)
-        proc = _ck(
-            "push",
-            str(prewarmed),
-            "--workload",
-            name,
-            "--allow-unregistered",
-            "--server",
-            url,
-            "--json",
-            env=env,
-        )
+        _register(url, name, workload)
+        proc = _ck("push", str(prewarmed), "--workload", name, "--server", url, "--json", env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"push failed:\n{proc.stdout}\n{proc.stderr}")
         push_report = json.loads(proc.stdout)
@@ -209,6 +214,13 @@ def _load_name(workload: Path) -> str:
     return load_workload(workload).name
 
 
+def _register(url: str, name: str, workload: Path) -> None:
+    """Register the workload, as a site does before pushing snapshots of it."""
+    import httpx
+
+    httpx.put(f"{url}/v1/workloads/{name}", content=workload.read_text()).raise_for_status()
+
+
 def _wait_healthy(url: str, timeout_s: float = 30) -> None:
     import httpx
 
@@ -269,11 +281,24 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work", type=Path, help="scratch folder (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
+    parser.add_argument(
+        "--prewarmed", type=Path, help="use this already prewarmed dir instead of prewarming"
+    )
+    parser.add_argument(
+        "--prewarm-json", type=Path, help="with --prewarmed: its `prewarm --json` report"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="ck-ttfs-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        result = bench(args.workload, device=args.device, runs=args.runs, work=work)
+        result = bench(
+            args.workload,
+            device=args.device,
+            runs=args.runs,
+            work=work,
+            prewarmed=args.prewarmed,
+            prewarm_json=args.prewarm_json,
+        )
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
