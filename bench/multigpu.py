@@ -349,18 +349,19 @@ def two_ranks(d: Driver, server: Server, workload: Path, name: str, gpus: int) -
 
 def rank_main(args: argparse.Namespace) -> int:
     """One rank of item 4: wait for the common start, prejob, then the first step."""
+    (workload,) = args.workload
     time.sleep(max(0.0, args.start_at - time.time()))
     env = dict(os.environ)
     t0 = time.time()
     pre = subprocess.run(
-        [sys.executable, "-m", "cachekeeper", "prejob", "--workload", workload_name(args.workload),
+        [sys.executable, "-m", "cachekeeper", "prejob", "--workload", workload_name(workload),
          "--server", args.server, "--cache-dir", str(args.shared), "--json"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     t1 = time.time()
     step_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(args.shared), "TTFS_SPAWN_AT": repr(t1)}
     step = subprocess.run(
-        [sys.executable, str(STEP), "--workload", str(args.workload), "--device",
+        [sys.executable, str(STEP), "--workload", str(workload), "--device",
          f"cuda:{args.rank}"],
         env=step_env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
