@@ -100,7 +100,10 @@ def snapshot_cmd(
         manifest = snapshot_dir(cache_dir, store=store, workload=workload, sign_key=sign_key)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from exc
-    archive_bytes = write_archive(manifest, store.blobs, output) if output else None
+    try:
+        archive_bytes = write_archive(manifest, store.blobs, output) if output else None
+    except OSError as exc:  # name the archive asked for, not the temp file beside it
+        raise OSError(exc.errno, exc.strerror or str(exc), str(output)) from exc
     result = {
         "id": manifest.id,
         "files": len(manifest.files),

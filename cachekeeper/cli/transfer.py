@@ -322,7 +322,8 @@ def prejob_cmd(
         try:
             write_env_file(env_file, lines)
         except OSError as exc:  # the job must not fail because the env file cannot be written
-            echo_err(f"cachekeeper: cannot write the env file: {describe_os_error(exc)}")
+            cause = exc.strerror or describe_os_error(exc)  # the file, not its temp sibling
+            echo_err(f"cachekeeper: cannot write the env file {env_file}: {cause}")
             if strict:
                 sys.exit(1)
     if as_json:
