@@ -104,8 +104,8 @@ EXISTING = {
     ),
     "tests/server/test_settings.py::test_an_unusable_data_dir_is_one_line_naming_the_path": (
         "configuration",
-        "serve --data under a regular file, or whose meta.sqlite is a directory: one line,"
-        " no traceback",
+        "serve --data under a regular file, read-only to the server (a root-owned bind"
+        " mount), or whose meta.sqlite is a directory: one line naming path and cause",
         "refused",
     ),
     "tests/server/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (

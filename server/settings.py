@@ -43,6 +43,7 @@ __all__ = [
     "load_settings",
     "parse_size",
     "parse_tokens",
+    "stray_variables",
 ]
 
 Scope = Literal["read", "write", "admin"]
@@ -280,6 +281,32 @@ def load_settings(*, config_file: Path | None = None, **overrides: Any) -> Setti
     return settings
 
 
+# CACHEKEEPER_* variables that are not server settings but belong to the CLI, the client or
+# the tests (cachekeeper/config.py): a server ignores them without a word.
+_NOT_SERVER_SETTINGS = (
+    config.HOME,
+    config.SERVER,
+    config.TOKEN,
+    config.DEBUG,
+    config.FINGERPRINT_OVERRIDES,
+    config.TEST_FAKE_CUDA,
+    "CACHEKEEPER_RELIABILITY_LOG",
+)
+
+
+def stray_variables(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """One warning per ``CACHEKEEPER_*`` variable that is no setting (a typo, say)."""
+    known = [_env_name(name) for name in Settings.model_fields]
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in _NOT_SERVER_SETTINGS:
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.append(f"{name} is not a server setting and is ignored{hint}")
+    return warnings
+
+
 def check_data_dir(path: Path) -> None:
     """Create ``path`` if needed and prove the server can write there, else ConfigInvalid.
 
@@ -295,7 +322,9 @@ def check_data_dir(path: Path) -> None:
             if inner.exists() and not os.access(inner, os.W_OK):
                 raise PermissionError(13, "Permission denied", str(inner))
     except OSError as exc:
-        named = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        inner_name = str(exc.filename or "")
+        shown = inner_name and inner_name != str(path) and ".write-probe-" not in inner_name
+        named = f" ({inner_name})" if shown else ""
         cause = exc.strerror or str(exc)
         raise ConfigInvalid(
             f"data dir {path} is not usable: {cause}{named}{_owner_hint(path)}"

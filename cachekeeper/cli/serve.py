@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -69,7 +70,12 @@ def serve_cmd(
         import uvicorn
 
         from cachekeeper.server.app import create_app  # optional: needs cachekeeper[server]
-        from cachekeeper.server.settings import check_data_dir, load_settings, parse_tokens  # same
+        from cachekeeper.server.settings import (  # same
+            check_data_dir,
+            load_settings,
+            parse_tokens,
+            stray_variables,
+        )
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] == "cachekeeper":
             raise
@@ -92,10 +98,15 @@ def serve_cmd(
         insecure_no_auth=insecure_no_auth,
         tokens=flag_tokens,
     )
+    for warning in stray_variables(os.environ):
+        echo_err(f"warning: {warning}")
     check_data_dir(settings.data_dir)
     try:
         app = create_app(settings)
-    except (OSError, sqlite3.Error) as exc:
+    except sqlite3.Error as exc:
+        meta = settings.data_dir / "meta.sqlite"
+        raise ConfigInvalid(f"data dir {settings.data_dir} is not usable: {meta}: {exc}") from exc
+    except OSError as exc:
         raise ConfigInvalid(f"data dir {settings.data_dir} is not usable: {exc}") from exc
     click.echo(
         f"cachekeeper server on http://{settings.host}:{settings.port} (data {settings.data_dir},"

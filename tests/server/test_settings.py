@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import load_settings, parse_size
+from cachekeeper.server.settings import load_settings, parse_size, stray_variables
 from click.testing import CliRunner
 
 from cachekeeper.cli import cli as cli_main
@@ -139,6 +139,19 @@ def test_config_errors_name_the_setting_its_source_and_value(
     assert "cannot read config file" in message
 
 
+def test_a_mistyped_variable_is_named_not_silently_ignored() -> None:
+    environ = {
+        "CACHEKEEPER_ANONYMOUS_READS": "1",  # the typo
+        "CACHEKEEPER_SERVER": "http://cache:8750",  # the client's, not the server's
+        "CACHEKEEPER_PORT": "9000",
+        "PATH": "/bin",
+    }
+    assert stray_variables(environ) == [
+        "CACHEKEEPER_ANONYMOUS_READS is not a server setting and is ignored"
+        " (did you mean CACHEKEEPER_ANONYMOUS_READ?)"
+    ]
+
+
 def test_serve_reports_a_bad_config_in_one_line(tmp_path: Path) -> None:
     config = _config(tmp_path, "anonymous_reads = true\n")
     runner = CliRunner()
@@ -170,20 +183,40 @@ def test_an_exposed_server_without_auth_refuses_to_start(tmp_path: Path) -> None
         proc.wait(10)
 
 
+def _as_non_root() -> list[str] | None:
+    """A command prefix that runs without root's override of file permissions, or None.
+
+    As root, ``unshare --user`` drops the capabilities that let root write anywhere (a
+    root-owned 0555 dir is then read-only to us, as a root-owned bind mount is to the
+    image's non-root user); as anyone else nothing is needed.
+    """
+    if os.geteuid() != 0:
+        return []
+    try:
+        probe = subprocess.run(["unshare", "--user", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return ["unshare", "--user"] if probe.returncode == 0 else None
+
+
 def test_an_unusable_data_dir_is_one_line_naming_the_path(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a dir")
-    cases = [blocker / "data"]
-    if os.geteuid() != 0:  # root writes anywhere; the permission case needs a normal user
-        locked = tmp_path / "root-owned"
-        locked.mkdir(mode=0o555)
-        cases.append(locked)
     sqlite_dir = tmp_path / "meta-is-a-dir"
     (sqlite_dir / "meta.sqlite").mkdir(parents=True)
-    cases.append(sqlite_dir)
-    for data in cases:
+    cases: list[tuple[list[str], Path, str]] = [
+        ([], blocker / "data", "Not a directory"),
+        ([], sqlite_dir, "meta.sqlite"),
+    ]
+    prefix = _as_non_root()
+    if prefix is not None:  # the root-owned bind mount case: a dir we may not write
+        locked = tmp_path / "read-only"
+        locked.mkdir()
+        locked.chmod(0o555)
+        cases += [(prefix, locked, "Permission denied"), (prefix, locked / "sub", "Permission")]
+    for run_as, data, cause in cases:
         proc = subprocess.run(
-            [sys.executable, "-m", "cachekeeper", "serve", "--data", str(data)],
+            [*run_as, sys.executable, "-m", "cachekeeper", "serve", "--data", str(data)],
             env=child_env(tmp_path / "home"),
             capture_output=True,
             text=True,
@@ -192,4 +225,4 @@ def test_an_unusable_data_dir_is_one_line_naming_the_path(tmp_path: Path) -> Non
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-        assert f"data dir {data} is not usable" in lines[0], lines[0]
+        assert f"data dir {data} is not usable" in lines[0] and cause in lines[0], lines[0]
