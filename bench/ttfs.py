@@ -143,8 +143,10 @@ def bench(
                 print(f"[ttfs] run {run + 1}/{runs}: service", file=sys.stderr, flush=True)
                 node_dir = scratch / "node"
                 t0 = time.time()
+                # the job runs on `device` alone: a node with more GPUs than that asks for it only
                 proc = _ck("prejob", "--workload", name, "--cache-dir", str(node_dir),
-                           "--server", url, "--strict", "--json", env=env)  # fmt: skip
+                           "--device", device, "--server", url, "--strict", "--json",
+                           env=env)  # fmt: skip
                 prejob_s = time.time() - t0
                 if proc.returncode != 0:
                     raise RuntimeError(f"prejob failed:\n{proc.stdout}\n{proc.stderr}")

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
+from urllib.parse import urlencode
 
 from cachekeeper.archive import ReadAhead
 from cachekeeper.errors import (
@@ -330,10 +331,19 @@ class CacheClient:
         return _answer(response, AgentList, "agents").agents
 
     def fleet_status(
-        self, *, workload: str | None = None, deadline: Deadline | None = None
+        self,
+        *,
+        workload: str | None = None,
+        devices: list[str] | None = None,
+        deadline: Deadline | None = None,
     ) -> tuple[StatusRow, ...]:
-        """``GET /v1/status``: warm / building / broken / failed / missing per pair."""
-        path = "/v1/status" if workload is None else f"/v1/status?workload={workload}"
+        """``GET /v1/status``: warm / building / broken / failed / missing per pair.
+
+        ``devices`` (the training nodes' devices): rows then say which their snapshot lacks.
+        """
+        query = {"workload": workload, "devices": ",".join(devices) if devices else None}
+        params = urlencode({k: v for k, v in query.items() if v is not None})
+        path = f"/v1/status?{params}" if params else "/v1/status"
         response = self._send("GET", path, deadline=deadline)
         return _answer(response, StatusAnswer, "status").status
 

@@ -67,6 +67,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cachekeeper.cli.agent:agent_cmd",
         "Builder daemon: keep every registered workload warm on this node.",
     ),
+    "status": (
+        "cachekeeper.cli.status:status_cmd",
+        "Show which workloads are warm for which environments and devices.",
+    ),
     "keygen": (
         "cachekeeper.cli.keys:keygen_cmd",
         "Create an Ed25519 key pair for signing snapshots.",

@@ -1,0 +1,76 @@
+"""``cachekeeper status``: which (workload, environment) pairs are warm, and on which devices.
+
+A table of ``GET /v1/status``: one row per registered workload and builder environment,
+its state, the devices its snapshot covers and the agents of that environment. With
+``--device`` (the devices the training nodes use, e.g. ``cuda:0-7``), a row whose snapshot
+lacks some of them is followed by one line saying which and what to do: the device index
+is in Inductor's key, so a builder with fewer GPUs than the nodes cannot build the higher
+indices (docs/operations.md, "GPU counts").
+"""
+
+from __future__ import annotations
+
+import click
+
+from cachekeeper.cli._common import (
+    device_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    server_option,
+    token_option,
+)
+from cachekeeper.devices import format_devices, requested_devices
+from cachekeeper.errors import CachekeeperError
+
+__all__ = ["status_cmd"]
+
+
+@click.command("status")
+@server_option
+@token_option
+@click.option("--workload", metavar="NAME", help="Only this workload's rows.")
+@device_option
+@json_option
+@handle_errors
+def status_cmd(
+    server: str | None,
+    token: str | None,
+    workload: str | None,
+    device: str | None,
+    as_json: bool,
+) -> None:
+    """Show which workloads are warm for which builder environments, and on which devices.
+
+    One row per (workload, environment): warm, building, broken, failed or missing, the
+    devices the warm snapshot covers, and the agents of that environment. --device names
+    the devices the training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get
+    a line saying which indices were never built and what to do. Needs the read scope.
+    """
+    from cachekeeper.client.api import CacheClient  # httpx only when the command runs
+    from cachekeeper.wire import to_dict
+
+    if not server:
+        raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
+    try:
+        wanted = requested_devices(device)
+    except CachekeeperError as exc:
+        raise click.BadParameter(exc.detail, param_hint="--device") from exc
+    with CacheClient(base_url=server, token=token) as client:
+        rows = client.fleet_status(workload=workload, devices=wanted)
+    if as_json:
+        emit_json({"status": [to_dict(row) for row in rows]})
+        return
+    if not rows:
+        click.echo("no workloads registered and no agents seen")
+        return
+    click.echo(f"{'workload':<24}{'environment':<14}{'status':<10}{'covers':<14}agents")
+    for row in rows:
+        covers = format_devices(list(row.devices)) if row.devices else "-"
+        agents = ", ".join(row.agents) or "-"
+        click.echo(
+            f"{row.workload[:23]:<24}{row.fingerprint_digest[:12]:<14}{row.status:<10}"
+            f"{covers[:13]:<14}{agents}"
+        )
+        if row.note:
+            click.echo(f"  ! {row.note}")
