@@ -12,15 +12,14 @@ following it could pull in files from outside the cache, and dropping it silentl
 make a snapshot that differs from the dir.
 
 The one-file archive (``write_archive``) is the format of ``cachekeeper.archive``, in one
-zstd frame compressed multi-threaded. It is written to a temp file next to the output and
-appears by ``os.replace``.
+zstd frame compressed multi-threaded, written through ``fsutil.atomic_writer``: a temp file
+next to the output, fsynced, that appears by ``os.replace`` only when complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
 from cachekeeper.errors import LinkInCacheDir
+from cachekeeper.fsutil import atomic_writer
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.signing import load_signing_key, sign_manifest
@@ -180,26 +180,20 @@ def snapshot_dir(
 
 
 def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:
-    """Write the one-file archive of ``manifest`` to ``out``; returns its size in bytes."""
+    """Write the one-file archive of ``manifest`` to ``out`` (atomically, through
+    ``fsutil.atomic_writer``); returns its size in bytes."""
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
     params = zstandard.ZstdCompressionParameters.from_level(level, threads=-1)
-    try:
-        with open(tmp, "wb") as raw:
-            compressor = zstandard.ZstdCompressor(compression_params=params)
-            with compressor.stream_writer(raw, closefd=False) as zout:
-                write_tar(
-                    zout,
-                    manifest_json=manifest.to_json().encode(),
-                    blobs=((e.digest, e.size_bytes) for e in manifest.files),
-                    open_blob=blobs.open,
-                )
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, out)
-        return out.stat().st_size
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_writer(out) as raw:
+        compressor = zstandard.ZstdCompressor(compression_params=params)
+        with compressor.stream_writer(raw, closefd=False) as zout:
+            write_tar(
+                zout,
+                manifest_json=manifest.to_json().encode(),
+                blobs=((e.digest, e.size_bytes) for e in manifest.files),
+                open_blob=blobs.open,
+            )
+    return out.stat().st_size
 
 
 def read_archive_manifest(path: Path) -> Manifest:
