@@ -7,6 +7,11 @@ The rules, and how this module keeps them:
   path is kept as it was and reported in ``RestoreReport.conflicts``. Conflicts are a
   report, not an error: the CLI prints one warning line per conflict and exits 0, because
   a cache dir that already holds some other version of an entry is still a usable cache.
+- **Nothing is written through a link the restore did not create**, at any depth: a
+  link (or a file) where a folder above a snapshot path should be makes every file
+  below it a conflict. Folders are opened and made relative to the cache dir's
+  descriptor without following links (``restore_writer._Folders``), so a link planted
+  mid-restore is not followed either. The cache dir itself may be a link.
 - **Every byte is verified before it becomes visible.** Each blob streams into a temp
   file in this process's staging folder, hashed while written; more bytes than declared
   stop it at once (a decompression bomb is cut off at the declared size). Each verified
@@ -39,7 +44,10 @@ The rules, and how this module keeps them:
   all-or-nothing: every blob is verified in staging first, and files appear only once
   all of them verified, so one changed byte in any blob leaves the target as it was.
   The marker then records the key that signed the snapshot, so ``is_restored`` with
-  ``trusted_key_ids`` accepts only a dir a trusted restore completed.
+  ``trusted_key_ids`` accepts only a dir a trusted restore completed. A file already
+  there counts as present only with exactly the verified bytes (a Triton group file:
+  the verified bytes rewritten to this root); anything else is a conflict, and then no
+  marker is written.
 - **Triton group files** (``__grp__*.json``) are verified against their digest, then
   their absolute child paths are rewritten to the new root (see ``triton_groups``).
 
@@ -91,7 +99,7 @@ from cachekeeper.errors import (
     UnsafePath,
 )
 from cachekeeper.manifest import FileEntry, Manifest, is_digest
-from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present
+from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present, links_above
 from cachekeeper.signing import TrustedKey, verify_manifest
 from cachekeeper.snapshot import hash_file, read_archive_manifest, scan_dir
 from cachekeeper.triton_groups import is_group_path
@@ -218,13 +226,19 @@ class _Plan:
     conflicts: list[str] = field(default_factory=list)
 
 
-def _plan(manifest: Manifest, cache_dir: Path) -> _Plan:
+def _plan(manifest: Manifest, cache_dir: Path, *, exact: bool) -> _Plan:
+    """What to write, skip, and keep (a conflict: something else there, or a link or a
+    file where a folder above it should be, which a restore never writes through)."""
     by_digest = _check_manifest(manifest)
     paths = {e.path for e in manifest.files}
     plan = _Plan(todo={})
+    verdicts: dict[str, bool] = {}
     for digest, entries in by_digest.items():
         for entry in entries:
-            present = is_present(entry, cache_dir / entry.path, paths, cache_dir)
+            if links_above(cache_dir, entry.path, verdicts):
+                plan.conflicts.append(entry.path)
+                continue
+            present = is_present(entry, cache_dir / entry.path, paths, cache_dir, exact=exact)
             if present is None:
                 plan.todo.setdefault(digest, []).append(entry)
             elif present:
@@ -321,7 +335,11 @@ def restore_snapshot(
         manifest, key_id = _accept(source, trusted_keys)  # refused before anything is touched
     snapshot_id = source.snapshot_id or (manifest.id if manifest is not None else "")
     if dry_run and manifest is not None:
-        plan = _plan(manifest, cache_dir) if cache_dir.is_dir() else _empty_plan(manifest)
+        plan = (
+            _plan(manifest, cache_dir, exact=key_id is not None)
+            if cache_dir.is_dir()
+            else _empty_plan(manifest)
+        )
         return _report(manifest, plan, None, dry_run=True)
     if reuse_marker and is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
         return _already(snapshot_id)
@@ -332,13 +350,15 @@ def restore_snapshot(
             return _already(snapshot_id)
         if manifest is None:
             manifest, key_id = _accept(source, trusted_keys)
-        plan = _plan(manifest, cache_dir)
+        plan = _plan(manifest, cache_dir, exact=key_id is not None)
         if not plan.todo:
             if not plan.conflicts:
                 _write_marker(manifest, cache_dir, key_id=key_id)
             return _report(manifest, plan, None, dry_run=False)
-        # Signed: all-or-nothing (nothing appears until every blob verified).
-        writer = Writer(manifest, cache_dir, progress, hold=key_id is not None)
+        # Signed: all-or-nothing (nothing appears until every blob verified), and only the
+        # bytes this restore verified count as present.
+        trusted = key_id is not None
+        writer = Writer(manifest, cache_dir, progress, hold=trusted, exact=trusted)
         try:
             try:
                 _feed(source, plan, writer)

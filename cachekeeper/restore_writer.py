@@ -4,6 +4,15 @@ See ``cachekeeper.restore`` for the rules; this module holds the mechanics: the 
 folder ``CACHE_DIR/.cachekeeper/staging/<host>-<pid>-<rand>/``, hashing and size checks,
 a thread pool for small blobs, per-file ``sync_file_range`` before publication, and an
 atomic no-clobber rename (``renameat2``, else ``os.link``) to publish.
+
+**No write through a link it did not create.** Folders under the cache dir are opened
+one component at a time from a descriptor of the cache dir, with ``O_NOFOLLOW |
+O_DIRECTORY`` (``_Folders``), and made with ``mkdirat``, which does not follow a link
+either; a file appears by ``renameat2`` into the descriptor of its folder. A link (or a
+file) where a folder should be makes every file below it a conflict, at any depth, and
+swapping a folder for a link mid-restore cannot redirect a write. The planner checks
+the same with ``lstat`` (``links_above``), so a dry run and the report agree. The cache
+dir itself may be a link: the caller named it.
 """
 
 from __future__ import annotations
@@ -17,9 +26,10 @@ import os
 import re
 import shutil
 import socket
+import stat
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +42,7 @@ from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.snapshot import hash_file
 from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
 
-__all__ = ["Writer", "is_present", "STATE_DIR"]
+__all__ = ["Writer", "is_present", "links_above", "STATE_DIR"]
 
 STATE_DIR = ".cachekeeper"
 _BATCH_BYTES = 128 << 20
@@ -44,21 +54,115 @@ _STAGING_RE = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 Progress = Callable[[int], None]
 
 
-def is_present(entry: FileEntry, final: Path, paths: set[str], root: Path) -> bool | None:
-    """True: same file there; False: a different thing there (conflict); None: absent."""
+def is_present(
+    entry: FileEntry, final: Path, paths: set[str], root: Path, *, exact: bool = False
+) -> bool | None:
+    """True: same file there; False: a different thing there (conflict); None: absent.
+
+    A Triton group file counts as present when a restore into ``root`` rewrote it
+    (``looks_rewritten``) — unless ``exact`` (a trusted restore): then only the bytes
+    this restore writes count, which are known once its blob is verified, so such a
+    file is None here (fetch it) and ``Writer`` compares it at publish time.
+    """
     try:
         st = final.lstat()
     except FileNotFoundError:
         return None
     except NotADirectoryError:
         return False
-    if not final.is_file() or final.is_symlink():
+    if not stat.S_ISREG(st.st_mode):
         return False
     if st.st_size == entry.size_bytes and hash_file(final)[0] == entry.digest:
         return True
     if is_group_path(entry.path) and st.st_size < (16 << 20):
+        if exact:
+            return None
         return looks_rewritten(final.read_bytes(), paths=paths, root=root)
     return False
+
+
+def links_above(root: Path, rel_path: str, verdicts: dict[str, bool]) -> bool:
+    """True when a folder above ``rel_path`` under ``root`` is a link or not a folder.
+
+    ``verdicts`` caches each folder's answer (one ``lstat`` per folder per restore).
+    A missing folder is fine: the writer makes it, without following links.
+    """
+    prefix = ""
+    for part in rel_path.split("/")[:-1]:
+        prefix = f"{prefix}/{part}" if prefix else part
+        bad = verdicts.get(prefix)
+        if bad is None:
+            try:
+                bad = not stat.S_ISDIR(os.lstat(root / prefix).st_mode)
+            except FileNotFoundError:
+                return False  # nothing below a missing folder exists yet
+            except NotADirectoryError:
+                bad = True
+            verdicts[prefix] = bad
+        if bad:
+            return True
+    return False
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_DIR_FDS = 64
+
+
+class _Folders:
+    """Folders under the cache dir, opened and made without following any link.
+
+    Each folder is opened relative to its parent's descriptor with ``O_NOFOLLOW``, so a
+    link (or a file) at any depth stops the walk (``None``) instead of leading outside.
+    At most ``_MAX_DIR_FDS`` descriptors stay open (least recently used are closed).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._refused: set[str] = set()
+
+    def open(self, rel_dir: str) -> int | None:
+        """A descriptor of ``root/rel_dir``, made if missing; None past a link or file."""
+        if not rel_dir:
+            return self.root_fd
+        fd = self._fds.get(rel_dir)
+        if fd is not None:
+            self._fds.move_to_end(rel_dir)
+            return fd
+        if rel_dir in self._refused:
+            return None
+        parent, _, name = rel_dir.rpartition("/")
+        parent_fd = self.open(parent)
+        if parent_fd is None:
+            return None
+        fd = self._open_child(parent_fd, name)
+        if fd is None:
+            self._refused.add(rel_dir)
+            return None
+        self._fds[rel_dir] = fd
+        if len(self._fds) > _MAX_DIR_FDS:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    @staticmethod
+    def _open_child(parent_fd: int, name: str) -> int | None:
+        for _ in range(2):
+            try:
+                return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):  # made meanwhile: open decides
+                    os.mkdir(name, dir_fd=parent_fd)  # mkdirat: never follows a link
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    return None  # a link or a file where a folder should be
+                raise
+        return None
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        os.close(self.root_fd)
 
 
 # -- staging and writing -----------------------------------------------------------------
@@ -96,24 +200,25 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
-def _rename_noreplace(src: Path, dst: Path) -> bool | None:
-    """Atomically rename ``src`` to ``dst`` unless ``dst`` exists (Linux renameat2).
+def _rename_noreplace(src: Path, dir_fd: int, name: str) -> bool | None:
+    """Atomically rename ``src`` to ``name`` in folder ``dir_fd`` unless it exists
+    (Linux renameat2).
 
-    True: renamed. False: ``dst`` exists (nothing changed). None: not supported here
+    True: renamed. False: the name exists (nothing changed). None: not supported here
     (old kernel or libc, or a filesystem without RENAME_NOREPLACE): use link instead.
     """
     libc = _libc()
     fn = getattr(libc, "renameat2", None) if libc is not None else None
     if fn is None:
         return None
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+    if fn(_AT_FDCWD, os.fsencode(src), dir_fd, os.fsencode(name), _RENAME_NOREPLACE) == 0:
         return True
     err = ctypes.get_errno()
     if err == errno.EEXIST:
         return False
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
         return None
-    raise OSError(err, os.strerror(err), str(dst))
+    raise OSError(err, os.strerror(err), name)
 
 
 _SYNC_FILE_RANGE_ALL = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
@@ -146,11 +251,20 @@ class Writer:
     """Writes verified blobs into staging, then makes them appear in the cache dir."""
 
     def __init__(
-        self, manifest: Manifest, cache_dir: Path, progress: Progress | None, *, hold: bool = False
+        self,
+        manifest: Manifest,
+        cache_dir: Path,
+        progress: Progress | None,
+        *,
+        hold: bool = False,
+        exact: bool = False,
     ) -> None:
-        """``hold``: publish nothing before the final ``flush`` (all-or-nothing restores)."""
+        """``hold``: publish nothing before the final ``flush`` (all-or-nothing restores).
+        ``exact``: a file found in place counts as present only with exactly the bytes
+        this restore would write (trusted restores; see ``is_present``)."""
         self.cache_dir = cache_dir
         self.hold = hold
+        self.exact = exact
         self.paths = {e.path for e in manifest.files}
         self.progress = progress
         staging_root = cache_dir / STATE_DIR / "staging"
@@ -164,7 +278,7 @@ class Writer:
         self.bytes_written = 0
         self.skipped = 0
         self.conflicts: list[str] = []
-        self._made_dirs: set[Path] = set()
+        self._folders = _Folders(cache_dir)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
         self._futures: deque[Future[None]] = deque()
@@ -246,11 +360,6 @@ class Writer:
         queued: list[tuple[Path, FileEntry]] = []
         tmp_used = False
         for i, entry in enumerate(entries):
-            parent = (self.cache_dir / entry.path).parent
-            if parent not in self._made_dirs:  # folders early, off the publishing thread
-                with contextlib.suppress(FileExistsError, NotADirectoryError):
-                    parent.mkdir(parents=True, exist_ok=True)
-                    self._made_dirs.add(parent)
             if is_group_path(entry.path):
                 data = rewrite_group(tmp.read_bytes(), paths=self.paths, root=self.cache_dir)
                 target = self._tmp()
@@ -312,24 +421,21 @@ class Writer:
             self.progress(batch_bytes)
 
     def _publish(self, tmp: Path, entry: FileEntry) -> None:
-        final = self.cache_dir / entry.path
+        folder, _, name = entry.path.rpartition("/")
         renamed: bool | None = None
         try:
             os.chmod(tmp, entry.mode)
-            if final.parent not in self._made_dirs:
-                try:
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    self.conflicts.append(entry.path)
-                    return
-                self._made_dirs.add(final.parent)
-            renamed = _rename_noreplace(tmp, final) if self._noreplace else None
+            dir_fd = self._folders.open(folder)
+            if dir_fd is None:  # a link or a file above it: never written through
+                self.conflicts.append(entry.path)
+                return
+            renamed = _rename_noreplace(tmp, dir_fd, name) if self._noreplace else None
             if renamed is False:
-                self._classify_existing(entry, final)
+                self._classify_existing(entry, tmp)
                 return
             if renamed is None:
                 self._noreplace = False
-                self._link_into_place(tmp, final, entry)
+                self._link_into_place(tmp, dir_fd, name, entry)
                 return
             self.written += 1
             self.bytes_written += entry.size_bytes
@@ -337,25 +443,34 @@ class Writer:
             if not renamed:  # renamed: the staging name is gone already
                 tmp.unlink(missing_ok=True)
 
-    def _link_into_place(self, tmp: Path, final: Path, entry: FileEntry) -> None:
-        """The portable path: hard link (fails if ``final`` exists), else check + replace."""
+    def _link_into_place(self, tmp: Path, dir_fd: int, name: str, entry: FileEntry) -> None:
+        """The portable path: hard link (fails if ``name`` exists), else check + replace."""
         try:
-            os.link(tmp, final)
+            os.link(tmp, name, dst_dir_fd=dir_fd)
         except FileExistsError:
-            self._classify_existing(entry, final)
+            self._classify_existing(entry, tmp)
             return
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
-            if os.path.lexists(final):  # no hard links here: check, then replace
-                self._classify_existing(entry, final)
+            try:  # no hard links here: check, then replace
+                os.lstat(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                os.replace(tmp, name, dst_dir_fd=dir_fd)
+            else:
+                self._classify_existing(entry, tmp)
                 return
-            os.replace(tmp, final)
         self.written += 1
         self.bytes_written += entry.size_bytes
 
-    def _classify_existing(self, entry: FileEntry, final: Path) -> None:
-        if is_present(entry, final, self.paths, self.cache_dir):
+    def _classify_existing(self, entry: FileEntry, tmp: Path) -> None:
+        """Someone's file is where ``entry`` goes: the same (skipped) or not (conflict)."""
+        final = self.cache_dir / entry.path
+        if self.exact and is_group_path(entry.path):
+            present = _same_bytes(final, tmp)  # only what this restore verified counts
+        else:
+            present = bool(is_present(entry, final, self.paths, self.cache_dir))
+        if present:
             self.skipped += 1
         else:
             self.conflicts.append(entry.path)
@@ -366,4 +481,16 @@ class Writer:
         with contextlib.suppress(Exception):  # an error here was raised by flush already
             self._wait_publishing()
         self._publisher.shutdown(wait=True)
+        self._folders.close()
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _same_bytes(final: Path, tmp: Path) -> bool:
+    """True when ``final`` is a regular file with exactly ``tmp``'s bytes."""
+    try:
+        st = final.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size != tmp.stat().st_size:
+            return False
+        return final.read_bytes() == tmp.read_bytes()
+    except OSError:
+        return False
