@@ -23,6 +23,7 @@ __all__ = [
     "NoMatchingSnapshot",
     "LinkInCacheDir",
     "RestoreConflict",
+    "CacheDirUnusable",
     "Unauthorized",
     "Forbidden",
     "PayloadTooLarge",
@@ -145,6 +146,15 @@ class RestoreConflict(CachekeeperError):
 
     code = "restore_conflict"
     http_status = 409
+
+
+class CacheDirUnusable(CachekeeperError):
+    """A cache dir a restore cannot write: its disk is full or read-only, a name is too
+    long for its filesystem, or cachekeeper's ``.cachekeeper`` folder there is a file or
+    a link."""
+
+    code = "cache_dir_unusable"
+    http_status = 500  # a node's own trouble; the server never answers it
 
 
 class Unauthorized(CachekeeperError):

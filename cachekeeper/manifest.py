@@ -36,6 +36,7 @@ from cachekeeper.fingerprint import canonical_json, digest_of
 __all__ = [
     "FORMAT",
     "MAX_FILES",
+    "MAX_NAME_BYTES",
     "FileEntry",
     "Manifest",
     "check_relpath",
@@ -44,6 +45,7 @@ __all__ = [
 
 FORMAT = 1
 MAX_FILES = 200_000
+MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -56,7 +58,8 @@ def check_relpath(path: object) -> str:
     """Return ``path`` if it is a safe relative POSIX path, else raise ``UnsafePath``.
 
     Refused: non-strings, empty, absolute, backslashes, ``.``/``..`` components, empty
-    components (``a//b``), NUL or control characters, and names that are not valid UTF-8.
+    components (``a//b``), NUL or control characters, names that are not valid UTF-8,
+    and components over ``MAX_NAME_BYTES`` (255) bytes in UTF-8.
     """
     if not isinstance(path, str) or not path:
         raise UnsafePath(f"manifest path {path!r} is not a non-empty string")
@@ -71,6 +74,11 @@ def check_relpath(path: object) -> str:
     parts = path.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafePath(f"manifest path {path!r} contains '..', '.' or an empty component")
+    if any(len(p) > MAX_NAME_BYTES // 4 and len(p.encode()) > MAX_NAME_BYTES for p in parts):
+        raise UnsafePath(
+            f"manifest path {path!r} has a component longer than {MAX_NAME_BYTES} bytes, "
+            "which no common filesystem can hold"
+        )
     return str(PurePosixPath(path))
 
 

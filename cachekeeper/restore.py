@@ -26,7 +26,9 @@ The rules, and how this module keeps them:
   ``.cachekeeper/`` folder and one digest declared with two sizes. Blob-level problems
   (missing, corrupt, too large, an archive member that is not a regular ``blobs/<sha256>``
   of the manifest) raise a one-line error naming the entry; the files verified before it
-  stay, nothing partial is visible, and a rerun completes the restore.
+  stay, nothing partial is visible, and a rerun completes the restore. The target
+  refusing a write (disk full or read-only, a name too long for its filesystem, the dir
+  or ``.cachekeeper`` a file, ``.cachekeeper`` a link) is one ``CacheDirUnusable`` line.
 - **One owner of the sequence**: ``restore_snapshot`` alone takes the lock, checks
   whether the dir already holds the snapshot, verifies the signature, writes, and
   records the marker. Where the bytes come from is a ``SnapshotSource`` (get the
@@ -71,10 +73,11 @@ size is not detected by it; a full ``restore`` hashes and reports it as a confli
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
-import uuid
+import stat
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -94,10 +97,12 @@ from cachekeeper.archive import (
 from cachekeeper.errors import (
     BlobMissing,
     BlobTooLarge,
+    CacheDirUnusable,
     DigestMismatch,
     InvalidManifest,
     UnsafePath,
 )
+from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import FileEntry, Manifest, is_digest
 from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present, links_above
 from cachekeeper.signing import TrustedKey, verify_manifest
@@ -266,10 +271,8 @@ def _write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) ->
     folder = cache_dir / STATE_DIR / "restored"
     folder.mkdir(parents=True, exist_ok=True)
     files = [[e.path, -1 if is_group_path(e.path) else e.size_bytes] for e in manifest.files]
-    tmp = folder / f".{uuid.uuid4().hex}.tmp"
     body = {"id": manifest.id, "files": files, "key_id": key_id}
-    tmp.write_text(json.dumps(body), encoding="utf-8")
-    os.replace(tmp, folder / manifest.id)
+    atomic_write_text(folder / manifest.id, json.dumps(body))
 
 
 def is_restored(
@@ -343,8 +346,7 @@ def restore_snapshot(
         return _report(manifest, plan, None, dry_run=True)
     if reuse_marker and is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
         return _already(snapshot_id)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with target_lock(cache_dir):
+    with _hold(cache_dir):
         # another process may have done it while we waited
         if reuse_marker and is_restored(snapshot_id, cache_dir, trusted_key_ids=key_ids):
             return _already(snapshot_id)
@@ -374,6 +376,51 @@ def restore_snapshot(
         if not report.conflicts:
             _write_marker(manifest, cache_dir, key_id=key_id)
         return report
+
+
+@contextlib.contextmanager
+def _hold(cache_dir: Path) -> Iterator[None]:
+    """The target made, checked and locked; its filesystem refusing a write (full,
+    read-only, a name too long) is a one-line ``CacheDirUnusable``, not a traceback."""
+    try:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:  # a file where a folder goes
+            raise CacheDirUnusable(f"cannot restore into {cache_dir}: {exc.strerror}") from exc
+        _check_state_dir(cache_dir)
+        with target_lock(cache_dir):
+            yield
+    except OSError as exc:
+        reason = _REFUSALS.get(exc.errno or 0)
+        if reason is None:
+            raise
+        name = exc.filename2 or exc.filename
+        where = f" ({os.fsdecode(name)})" if name else ""
+        raise CacheDirUnusable(f"cannot restore into {cache_dir}: {reason}{where}") from exc
+
+
+_REFUSALS = {
+    errno.ENOSPC: "no space left on its filesystem",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "its filesystem is read-only",
+    errno.ENAMETOOLONG: "a file name is longer than its filesystem allows",
+}
+
+
+def _check_state_dir(cache_dir: Path) -> None:
+    """Refuse a ``.cachekeeper`` that is a file or a link: the lock, staging and markers
+    go there, and never through a link the restore did not create."""
+    state = cache_dir / STATE_DIR
+    try:
+        mode = os.lstat(state).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        kind = "a link" if stat.S_ISLNK(mode) else "not a folder"
+        raise CacheDirUnusable(
+            f"{state} is {kind}; cachekeeper keeps its lock, staging and restore markers "
+            "in that folder: move it away"
+        )
 
 
 def _feed(source: SnapshotSource, plan: _Plan, writer: Writer) -> None:

@@ -241,9 +241,17 @@ def _settle(fd: int) -> None:
     os.fdatasync(fd)
 
 
+def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:
+    """Write every byte: an unbuffered write may write only part (a filling disk does
+    that before it refuses with ENOSPC), and a short file must never pass as verified."""
+    view = memoryview(data)
+    while view:
+        view = view[out.write(view) :]
+
+
 def _write_settled(path: Path, data: bytes) -> None:
     with open(path, "wb", buffering=0) as out:
-        out.write(data)
+        _write_all(out, data)
         _settle(out.fileno())
 
 
@@ -319,7 +327,7 @@ class Writer:
                     if total > declared:
                         raise self._too_large(digest, first)
                     hasher.update(chunk)
-                    out.write(chunk)
+                    _write_all(out, chunk)
                 _settle(out.fileno())
             self._check(digest, first, total, hasher.hexdigest())
             self._queue(tmp, entries)
@@ -350,9 +358,7 @@ class Writer:
         """(pool thread) Verify a small blob's bytes, write them to staging, queue them."""
         self._check(digest, entries[0], len(data), hashlib.sha256(data).hexdigest())
         tmp = self._tmp()
-        with open(tmp, "wb", buffering=0) as out:
-            out.write(data)
-            _settle(out.fileno())
+        _write_settled(tmp, data)
         self._queue(tmp, entries)
 
     def _queue(self, tmp: Path, entries: list[FileEntry]) -> None:

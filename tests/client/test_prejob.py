@@ -23,8 +23,11 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
+from cachekeeper.client.pull import pull
 
+from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
@@ -377,4 +380,19 @@ def test_a_cache_dir_that_cannot_be_created_gives_a_cold_start(tiny, tmp_path):
     cache = tmp_path / "a-file" / "cache"
     report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=10)
     assert report.cold
-    assert (report.reason or "").startswith(f"error: cannot restore into {cache}")
+    assert (report.reason or "").startswith(f"cache_dir_unusable: cannot restore into {cache}")
+
+
+def test_state_folder_that_is_a_file_is_a_clean_error_for_pull_and_cold_for_prejob(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / ".cachekeeper").write_bytes(b"someone's file")
+    with (
+        CacheClient(base_url=tiny.url) as client,
+        pytest.raises(CacheDirUnusable, match="not a folder"),
+    ):
+        pull(client=client, workload="w", cache_dir=cache, fingerprint={"schema": 1})
+    report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=10)
+    assert report.cold and (report.reason or "").startswith("cache_dir_unusable: "), report
+    assert (cache / ".cachekeeper").read_bytes() == b"someone's file"
+    assert visible_files(cache) == set()
