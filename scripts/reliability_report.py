@@ -60,6 +60,12 @@ EXISTING = {
         "8 restore processes into one dir",
         "kept",
     ),
+    "tests/client/test_prejob.py::test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold": (
+        "target dir",
+        "`pull` and `prejob` with the cache dir's `.cachekeeper` a regular file: one-line "
+        "error (pull), cold start saying why (prejob), the file kept",
+        "refused",
+    ),
     "tests/server/test_roundtrip.py::test_digest_mismatch_stores_nothing": (
         "attacker input",
         "blob upload whose bytes do not hash to its name (server)",

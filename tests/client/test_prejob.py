@@ -383,7 +383,7 @@ def test_a_cache_dir_that_cannot_be_created_gives_a_cold_start(tiny, tmp_path):
     assert (report.reason or "").startswith(f"cache_dir_unusable: cannot restore into {cache}")
 
 
-def test_state_folder_that_is_a_file_is_a_clean_error_for_pull_and_cold_for_prejob(tiny, tmp_path):
+def test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold(tiny, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / ".cachekeeper").write_bytes(b"someone's file")

@@ -322,5 +322,5 @@ def test_disk_full_during_restore_is_one_line_and_leaves_only_complete_files(
         "no partial file",
         tries=1,
         outcome="refused",
-        area="target dir",
+        area="disk full",
     )
