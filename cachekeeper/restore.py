@@ -35,7 +35,7 @@ The rules, and how this module keeps them:
   manifest; open a stream of the blobs still needed): a local archive file
   (``restore_archive``), a local blob store (``restore``), an uncompressed tar stream
   (``restore_from_tar``), or the server (``cachekeeper.client.pull``, which adds
-  resolve and retries under a deadline).
+  resolve and retries under a deadline); see ``restore_sources``.
 - **Concurrent restores** into one dir serialize on ``target_lock`` (flock on
   ``.cachekeeper/lock``, taken once per restore); the later ones find the work done and
   skip it. The lock only avoids duplicate work: flock is a no-op on some NFS/Lustre
@@ -78,25 +78,15 @@ import fcntl
 import json
 import os
 import stat
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 import zstandard
 
-from cachekeeper.archive import (
-    MANIFEST_MEMBER,
-    TarFormatError,
-    TarMember,
-    blob_digest,
-    iter_tar,
-    open_archive_stream,
-)
 from cachekeeper.errors import (
     BlobMissing,
-    BlobTooLarge,
     CacheDirUnusable,
     DigestMismatch,
     InvalidManifest,
@@ -104,59 +94,33 @@ from cachekeeper.errors import (
 )
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import FileEntry, Manifest, is_digest
+from cachekeeper.restore_sources import (
+    ArchiveFileSource,
+    BlobSource,
+    DirSource,
+    SnapshotSource,
+    StoreSource,
+    TarSource,
+)
 from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present, links_above
 from cachekeeper.signing import TrustedKey, verify_manifest
-from cachekeeper.snapshot import hash_file, read_archive_manifest, scan_dir
+from cachekeeper.snapshot import hash_file, scan_dir
 from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
-    "BlobSource",
+    "BlobSource",  # defined in restore_sources, where every source lives
     "SnapshotSource",
-    "Blobs",
     "RestoreReport",
     "restore_snapshot",
     "restore",
     "restore_from_tar",
     "restore_archive",
-    "archive_blobs",
     "merge_tree",
     "needed_digests",
     "is_restored",
     "target_lock",
     "STATE_DIR",
 ]
-
-# What a source hands the restore: ``(digest, uncompressed bytes)`` pairs, in any order.
-Blobs = Iterable[tuple[str, BinaryIO]]
-
-
-class BlobSource(Protocol):
-    """Where restore reads blobs: ``open(digest)`` returns the uncompressed bytes."""
-
-    def open(self, digest: str) -> BinaryIO: ...
-
-
-class SnapshotSource(Protocol):
-    """Where ``restore_snapshot`` reads one snapshot (archive file, blob store, server)."""
-
-    @property
-    def snapshot_id(self) -> str | None:
-        """The snapshot's id when known before its manifest (a resolve), else None."""
-        ...
-
-    def manifest(self) -> Manifest:
-        """The snapshot's manifest (the restore validates it and checks its signature)."""
-        ...
-
-    def open_blobs(
-        self, needed: Mapping[str, Sequence[FileEntry]]
-    ) -> AbstractContextManager[Blobs]:
-        """A stream of the blobs ``needed`` (digest -> the entries using it) holds.
-
-        Blobs outside ``needed`` may be in it (they are skipped); one that is missing is
-        reported by the restore, naming its entry.
-        """
-        ...
 
 
 @dataclass(frozen=True)
@@ -481,118 +445,6 @@ def _report(
     )
 
 
-# -- sources -----------------------------------------------------------------------------
-def archive_blobs(manifest: Manifest, tar_stream: BinaryIO) -> Iterator[tuple[str, BinaryIO]]:
-    """The blobs of an uncompressed snapshot tar stream (non-seekable is fine).
-
-    A ``manifest.json`` member is skipped; any other member must be a regular
-    ``blobs/<sha256>`` of ``manifest``, at most its declared size, and appear once.
-    """
-    declared = {e.digest: e for e in manifest.files}
-    seen: set[str] = set()
-    for member in _members(tar_stream):
-        name = member.name
-        if name in seen:
-            raise InvalidManifest(f"archive member {name!r} appears twice")
-        seen.add(name)
-        if name == MANIFEST_MEMBER and member.isreg():
-            continue
-        if not member.isreg():
-            raise UnsafePath(f"archive member {name!r} is not a regular file (link or device)")
-        digest = blob_digest(name)
-        if digest is None:
-            raise UnsafePath(f"archive member {name!r} is not named blobs/<sha256>")
-        entry = declared.get(digest)
-        if entry is None:
-            raise InvalidManifest(f"archive member {name!r} is not in the manifest")
-        if member.size > entry.size_bytes:
-            raise BlobTooLarge(
-                f"blob {digest} for {entry.path} is {member.size} bytes in the "
-                f"archive, larger than its declared {entry.size_bytes}"
-            )
-        yield digest, member.stream  # type: ignore[misc]
-
-
-def _members(stream: BinaryIO) -> Iterator[TarMember]:
-    members = iter_tar(stream)
-    while True:
-        try:
-            member = next(members)
-        except StopIteration:
-            return
-        except (TarFormatError, zstandard.ZstdError) as exc:
-            raise DigestMismatch(f"snapshot stream is corrupt: {exc}") from exc
-        yield member
-
-
-@dataclass(frozen=True)
-class _StoreSource:
-    """A manifest whose blobs a ``BlobSource`` (a local blob store, a dir) opens one by one."""
-
-    the_manifest: Manifest
-    blobs: BlobSource
-    snapshot_id: str | None = None
-
-    def manifest(self) -> Manifest:
-        return self.the_manifest
-
-    @contextlib.contextmanager
-    def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
-        yield self._each(needed)
-
-    def _each(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[tuple[str, BinaryIO]]:
-        for digest, entries in needed.items():
-            try:
-                stream = self.blobs.open(digest)
-            except BlobMissing as exc:
-                raise BlobMissing(
-                    f"blob {digest} for {entries[0].path} is missing from the source",
-                    extra={"missing": [digest], "path": entries[0].path},
-                ) from exc
-            with stream:
-                yield digest, stream
-
-
-@dataclass(frozen=True)
-class _TarSource:
-    """A manifest and an uncompressed tar stream of its blobs (read once)."""
-
-    the_manifest: Manifest
-    tar_stream: BinaryIO
-    snapshot_id: str | None = None
-
-    def manifest(self) -> Manifest:
-        return self.the_manifest
-
-    def open_blobs(
-        self, needed: Mapping[str, Sequence[FileEntry]]
-    ) -> AbstractContextManager[Blobs]:
-        return contextlib.nullcontext(archive_blobs(self.the_manifest, self.tar_stream))
-
-
-@dataclass
-class _ArchiveFileSource:
-    """A one-file archive (``snapshot.write_archive``): manifest first, then its blobs."""
-
-    path: Path
-    snapshot_id: str | None = None
-    _manifest: Manifest | None = None
-
-    def manifest(self) -> Manifest:
-        if self._manifest is None:
-            self._manifest = read_archive_manifest(self.path)
-        return self._manifest
-
-    @contextlib.contextmanager
-    def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
-        with open(self.path, "rb") as fh:
-            stream = open_archive_stream(fh)
-            try:
-                yield archive_blobs(self.manifest(), stream)
-            finally:
-                stream.close()  # stops the read-ahead thread
-
-
 # -- the restore entry points (each only picks a source) ---------------------------------
 def restore(
     manifest: Manifest,
@@ -608,7 +460,7 @@ def restore(
     With ``trusted_keys`` (non-empty), only a manifest signed by one of them is restored.
     """
     return restore_snapshot(
-        _StoreSource(manifest, source),
+        StoreSource(manifest, source),
         cache_dir,
         trusted_keys=trusted_keys,
         dry_run=dry_run,
@@ -628,7 +480,7 @@ def restore_from_tar(
     """Restore from an uncompressed tar stream of ``blobs/<sha256>`` members (may be
     non-seekable, e.g. an HTTP response); a ``manifest.json`` member is skipped."""
     return restore_snapshot(
-        _TarSource(manifest, tar_stream),
+        TarSource(manifest, tar_stream),
         cache_dir,
         trusted_keys=trusted_keys,
         dry_run=dry_run,
@@ -647,7 +499,7 @@ def restore_archive(
     """Restore a one-file archive (``snapshot.write_archive``) into ``cache_dir``."""
     try:
         return restore_snapshot(
-            _ArchiveFileSource(Path(path)),
+            ArchiveFileSource(Path(path)),
             cache_dir,
             trusted_keys=trusted_keys,
             dry_run=dry_run,
@@ -655,17 +507,6 @@ def restore_archive(
         )
     except zstandard.ZstdError as exc:
         raise DigestMismatch(f"{path} is corrupt: {exc}") from exc
-
-
-class _DirSource:
-    def __init__(self, by_digest: dict[str, Path]) -> None:
-        self.by_digest = by_digest
-
-    def open(self, digest: str) -> BinaryIO:
-        try:
-            return open(self.by_digest[digest], "rb")
-        except (KeyError, FileNotFoundError) as exc:
-            raise BlobMissing(f"blob {digest} is gone from the source dir") from exc
 
 
 def merge_tree(src_dir: Path, dst_dir: Path) -> RestoreReport:
@@ -677,4 +518,4 @@ def merge_tree(src_dir: Path, dst_dir: Path) -> RestoreReport:
         by_digest.setdefault(digest, path)
         entries.append(FileEntry(path=rel, digest=digest, size_bytes=size, mode=mode))
     manifest = Manifest(files=tuple(entries), fingerprint={})
-    return restore(manifest, _DirSource(by_digest), dst_dir)
+    return restore(manifest, DirSource(by_digest), dst_dir)

@@ -30,7 +30,8 @@ from cachekeeper.errors import (
 )
 from cachekeeper.fingerprint import collect, format_mismatches
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.restore import Blobs, archive_blobs, restore_snapshot
+from cachekeeper.restore import restore_snapshot
+from cachekeeper.restore_sources import Blobs, archive_blobs
 from cachekeeper.signing import TrustedKey
 
 from .api import CacheClient, Deadline, Resolution
