@@ -30,7 +30,7 @@ import zstandard
 from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
 from cachekeeper.manifest import is_digest
 
-__all__ = ["BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES"]
+__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 1 << 20
 
@@ -41,6 +41,13 @@ class PutResult:
     size_bytes: int
     stored_bytes: int
     created: bool  # False when the blob was already there
+
+
+@dataclass(frozen=True)
+class BlobStat:
+    digest: str
+    stored_bytes: int  # as stored (zstd)
+    modified_at: float  # UTC, seconds since the epoch
 
 
 class BlobStore(Protocol):
@@ -80,6 +87,25 @@ class LocalBlobStore:
 
     def has(self, digest: str) -> bool:
         return self.path_for(digest).is_file()
+
+    def stat(self, digest: str) -> BlobStat | None:
+        """Size and modification time of the stored blob, or None when absent."""
+        try:
+            st = self.path_for(digest).stat()
+        except FileNotFoundError:
+            return None
+        return BlobStat(digest=digest, stored_bytes=st.st_size, modified_at=st.st_mtime)
+
+    def scan(self) -> Iterator[BlobStat]:
+        """Every stored blob with its size and age (blobs deleted meanwhile are skipped)."""
+        for digest in self.digests():
+            found = self.stat(digest)
+            if found is not None:
+                yield found
+
+    def presigned_url(self, digest: str, *, method: str = "GET", expires_s: int = 900) -> None:
+        """A local directory has no URL of its own: clients go through the server."""
+        return None
 
     def size(self, digest: str) -> int | None:
         try:

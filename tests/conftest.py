@@ -12,9 +12,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.moto_server import MotoServer, start_moto
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "flex_probe.py"
@@ -54,3 +57,31 @@ def ck_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "ck-home"
     monkeypatch.setenv("CACHEKEEPER_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoServer]:
+    """One real S3 API server (moto) on loopback for the session, with AWS_* pointing at it.
+
+    The variables are set in this process (the live server runs in a thread here) and so
+    reach the CLI subprocesses too; they are restored when the session ends.
+    """
+    pytest.importorskip("boto3")
+    handle = start_moto()
+    saved = {k: os.environ.get(k) for k in handle.env}
+    os.environ.update(handle.env)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: MotoServer) -> str:
+    """A fresh bucket on the session's moto server: its ``s3://BUCKET/PREFIX`` URL."""
+    return moto_s3.new_bucket()

@@ -1,0 +1,286 @@
+"""Blobs and snapshot archives on S3-compatible object storage (``--blob-store s3://B/P``).
+
+The second ``BlobBackend`` beside ``cachekeeper.blobstore.LocalBlobStore``. Endpoint,
+region and credentials come from the standard AWS configuration chain (boto3:
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, profiles); boto3 signs every request
+and every presigned URL (SigV4). Layout under ``PREFIX``::
+
+    blobs/<sha256>                 # a blob's uncompressed bytes, named by their sha256
+    archives/<snapshot id>.tar.zst # a published snapshot's archive (GET .../archive format)
+
+A blob is stored uncompressed so that its name is also its ``x-amz-checksum-sha256``: a
+node's presigned PUT carries that header (signed into the URL), and a store that checks
+it refuses wrong bytes itself. Not every store checks (moto does not), so the server never
+relies on it: publish reads every new blob back and hashes it (``server.storage``).
+``open_raw`` compresses on the fly into one zstd frame, which is what the archive stream
+splices. Nodes download the compressed archive object, never the blobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+import boto3
+import zstandard
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from cachekeeper.blobstore import BlobStat, PutResult
+from cachekeeper.errors import (
+    BlobMissing,
+    BlobTooLarge,
+    ConfigInvalid,
+    DigestMismatch,
+    SnapshotNotFound,
+)
+from cachekeeper.manifest import is_digest
+
+__all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
+
+_SPOOL_BYTES = 8 << 20  # a put keeps up to this much in memory before spilling to disk
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or ending in "/"
+
+
+def parse_s3_url(url: str) -> S3Location:
+    """``s3://BUCKET/PREFIX`` -> S3Location; raises ConfigInvalid naming the value."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise ConfigInvalid(f"blob store {url!r} is not s3://BUCKET/PREFIX")
+    prefix = parts.path.strip("/")
+    return S3Location(parts.netloc, f"{prefix}/" if prefix else "")
+
+
+def _is_missing(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code", "")) in _NOT_FOUND
+
+
+def checksum_b64(digest: str) -> str:
+    """The ``x-amz-checksum-sha256`` value of bytes whose sha256 hex is ``digest``."""
+    return base64.b64encode(bytes.fromhex(digest)).decode("ascii")
+
+
+class S3BlobStore:
+    """Blobs (uncompressed, by sha256) and archives in one bucket under one prefix."""
+
+    def __init__(self, location: S3Location, *, client: Any | None = None) -> None:
+        self.location = location
+        self.client = (
+            client
+            if client is not None
+            else boto3.session.Session().client(
+                "s3",
+                config=Config(
+                    signature_version="s3v4",
+                    max_pool_connections=32,
+                    retries={"max_attempts": 5, "mode": "standard"},
+                ),
+            )
+        )
+
+    @classmethod
+    def from_url(cls, url: str) -> S3BlobStore:
+        return cls(parse_s3_url(url))
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.location.bucket}/{self.location.prefix}"
+
+    def check(self) -> None:
+        """Fail now (one line naming the bucket) when the bucket cannot be reached."""
+        try:
+            self.client.head_bucket(Bucket=self.location.bucket)
+        except Exception as exc:  # noqa: BLE001 - any cause: the serve command says it in one line
+            raise ConfigInvalid(f"blob store {self.url}: bucket not reachable: {exc}") from exc
+
+    # -- keys -------------------------------------------------------------------------
+    def key_for(self, digest: str) -> str:
+        if not is_digest(digest):
+            raise DigestMismatch(f"{digest!r} is not a sha256 hex digest")
+        return f"{self.location.prefix}blobs/{digest}"
+
+    def archive_key(self, snapshot_id: str) -> str:
+        if not is_digest(snapshot_id):
+            raise SnapshotNotFound(f"{snapshot_id!r} is not a snapshot id")
+        return f"{self.location.prefix}archives/{snapshot_id}.tar.zst"
+
+    # -- BlobBackend ------------------------------------------------------------------
+    def stat(self, digest: str) -> BlobStat | None:
+        head = self._head(self.key_for(digest))
+        if head is None:
+            return None
+        return BlobStat(
+            digest=digest,
+            stored_bytes=int(head["ContentLength"]),
+            modified_at=head["LastModified"].timestamp(),
+        )
+
+    def has(self, digest: str) -> bool:
+        return self.stat(digest) is not None
+
+    def size(self, digest: str) -> int | None:
+        found = self.stat(digest)
+        return None if found is None else found.stored_bytes
+
+    def open(self, digest: str) -> BinaryIO:
+        """The blob's bytes as stored (uncompressed); raises BlobMissing."""
+        try:
+            answer = self.client.get_object(Bucket=self.location.bucket, Key=self.key_for(digest))
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise BlobMissing(
+                    f"blob {digest} is not in {self.url}", extra={"missing": [digest]}
+                ) from exc
+            raise
+        body: BinaryIO = answer["Body"]
+        return body
+
+    def open_raw(self, digest: str) -> BinaryIO:
+        """The blob as one zstd frame (compressed while read, content size in the header)."""
+        head = self._head(self.key_for(digest))
+        if head is None:
+            raise BlobMissing(f"blob {digest} is not in {self.url}", extra={"missing": [digest]})
+        reader = zstandard.ZstdCompressor(level=1).stream_reader(
+            self.open(digest), size=int(head["ContentLength"]), closefd=True
+        )
+        return reader  # type: ignore[return-value]
+
+    def put(
+        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
+    ) -> PutResult:
+        """Hash ``chunks`` while spooling them, then upload with their checksum if they match."""
+        key = self.key_for(digest)
+        found = self.stat(digest)
+        if found is not None:
+            for _ in chunks:  # drain the body so the connection stays usable
+                pass
+            return PutResult(digest, found.stored_bytes, found.stored_bytes, created=False)
+        hasher = hashlib.sha256()
+        total = 0
+        with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as spool:
+            for chunk in chunks:
+                total += len(chunk)
+                if size_bytes is not None and total > size_bytes:
+                    raise BlobTooLarge(
+                        f"blob {digest} is larger than its declared {size_bytes} bytes"
+                    )
+                hasher.update(chunk)
+                spool.write(chunk)
+            actual = hasher.hexdigest()
+            if actual != digest:
+                raise DigestMismatch(
+                    f"blob content hashes to {actual}, not {digest}",
+                    extra={"expected": digest, "actual": actual},
+                )
+            spool.seek(0)
+            self.client.put_object(
+                Bucket=self.location.bucket,
+                Key=key,
+                Body=spool,
+                ContentLength=total,
+                ChecksumSHA256=checksum_b64(digest),
+            )
+        return PutResult(digest, total, total, created=True)
+
+    def delete(self, digest: str) -> bool:
+        return self._delete(self.key_for(digest))
+
+    def scan(self) -> Iterator[BlobStat]:
+        """Every blob object with its size and age."""
+        for item in self._list(f"{self.location.prefix}blobs/"):
+            name = item["Key"].rsplit("/", 1)[-1]
+            if is_digest(name):
+                yield BlobStat(name, int(item["Size"]), item["LastModified"].timestamp())
+
+    def digests(self) -> Iterator[str]:
+        for found in self.scan():
+            yield found.digest
+
+    def presigned_url(self, digest: str, *, method: str = "GET", expires_s: int = 900) -> str:
+        """A URL a node uses directly; a PUT's URL requires the blob's sha256 checksum header."""
+        params: dict[str, Any] = {"Bucket": self.location.bucket, "Key": self.key_for(digest)}
+        if method == "PUT":
+            params["ChecksumSHA256"] = checksum_b64(digest)
+            operation = "put_object"
+        elif method == "GET":
+            operation = "get_object"
+        else:
+            raise ValueError(f"presigned_url: method {method!r} is not GET or PUT")
+        url: str = self.client.generate_presigned_url(operation, Params=params, ExpiresIn=expires_s)
+        return url
+
+    # -- archives -----------------------------------------------------------------------
+    def put_archive(self, snapshot_id: str, path: Path) -> int:
+        """Upload the archive file at ``path`` (multipart when large); its size in bytes."""
+        self.client.upload_file(str(path), self.location.bucket, self.archive_key(snapshot_id))
+        return os.path.getsize(path)
+
+    def has_archive(self, snapshot_id: str) -> bool:
+        return self._head(self.archive_key(snapshot_id)) is not None
+
+    def open_archive(self, snapshot_id: str) -> BinaryIO:
+        try:
+            answer = self.client.get_object(
+                Bucket=self.location.bucket, Key=self.archive_key(snapshot_id)
+            )
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise BlobMissing(f"the archive of {snapshot_id} is not in {self.url}") from exc
+            raise
+        body: BinaryIO = answer["Body"]
+        return body
+
+    def archive_url(self, snapshot_id: str, *, expires_s: int = 900) -> str:
+        url: str = self.client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.location.bucket, "Key": self.archive_key(snapshot_id)},
+            ExpiresIn=expires_s,
+        )
+        return url
+
+    def delete_archive(self, snapshot_id: str) -> bool:
+        return self._delete(self.archive_key(snapshot_id))
+
+    def archives(self) -> Iterator[BlobStat]:
+        """Every archive object, named by its snapshot id, with its size and age."""
+        for item in self._list(f"{self.location.prefix}archives/"):
+            name = item["Key"].rsplit("/", 1)[-1].removesuffix(".tar.zst")
+            if is_digest(name):
+                yield BlobStat(name, int(item["Size"]), item["LastModified"].timestamp())
+
+    # -- helpers --------------------------------------------------------------------------
+    def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            head: dict[str, Any] = self.client.head_object(Bucket=self.location.bucket, Key=key)
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        return head
+
+    def _delete(self, key: str) -> bool:
+        if self._head(key) is None:
+            return False
+        self.client.delete_object(Bucket=self.location.bucket, Key=key)
+        return True
+
+    def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.location.bucket, Prefix=prefix
+        )
+        for page in pages:
+            yield from page.get("Contents", [])

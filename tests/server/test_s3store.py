@@ -1,0 +1,74 @@
+"""S3BlobStore against a real S3 API server (moto) on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import httpx
+import pytest
+import zstandard
+from cachekeeper.server.s3store import S3BlobStore, checksum_b64, parse_s3_url
+
+from cachekeeper.errors import BlobMissing, ConfigInvalid, DigestMismatch
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_parse_s3_url() -> None:
+    assert parse_s3_url("s3://bucket/a/b/").prefix == "a/b/"
+    assert parse_s3_url("s3://bucket").prefix == ""
+    with pytest.raises(ConfigInvalid, match="not s3://BUCKET/PREFIX"):
+        parse_s3_url("/data/blobs")
+
+
+def test_put_stat_open_delete(s3_bucket: str) -> None:
+    store = S3BlobStore.from_url(s3_bucket)
+    data = b"kernel " * 10_000
+    digest = _digest(data)
+    assert store.stat(digest) is None
+    made = store.put([data[:100], data[100:]], digest=digest)
+    assert made.created and made.size_bytes == len(data)
+    again = store.put([data], digest=digest)
+    assert not again.created
+    assert store.stat(digest).stored_bytes == len(data)  # type: ignore[union-attr]
+    with store.open(digest) as fh:
+        assert fh.read() == data
+    with store.open_raw(digest) as raw:
+        frame = raw.read()
+    assert zstandard.ZstdDecompressor().decompress(frame) == data
+    assert [s.digest for s in store.scan()] == [digest]
+    assert store.delete(digest) and not store.delete(digest)
+    with pytest.raises(BlobMissing):
+        store.open(digest)
+
+
+def test_put_refuses_wrong_bytes(s3_bucket: str) -> None:
+    store = S3BlobStore.from_url(s3_bucket)
+    with pytest.raises(DigestMismatch):
+        store.put([b"other bytes"], digest=_digest(b"these bytes"))
+    assert list(store.scan()) == []
+
+
+def test_presigned_put_then_get_with_range(s3_bucket: str) -> None:
+    store = S3BlobStore.from_url(s3_bucket)
+    data = bytes(range(256)) * 64
+    digest = _digest(data)
+    url = store.presigned_url(digest, method="PUT", expires_s=60)
+    answer = httpx.put(url, content=data, headers={"x-amz-checksum-sha256": checksum_b64(digest)})
+    assert answer.status_code == 200, answer.text
+    got = httpx.get(store.presigned_url(digest), headers={"Range": "bytes=10-19"})
+    assert got.status_code == 206 and got.content == data[10:20]
+
+
+def test_archive_object(s3_bucket: str, tmp_path: Path) -> None:
+    store = S3BlobStore.from_url(s3_bucket)
+    snapshot_id = _digest(b"snapshot")
+    path = tmp_path / "a.tar.zst"
+    path.write_bytes(b"archive bytes")
+    assert store.put_archive(snapshot_id, path) == len(b"archive bytes")
+    assert httpx.get(store.archive_url(snapshot_id, expires_s=60)).content == b"archive bytes"
+    assert [a.digest for a in store.archives()] == [snapshot_id]
+    assert store.delete_archive(snapshot_id) and not store.has_archive(snapshot_id)
