@@ -113,7 +113,14 @@ def test_wheel_imports_server_and_hook_from_the_repo_root_and_elsewhere(tmp_path
     )
     (wheel,) = (tmp_path / "dist").glob("cachekeeper-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "cachekeeper/server/app.py" in names and "cachekeeper/client/prejob.py" in names
+    sources = {
+        f"{prefix}{path.relative_to(src / folder).as_posix()}"
+        for folder, prefix in [("cachekeeper", "cachekeeper/"), ("server", "cachekeeper/server/"),
+                               ("client", "cachekeeper/client/")]
+        for path in (src / folder).rglob("*.py")
+    }  # fmt: skip
+    assert "cachekeeper/server/app.py" in sources and "cachekeeper/client/prejob.py" in sources
+    assert sorted(sources - set(names)) == []  # a new subpackage must be listed in pyproject
     assert not [n for n in names if n.startswith(("server/", "client/"))]
 
     env_dir = tmp_path / "venv"
