@@ -42,6 +42,7 @@ from typing import Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
+from cachekeeper.wire import ResolveAnswer, from_dict
 
 __all__ = [
     "PrejobReport",
@@ -197,11 +198,9 @@ def _quick_resolve(
     server: str | None, *, token: str | None, body: dict[str, Any], timeout_s: float
 ) -> str | None:
     """The resolved snapshot id from one stdlib POST /v1/resolve; None on any trouble."""
-    import http.client
+    import http.client  # only with a server set: the hook's start-up budget
     import json
     from urllib.parse import urlsplit
-
-    from cachekeeper.wire import ResolveAnswer, from_dict
 
     if not server:
         return None
