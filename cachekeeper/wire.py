@@ -46,6 +46,7 @@ __all__ = [
     "ResolveAnswer",
     "MissingRequest",
     "MissingAnswer",
+    "Upload",
     "PutAnswer",
     "PublishAnswer",
     "SnapshotList",
@@ -203,6 +204,10 @@ class ResolveAnswer:
     exact: bool
     near_misses: tuple[NearMiss, ...]
     reason: str | None = None  # on a miss, why (one sentence); None on a hit and from old servers
+    # On a hit from a server whose blobs are in an object store: a short-lived presigned GET
+    # URL of the snapshot's archive (the format of GET /v1/snapshots/{id}/archive). None
+    # from a local-dir server and from old servers: the node uses the archive route.
+    archive_url: str | None = None
 
     @property
     def snapshot_id(self) -> str | None:
@@ -222,8 +227,20 @@ class MissingRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Upload:
+    """Where a node PUTs one missing blob itself: its uncompressed bytes, with ``headers``."""
+
+    digest: Digest
+    url: str
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
 class MissingAnswer:
     missing: tuple[Digest, ...]
+    # From a server whose blobs are in an object store: a presigned PUT per missing blob.
+    # Empty from a local-dir server and from old servers: blobs go to PUT /v1/blobs/{digest}.
+    uploads: tuple[Upload, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -187,9 +187,15 @@ class CacheClient:
         self, digests: list[str] | set[str], *, deadline: Deadline | None = None
     ) -> set[str]:
         """Which of ``digests`` the server does not hold."""
+        return set(self.missing(digests, deadline=deadline).missing)
+
+    def missing(
+        self, digests: list[str] | set[str], *, deadline: Deadline | None = None
+    ) -> MissingAnswer:
+        """``blobs/missing`` whole: the missing digests, and presigned PUTs when it has them."""
         body = {"digests": sorted(digests)}
         response = self._send("POST", "/v1/blobs/missing", json_body=body, deadline=deadline)
-        return set(_answer(response, MissingAnswer, "blobs/missing").missing)
+        return _answer(response, MissingAnswer, "blobs/missing")
 
     def put_blob_zstd(
         self,

@@ -18,7 +18,7 @@ import tarfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cachekeeper.errors import (
     BlobMissing,
@@ -35,6 +35,7 @@ from cachekeeper.restore_sources import Blobs, archive_blobs
 from cachekeeper.signing import TrustedKey
 
 from .api import CacheClient, Deadline, Resolution
+from .direct import DirectUnavailable, ObjectStore
 
 __all__ = ["PullReport", "pull", "resolve_snapshot"]
 
@@ -55,6 +56,8 @@ class PullReport:
     blobs_fetched: int
     attempts: int
     conflicts: tuple[str, ...] = ()  # paths kept as they were (see cachekeeper.restore)
+    archive_from: str = "server"  # "object_store" when the bytes came from a presigned URL
+    fallback_reason: str | None = None  # why a presigned download was given up for the server
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +70,8 @@ class PullReport:
             "blobs_fetched": self.blobs_fetched,
             "attempts": self.attempts,
             "conflicts": list(self.conflicts),
+            "archive_from": self.archive_from,
+            "fallback_reason": self.fallback_reason,
         }
 
 
@@ -105,14 +110,31 @@ def resolve_snapshot(
 
 
 class _ServerSnapshot:
-    """The server as a restore source: its manifest, and archive streams of blobs."""
+    """The server as a restore source: its manifest, and archive streams of blobs.
 
-    def __init__(self, client: CacheClient, snapshot_id: str, deadline: Deadline | None) -> None:
+    With an ``archive_url`` (the server's blobs are in an object store), the archive comes
+    from there; once that fails (refused, expired, cut off), this and every later attempt
+    use the server's archive route instead, and ``fallback_reason`` says why.
+    """
+
+    def __init__(
+        self,
+        client: CacheClient,
+        snapshot_id: str,
+        deadline: Deadline | None,
+        *,
+        archive_url: str | None = None,
+        objects: ObjectStore | None = None,
+    ) -> None:
         self.client = client
         self.snapshot_id = snapshot_id
         self.deadline = deadline
+        self.archive_url = archive_url
+        self.objects = objects
         self.blobs_fetched = 0
         self.fetched_manifest: Manifest | None = None
+        self.archive_from = "server"
+        self.fallback_reason: str | None = None
 
     def manifest(self) -> Manifest:
         if self.fetched_manifest is None:
@@ -123,9 +145,34 @@ class _ServerSnapshot:
 
     @contextlib.contextmanager
     def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
-        with self.client.open_archive(self.snapshot_id, set(needed), deadline=self.deadline) as tar:
-            yield archive_blobs(self.manifest(), tar)
+        direct = self._open_direct()
+        if direct is not None:
+            try:
+                with contextlib.closing(direct) as tar:
+                    yield archive_blobs(self.manifest(), tar)
+            except Exception as exc:  # any failure of the store's bytes: the server's next time
+                self.fallback_reason = f"the object store's archive failed: {exc}"
+                self.archive_url = None
+                raise
+            self.archive_from = "object_store"
+        else:
+            with self.client.open_archive(
+                self.snapshot_id, set(needed), deadline=self.deadline
+            ) as tar:
+                yield archive_blobs(self.manifest(), tar)
+            self.archive_from = "server"
         self.blobs_fetched += len(needed)
+
+    def _open_direct(self) -> BinaryIO | None:
+        """The archive's stream from the object store, or None (none offered, or refused)."""
+        if self.archive_url is None or self.objects is None:
+            return None
+        try:
+            return self.objects.open_archive(self.archive_url, deadline=self.deadline)
+        except DirectUnavailable as exc:
+            self.fallback_reason = str(exc)
+            self.archive_url = None
+            return None
 
 
 def pull(
@@ -140,6 +187,7 @@ def pull(
     attempts: int = 3,
     trusted_keys: Sequence[TrustedKey] | None = None,
     on_resolved: Callable[[str], None] | None = None,
+    objects: ObjectStore | None = None,
 ) -> PullReport:
     """Resolve this node's snapshot of ``workload`` and restore it into ``cache_dir``.
 
@@ -149,6 +197,8 @@ def pull(
     signature is checked before anything is downloaded or written (``SignatureInvalid``
     otherwise), and the restore is all-or-nothing. ``on_resolved`` is told the snapshot
     id as soon as it is known (the hook reports it even when the restore then fails).
+    When the server offers a presigned archive URL, the bytes come from the object store
+    through ``objects`` (one is made when not given; the test seam), else from the server.
     """
     fp = fingerprint if fingerprint is not None else collect()
     resolution = resolve_snapshot(
@@ -163,7 +213,26 @@ def pull(
     assert snapshot_id is not None
     if on_resolved is not None:
         on_resolved(snapshot_id)
-    source = _ServerSnapshot(client, snapshot_id, deadline)
+    with contextlib.ExitStack() as stack:
+        if resolution.archive_url is not None and objects is None:
+            objects = stack.enter_context(ObjectStore(timeout_s=client.timeout_s))
+        source = _ServerSnapshot(
+            client, snapshot_id, deadline, archive_url=resolution.archive_url, objects=objects
+        )
+        return _restore(source, resolution, workload, cache_dir, attempts, trusted_keys)
+
+
+def _restore(
+    source: _ServerSnapshot,
+    resolution: Resolution,
+    workload: str,
+    cache_dir: Path,
+    attempts: int,
+    trusted_keys: Sequence[TrustedKey] | None,
+) -> PullReport:
+    """Restore with up to ``attempts`` tries of the download (a cut-off stream is retried)."""
+    snapshot_id = source.snapshot_id
+    deadline = source.deadline
     last: CachekeeperError = ServerError(f"restore of {snapshot_id} did not complete")
     for attempt in range(1, attempts + 1):
         try:
@@ -187,6 +256,8 @@ def pull(
                 blobs_fetched=source.blobs_fetched,
                 attempts=0 if report.already_restored else attempt,
                 conflicts=tuple(report.conflicts),
+                archive_from=source.archive_from,
+                fallback_reason=source.fallback_reason,
             )
         if deadline is not None and deadline.expired:
             break

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.errors import BlobMissing, Forbidden, Unauthorized, WorkloadNotFound
 from cachekeeper.manifest import Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_workloads
@@ -23,6 +24,7 @@ from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
 
 from .api import CacheClient, Deadline
+from .direct import ObjectStore
 
 __all__ = ["PushReport", "push", "upload_missing", "check_registered", "unverified_reason"]
 
@@ -68,18 +70,34 @@ def upload_missing(
     deadline: Deadline | None = None,
     only: set[str] | None = None,
 ) -> _Uploaded:
-    """Upload the blobs of ``manifest`` the server lacks (or exactly ``only``), in parallel."""
+    """Upload the blobs of ``manifest`` the server lacks (of ``only``, if given), in parallel.
+
+    A server whose blobs are in an object store answers a presigned PUT per missing blob:
+    those go straight to the store, uncompressed (the store names a blob by its sha256,
+    sent as ``x-amz-checksum-sha256``); the server hashes them again at publish.
+    """
     sizes = {f.digest: f.size_bytes for f in manifest.files}
-    missing = only if only is not None else client.missing_blobs(set(sizes), deadline=deadline)
-    todo = sorted(missing)
-    wire = {d: store.blobs.size(d) or 0 for d in todo}
+    answer = client.missing(set(sizes) if only is None else only, deadline=deadline)
+    todo = sorted(answer.missing)
+    direct = {u.digest: u for u in answer.uploads}
+    wire = {d: sizes[d] if d in direct else store.blobs.size(d) or 0 for d in todo}
     total_wire = sum(wire.values())
     sent = 0
     lock = threading.Lock()
 
     def upload(digest: str) -> None:
         nonlocal sent
-        client.put_blob_zstd(digest, lambda: store.blobs.open_raw(digest), deadline=deadline)
+        target = direct.get(digest)
+        if target is None:
+            client.put_blob_zstd(digest, lambda: store.blobs.open_raw(digest), deadline=deadline)
+        else:
+            objects.put(
+                target.url,
+                open_body=lambda: _chunks(store, digest),
+                size_bytes=sizes[digest],
+                headers=target.headers,
+                deadline=deadline,
+            )
         with lock:
             sent += wire[digest]
             if progress is not None:
@@ -87,11 +105,19 @@ def upload_missing(
 
     if progress is not None:
         progress(0, total_wire)
-    if todo:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
-            # list() re-raises the first upload error after the pool drains.
-            list(pool.map(upload, todo))
+    with ObjectStore(timeout_s=client.timeout_s) as objects:
+        if todo:
+            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+                # list() re-raises the first upload error after the pool drains.
+                list(pool.map(upload, todo))
     return _Uploaded(len(todo), sum(sizes[d] for d in todo), total_wire)
+
+
+def _chunks(store: LocalStore, digest: str) -> Iterator[bytes]:
+    """The blob's uncompressed bytes from the local store, a chunk at a time."""
+    with store.blobs.open(digest) as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            yield chunk
 
 
 def push(

@@ -1,0 +1,224 @@
+"""Straight to the object store: presigned GETs of archives and presigned PUTs of blobs.
+
+When the server keeps its blobs in S3-compatible storage, ``resolve`` answers a
+short-lived presigned URL of the snapshot's archive and ``blobs/missing`` presigned PUT
+URLs, so the bytes go between the node and the store and the server answers only small
+JSON. Nothing here signs anything: the URLs carry the server's signature. No
+``Authorization`` header is ever sent to the store (the server's token is not the store's).
+
+A download is parallel ranged GETs (``part_bytes`` each, ``parallel`` at once, kept in
+order in a window), so one slow connection does not bound a node's rate. Any failure
+(403 of an expired URL, another status, a broken connection) raises
+``DirectUnavailable``; ``client.pull`` then falls back to the server's archive route.
+Verification is the restore's, as for the server's stream: every byte is hashed there.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from urllib.parse import urlsplit
+
+from cachekeeper.archive import ReadAhead
+from cachekeeper.errors import ServerUnavailable
+
+from .api import Deadline, _import_httpx
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["DirectUnavailable", "ObjectStore", "PART_BYTES", "PARALLEL"]
+
+PART_BYTES = 8 << 20
+PARALLEL = 4
+_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
+class DirectUnavailable(ServerUnavailable):
+    """The object store refused or failed a presigned request (the caller falls back)."""
+
+
+def _where(url: str) -> str:
+    """The URL without its query (the signature is not for logs)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+class ObjectStore:
+    """An httpx client for presigned URLs; ``transport`` is the test seam, as CacheClient's."""
+
+    def __init__(
+        self, *, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None
+    ) -> None:
+        httpx = _import_httpx()
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(
+            transport=transport,
+            timeout=timeout_s,
+            follow_redirects=False,
+            headers={"User-Agent": "cachekeeper-client"},
+            limits=httpx.Limits(max_connections=PARALLEL * 2),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def get_range(self, url: str, start: int, end: int, *, deadline: Deadline | None) -> Any:
+        """Bytes ``start..end`` (inclusive) of ``url``; the response (206 or a whole 200)."""
+        httpx = _import_httpx()
+        timeout = (deadline or Deadline(None)).bound(self.timeout_s)
+        try:
+            response = self._http.get(
+                url, headers={"Range": f"bytes={start}-{end}"}, timeout=httpx.Timeout(timeout)
+            )
+        except httpx.TransportError as exc:
+            raise DirectUnavailable(f"GET {_where(url)} failed: {exc!r}") from exc
+        if response.status_code not in (200, 206):
+            raise DirectUnavailable(
+                f"GET {_where(url)} answered HTTP {response.status_code}"
+                + (
+                    " (the presigned URL expired or was refused)"
+                    if response.status_code == 403
+                    else ""
+                )
+            )
+        return response
+
+    def open_archive(
+        self,
+        url: str,
+        *,
+        deadline: Deadline | None = None,
+        part_bytes: int = PART_BYTES,
+        parallel: int = PARALLEL,
+    ) -> BinaryIO:
+        """The archive at ``url`` as an uncompressed tar stream (read ahead in a thread).
+
+        The first part is fetched before this returns, so a refused URL raises
+        ``DirectUnavailable`` here, before anything was read.
+        """
+        import zstandard  # noqa: PLC0415 - hook start-up: only when a download happens
+
+        raw = _RangedReader(self, url, deadline=deadline, part_bytes=part_bytes, parallel=parallel)
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            cast(BinaryIO, raw), read_across_frames=True, closefd=True
+        )
+        return cast(BinaryIO, ReadAhead(cast(BinaryIO, reader)))
+
+    def put(
+        self,
+        url: str,
+        *,
+        open_body: Callable[[], Iterator[bytes]],
+        size_bytes: int,
+        headers: dict[str, str],
+        deadline: Deadline | None = None,
+        attempts: int = 3,
+    ) -> None:
+        """PUT ``size_bytes`` from ``open_body()`` to a presigned URL, retrying transport errors."""
+        httpx = _import_httpx()
+        last: Exception | None = None
+        for _ in range(attempts):
+            timeout = (deadline or Deadline(None)).bound(self.timeout_s)
+            try:
+                response = self._http.put(
+                    url,
+                    content=open_body(),
+                    headers={**headers, "Content-Length": str(size_bytes)},
+                    timeout=httpx.Timeout(timeout),
+                )
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code in (500, 502, 503, 504):
+                last = DirectUnavailable(f"HTTP {response.status_code}")
+                continue
+            if not response.is_success:
+                raise DirectUnavailable(
+                    f"PUT {_where(url)} answered HTTP {response.status_code}:"
+                    f" {response.text[:200]!r}"
+                )
+            return
+        raise DirectUnavailable(f"PUT {_where(url)} failed: {last!r}")
+
+
+class _RangedReader(io.RawIOBase):
+    """A presigned object as a readable stream of parallel ranged GETs, in order."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        url: str,
+        *,
+        deadline: Deadline | None,
+        part_bytes: int,
+        parallel: int,
+    ) -> None:
+        self._store = store
+        self._url = url
+        self._deadline = deadline
+        first = store.get_range(url, 0, part_bytes - 1, deadline=deadline)
+        found = _RANGE.fullmatch(first.headers.get("content-range", ""))
+        if first.status_code == 200 or found is None:  # the store sent it whole
+            total = len(first.content)
+        else:
+            total = int(found.group(3))
+        self.total_bytes = total
+        self._pending = memoryview(first.content)
+        self._offsets = collections.deque(range(len(first.content), total, part_bytes))
+        self._part_bytes = part_bytes
+        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="ck-range")
+        self._window: collections.deque[Future[bytes]] = collections.deque()
+        self._parallel = parallel
+        self._fill()
+
+    def _fetch(self, start: int) -> bytes:
+        end = min(start + self._part_bytes, self.total_bytes) - 1
+        last: Exception | None = None
+        for _ in range(2):  # one more try of a part that broke off
+            try:
+                response = self._store.get_range(self._url, start, end, deadline=self._deadline)
+            except DirectUnavailable as exc:
+                last = exc
+                continue
+            data: bytes = response.content
+            if response.status_code != 206 or len(data) != end - start + 1:
+                raise DirectUnavailable(
+                    f"GET {_where(self._url)} bytes {start}-{end}: got {len(data)} bytes"
+                )
+            return data
+        raise DirectUnavailable(str(last))
+
+    def _fill(self) -> None:
+        while self._offsets and len(self._window) < self._parallel * 2:
+            self._window.append(self._pool.submit(self._fetch, self._offsets.popleft()))
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            if not self._window:
+                return 0
+            self._pending = memoryview(self._window.popleft().result())
+            self._fill()
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        for future in self._window:
+            future.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
