@@ -38,6 +38,8 @@ from cachekeeper.wire import (
     AgentList,
     AgentRegistration,
     EventOut,
+    GcAnswer,
+    GcRequest,
     Health,
     MissingAnswer,
     NearMiss,
@@ -46,8 +48,10 @@ from cachekeeper.wire import (
     RegisterAnswer,
     ResolveAnswer,
     ResolveRequest,
+    SnapshotList,
     StatusAnswer,
     StatusRow,
+    Summary,
     WireError,
     WorkloadInfo,
     WorkloadList,
@@ -264,6 +268,50 @@ class CacheClient:
             if ahead is not None:
                 ahead.close()
             response.close()
+
+    # -- operator routes (the CLI's workload / snapshots / gc --server commands) ----------
+    def list_snapshots(
+        self, *, workload: str | None = None, deadline: Deadline | None = None
+    ) -> tuple[Summary, ...]:
+        """Snapshots on the server, newest first (only ``workload``'s when given)."""
+        path = f"/v1/snapshots?{urlencode({'workload': workload})}" if workload else "/v1/snapshots"
+        response = self._send("GET", path, deadline=deadline)
+        return _answer(response, SnapshotList, "snapshots").snapshots
+
+    def set_pinned(
+        self, snapshot_id: str, *, pinned: bool, deadline: Deadline | None = None
+    ) -> Summary:
+        """Pin (keep out of LRU eviction) or unpin a snapshot; answers its summary."""
+        method = "POST" if pinned else "DELETE"
+        response = self._send(method, f"/v1/snapshots/{snapshot_id}/pin", deadline=deadline)
+        return _answer(response, Summary, "pin")
+
+    def delete_snapshot(self, snapshot_id: str, *, deadline: Deadline | None = None) -> None:
+        """Remove a snapshot from the server (admin scope); its blobs go at the next GC."""
+        self._send("DELETE", f"/v1/snapshots/{snapshot_id}", deadline=deadline).close()
+
+    def gc(self, *, dry_run: bool = False, deadline: Deadline | None = None) -> GcAnswer:
+        """Server GC (admin scope): evict LRU unpinned snapshots to the cap, drop unused blobs."""
+        body = to_dict(GcRequest(dry_run=dry_run))
+        response = self._send("POST", "/v1/gc", json_body=body, deadline=deadline)
+        return _answer(response, GcAnswer, "gc")
+
+    def register_workload(
+        self, name: str, toml_text: str, *, deadline: Deadline | None = None
+    ) -> WorkloadInfo:
+        """Register or replace workload ``name`` (write scope); the server validates it."""
+        response = self._send(
+            "PUT",
+            f"/v1/workloads/{name}",
+            open_body=lambda: io.BytesIO(toml_text.encode("utf-8")),
+            headers={"Content-Type": "application/toml"},
+            deadline=deadline,
+        )
+        return _answer(response, WorkloadInfo, "workload registration")
+
+    def delete_workload(self, name: str, *, deadline: Deadline | None = None) -> None:
+        """Unregister workload ``name`` (admin scope); its snapshots stay."""
+        self._send("DELETE", f"/v1/workloads/{name}", deadline=deadline).close()
 
     # -- workloads and agents (the agent daemon's routes) -------------------------------
     def list_workloads(self, *, deadline: Deadline | None = None) -> tuple[WorkloadInfo, ...]:

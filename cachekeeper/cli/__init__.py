@@ -41,7 +41,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "ls": ("cachekeeper.cli.store:ls_cmd", "List snapshots in the local store."),
     "rm": ("cachekeeper.cli.store:rm_cmd", "Remove snapshots from the local store."),
-    "gc": ("cachekeeper.cli.store:gc_cmd", "Delete local blobs no stored snapshot references."),
+    "gc": (
+        "cachekeeper.cli.store:gc_cmd",
+        "Delete local blobs no stored snapshot references (--server: the server's GC).",
+    ),
+    "workload": (
+        "cachekeeper.cli.workload:workload_cmd",
+        "Register, list and remove the server's workloads.",
+    ),
+    "snapshots": (
+        "cachekeeper.cli.snapshots:snapshots_cmd",
+        "List, pin, unpin and remove the server's snapshots.",
+    ),
     "prewarm": (
         "cachekeeper.cli.prewarm:prewarm_cmd",
         "Cold-compile a workload per device in fresh processes, merge, verify.",

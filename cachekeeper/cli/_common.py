@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -31,7 +31,11 @@ __all__ = [
     "server_option",
     "token_option",
     "mb",
+    "open_client",
 ]
+
+if TYPE_CHECKING:
+    from cachekeeper.client.api import CacheClient
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,6 +91,16 @@ device_option = click.option(
     help="cpu, cuda (every visible GPU), cuda:0,1,... or cuda:0-7 "
     "[default: cuda when a GPU is visible, else cpu]",
 )
+
+
+def open_client(server: str | None, token: str | None) -> CacheClient:
+    """A ``CacheClient`` for --server/--token; a usage error when no server is configured."""
+    if not server:
+        raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
+    # local import: httpx only for the commands that talk to a server
+    from cachekeeper.client.api import CacheClient
+
+    return CacheClient(base_url=server, token=token)
 
 
 def mb(n: int) -> str:

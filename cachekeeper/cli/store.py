@@ -6,12 +6,23 @@ so ``--dry-run`` shows exactly what a real run deletes.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
 
-from cachekeeper.cli._common import emit_json, handle_errors, json_option, mb
+from cachekeeper import config
+from cachekeeper.cli._common import (
+    emit_json,
+    handle_errors,
+    json_option,
+    mb,
+    open_client,
+    token_option,
+)
+from cachekeeper.client.api import server_root
 from cachekeeper.store import LocalStore
+from cachekeeper.wire import to_dict
 
 __all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
 
@@ -75,8 +86,36 @@ def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> Non
 
 @click.command("gc")
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@click.option(
+    "--server",
+    "server",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[URL]",
+    help="Run the server's GC instead of the local store's (URL default: $CACHEKEEPER_SERVER).",
+)
+@token_option
 @json_option
 @handle_errors
-def gc_cmd(dry_run: bool, as_json: bool) -> None:
-    """Delete local blobs that no stored snapshot references."""
-    _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")
+def gc_cmd(dry_run: bool, server: str | None, token: str | None, as_json: bool) -> None:
+    """Delete local blobs that no stored snapshot references.
+
+    With --server: the server's GC instead (admin scope): evict least recently used unpinned
+    snapshots down to the store cap, then delete blobs no snapshot references.
+    """
+    if server is None:
+        _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")
+        return
+    raw = server if server.strip() else os.environ.get(config.SERVER, "")
+    with open_client(server_root(raw) if raw.strip() else None, token) as client:
+        answer = client.gc(dry_run=dry_run)
+        where = client.base_url
+    if as_json:
+        emit_json(to_dict(answer))
+        return
+    verb = "would free" if dry_run else "freed"
+    click.echo(
+        f"server gc ({where}): {len(answer.snapshots_evicted)} snapshots evicted, "
+        f"{answer.blobs_deleted} blobs; {verb} {mb(answer.bytes_freed)}"
+    )
