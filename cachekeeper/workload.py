@@ -198,6 +198,10 @@ def parse_workload(text: str, *, source: str) -> Workload:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise WorkloadInvalid(f"{source}: not valid TOML: {exc}") from exc
+    except RecursionError as exc:  # tomllib recurses per nesting level
+        raise WorkloadInvalid(
+            f"{source}: not valid TOML: arrays or tables nested too deeply"
+        ) from exc
     v = _Validator(source)
     v.unknown_keys(data, _TOP_KEYS, "")
     name = v.required(data, "name", str, "")

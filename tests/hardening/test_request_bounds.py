@@ -171,7 +171,8 @@ def test_health_resolve_and_archive_answer_while_100_uploads_stall(serve, reliab
         ]
         try:
             # The uploads reached the blob store (each holds a temp file) before we probe.
-            _wait(lambda: len(_tmp_files(live)) >= 16, what="stalled uploads in the store")
+            workers = min(live.settings.upload_workers, len(stalled))
+            _wait(lambda: len(_tmp_files(live)) >= workers, what="stalled uploads in the store")
             latencies = []
             for _ in range(20):
                 started = time.perf_counter()
@@ -308,10 +309,16 @@ def test_deeply_nested_json_is_refused_before_parsing(serve, reliability) -> Non
                 r = c.post(path, content=fingerprint, headers={"Content-Type": "application/json"})
                 assert r.status_code == 422 and r.json()["error"] == "invalid_request", r.text
             tries += 3
+            # A workload is TOML: refused as invalid, not a RecursionError 500.
+            toml = f"name = 'wl'\nx = {'[' * depth}{']' * depth}\n"
+            r = c.put("/v1/workloads/wl", content=toml)
+            assert r.status_code == 422 and r.json()["error"] == "invalid_workload", r.text
+            assert "nested too deeply" in r.json()["detail"]
+            tries += 1
         assert c.get("/healthz").status_code == 200
     reliability.record(
-        "JSON nested 5,000 and 100,000 levels deep (publish, resolve, agents): 422 before"
-        " parsing, no RecursionError 500",
+        "JSON nested 5,000 and 100,000 levels deep (publish, resolve, agents) and TOML as"
+        " deep (workload): 422, no RecursionError 500",
         tries=tries,
         outcome="refused",
         area="bounded requests",
