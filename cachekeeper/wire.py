@@ -59,6 +59,9 @@ __all__ = [
     "AgentList",
     "AgentEvent",
     "EventOut",
+    "JobReport",
+    "JobReportAnswer",
+    "JobStats",
     "StatusRow",
     "StatusAnswer",
     "GcRequest",
@@ -107,6 +110,9 @@ Digest = Annotated[str, Check(pattern=DIGEST_PATTERN)]
 DriverPolicy = Literal["newer", "exact", "any"]
 EventStatus = Literal["built", "skipped", "building", "cold_compile_broken", "failed"]
 PairStatus = Literal["warm", "building", "broken", "failed", "missing"]
+JobPhase = Literal["prejob", "postjob"]
+# prejob: restored, already_restored or cold; postjob: compiled (new entries) or clean.
+JobOutcome = Literal["restored", "already_restored", "cold", "compiled", "clean"]
 
 
 # -- health and errors ------------------------------------------------------------------------
@@ -350,6 +356,73 @@ class EventOut(AgentEvent):
     agent_id: str
 
 
+# -- job reports (DESIGN section 7) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobReport:
+    """``POST /v1/reports``: what one end of a training job saw on one node.
+
+    ``prejob``: the restore (``restored``, ``already_restored``) or a ``cold`` start with
+    its ``reason`` (text) and ``reason_code`` (the error code). ``postjob``: what the job
+    compiled on top of the restored snapshot (``compiled``, with the ``new_*`` counts and
+    bytes) or nothing (``clean``).
+    """
+
+    phase: JobPhase
+    outcome: JobOutcome
+    workload: Annotated[str, Check(pattern=NAME_PATTERN)]
+    fingerprint_digest: Digest
+    snapshot_id: Digest | None = None
+    node: Annotated[str, Check(max_length=256)] = ""
+    devices: Annotated[list[Annotated[str, Check(max_length=32)]], Check(max_length=1024)] = field(
+        default_factory=list
+    )
+    reason: Annotated[str, Check(max_length=2000)] | None = None
+    reason_code: Annotated[str, Check(pattern=r"^[a-z_]{1,64}$")] | None = None
+    new_fxgraph: Annotated[int, Check(ge=0)] = 0
+    new_aotautograd: Annotated[int, Check(ge=0)] = 0
+    new_triton: Annotated[int, Check(ge=0)] = 0
+    new_other: Annotated[int, Check(ge=0)] = 0  # files of Inductor's code cache and the rest
+    new_bytes: Annotated[int, Check(ge=0)] = 0
+    started_at: Annotated[str, Check(max_length=64)] | None = None
+    finished_at: Annotated[str, Check(max_length=64)] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobReportAnswer:
+    id: int
+    at: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStats:
+    """The job reports of one (workload, fingerprint digest), added up (a status row's ``jobs``)."""
+
+    workload: str
+    fingerprint_digest: str
+    restores: int  # prejob restored a snapshot (or found it already there)
+    cold: int  # prejob started cold
+    cold_reasons: dict[str, int]  # reason_code -> count
+    postjobs: int  # postjob reports
+    compiled: int  # postjob reports with new entries
+    compiled_after_restore: int  # of those, jobs that had a snapshot restored
+    new_graphs: int  # FX-graph + AOTAutograd entries those jobs compiled
+    new_bytes: int
+    last_report_at: str
+
+    @property
+    def mismatch_note(self) -> str | None:
+        """What a restored-but-compiled-anyway count means, or None."""
+        if not self.compiled_after_restore:
+            return None
+        return (
+            f"restored, but {self.compiled_after_restore} job(s) compiled {self.new_graphs}"
+            " graph(s) anyway: the workload file does not match training; run `cachekeeper"
+            " explain` and see docs/workloads.md"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class StatusRow:
     """One (workload, fingerprint digest) pair of ``GET /v1/status``."""
@@ -364,6 +437,8 @@ class StatusRow:
     devices: tuple[str, ...] = ()  # what the row's snapshot covers
     uncovered: tuple[str, ...] = ()  # of ?devices=, what it does not cover
     note: str | None = None  # what to do about ``uncovered``
+    jobs: JobStats | None = None  # what jobs reported (POST /v1/reports); None: no report
+    jobs_note: str | None = None  # "restored, but N jobs compiled anyway", what to do
 
 
 @dataclass(frozen=True, kw_only=True)

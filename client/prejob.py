@@ -30,6 +30,7 @@ abandoned half-way leaves only complete, verified files (the restore rules).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import threading
@@ -42,7 +43,11 @@ from typing import Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
-from cachekeeper.wire import ResolveAnswer, from_dict
+from cachekeeper.wire import JobReport, ResolveAnswer, from_dict
+
+from .reporting import node_name, post_json, send_report, utc_now
+
+REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
 
 __all__ = [
     "PrejobReport",
@@ -67,6 +72,7 @@ class PrejobReport:
     blobs_fetched: int = 0
     reason: str | None = None  # why the job compiles cold; None otherwise
     error: CachekeeperError | None = field(default=None, repr=False, compare=False)
+    reported: bool = False  # the server stored this outcome (POST /v1/reports)
 
     @property
     def cold(self) -> bool:
@@ -83,6 +89,7 @@ class PrejobReport:
             "blobs_fetched": self.blobs_fetched,
             "reason": self.reason,
             "error": None if self.error is None else self.error.code,
+            "reported": self.reported,
         }
 
 
@@ -198,39 +205,13 @@ def _quick_resolve(
     server: str | None, *, token: str | None, body: dict[str, Any], timeout_s: float
 ) -> str | None:
     """The resolved snapshot id from one stdlib POST /v1/resolve; None on any trouble."""
-    import http.client  # only with a server set: the hook's start-up budget
-    import json
-    from urllib.parse import urlsplit
-
-    if not server:
+    answer = post_json(server, "/v1/resolve", body, token=token, timeout_s=timeout_s)
+    if answer is None or answer[0] != 200:
         return None
     try:
-        url = urlsplit(server)
-        if url.scheme == "http":
-            conn: http.client.HTTPConnection = http.client.HTTPConnection(
-                url.hostname or "", url.port, timeout=timeout_s
-            )
-        elif url.scheme == "https":
-            conn = http.client.HTTPSConnection(url.hostname or "", url.port, timeout=timeout_s)
-        else:
-            return None
-    except ValueError:
+        return from_dict(ResolveAnswer, json.loads(answer[1])).snapshot_id
+    except ValueError:  # WireError is a ValueError
         return None
-    headers = {"Content-Type": "application/json", "User-Agent": "cachekeeper-client"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    try:
-        conn.request(
-            "POST", url.path.rstrip("/") + "/v1/resolve", json.dumps(body).encode(), headers
-        )
-        response = conn.getresponse()
-        if response.status != 200:
-            return None
-        return from_dict(ResolveAnswer, json.loads(response.read())).snapshot_id
-    except (OSError, http.client.HTTPException, ValueError):  # WireError is a ValueError
-        return None
-    finally:
-        conn.close()
 
 
 def prejob(
@@ -245,6 +226,7 @@ def prejob(
     environ: Mapping[str, str] | None = None,
     fingerprint: dict[str, Any] | None = None,
     trust: Sequence[str | os.PathLike[str]] = (),
+    report: bool = True,
 ) -> PrejobReport:
     """Run the hook; never raises for server or restore problems (see ``outcome``).
 
@@ -255,6 +237,7 @@ def prejob(
     from .api import Deadline
 
     started = time.monotonic()
+    started_at = utc_now()
     env = os.environ if environ is None else environ
     if fingerprint is None:
         from cachekeeper.fingerprint import collect
@@ -298,16 +281,41 @@ def prejob(
             error=ServerUnavailable(f"gave up waiting after the {timeout_s:g} s timeout")
         )
     error = result.error
+    outcome = "cold" if error is not None else result.outcome
+    reason = None if error is None else _reason(error)
+    left = deadline.remaining()
+    reported = (
+        report
+        and send_report(
+            server,
+            JobReport(
+                phase="prejob",
+                outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's prejob values
+                workload=workload,
+                fingerprint_digest=digest_of(fingerprint),
+                snapshot_id=None if error is not None else result.snapshot_id,
+                node=node_name(),
+                devices=list(devices or []),
+                reason=None if reason is None else reason[:2000],
+                reason_code=None if error is None else error.code,
+                started_at=started_at,
+                finished_at=utc_now(),
+            ),
+            token=token,
+            timeout_s=REPORT_TIMEOUT_S if left is None else min(REPORT_TIMEOUT_S, left),
+        )
+    )
     return PrejobReport(
         workload=workload,
         cache_dir=str(target),
-        outcome="cold" if error is not None else result.outcome,
+        outcome=outcome,
         exports=exports,
         elapsed_s=time.monotonic() - started,
         snapshot_id=result.snapshot_id,
         blobs_fetched=result.blobs_fetched,
-        reason=None if error is None else _reason(error),
+        reason=reason,
         error=error,
+        reported=reported,
     )
 
 

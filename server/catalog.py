@@ -14,6 +14,10 @@ Tables::
     events          an audit log (snapshot.published, ...)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
                     skipped, cold_compile_broken, failed (see routes_agents)
+    job_reports     what training jobs report (POST /v1/reports): phase (prejob, postjob),
+                    outcome, workload, fingerprint_digest, snapshot_id, node, devices
+                    (JSON), reason_code, reason, new_fxgraph, new_aotautograd, new_triton,
+                    new_other, new_bytes, started_at, finished_at, at (received)
 
 Each thread gets its own connection (``check_same_thread=False``, opened lazily); WAL is
 enabled once by ``Catalog.create``. Writes take ``Catalog.write_lock`` and stay short, so
@@ -36,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import sqlite_utils
+
+from cachekeeper.wire import JobReport, JobStats
 
 __all__ = ["Catalog", "utc_now", "summary_of"]
 
@@ -146,12 +152,42 @@ def _create_agent_events(db: sqlite_utils.Database) -> None:
     )
 
 
+def _create_job_reports(db: sqlite_utils.Database) -> None:
+    db.table("job_reports").create(
+        {
+            "id": int,
+            "at": str,
+            "phase": str,
+            "outcome": str,
+            "workload": str,
+            "fingerprint_digest": str,
+            "snapshot_id": str,
+            "node": str,
+            "devices": str,
+            "reason_code": str,
+            "reason": str,
+            "new_fxgraph": int,
+            "new_aotautograd": int,
+            "new_triton": int,
+            "new_other": int,
+            "new_bytes": int,
+            "started_at": str,
+            "finished_at": str,
+        },
+        pk="id",
+        not_null=["at", "phase", "outcome", "workload", "fingerprint_digest"],
+        if_not_exists=True,
+    )
+    db.table("job_reports").create_index(["workload", "fingerprint_digest"], if_not_exists=True)
+
+
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,
     _create_workloads,
     _create_agents_events,
     _create_agent_events,
+    _create_job_reports,
 ]
 
 
@@ -365,3 +401,80 @@ class Catalog:
             "INSERT INTO events (at, kind, subject, detail) VALUES (?, ?, ?, ?)",
             [utc_now(), kind, subject, json.dumps(detail, sort_keys=True)],
         )
+
+    # -- job reports ------------------------------------------------------------------
+    def add_job_report(self, report: JobReport) -> tuple[int, str]:
+        """Store one job report (one transaction); returns its (id, received at)."""
+        now = utc_now()
+        with self.writing() as db:
+            cursor = db.execute(
+                "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
+                " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
+                " new_triton, new_other, new_bytes, started_at, finished_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    now,
+                    report.phase,
+                    report.outcome,
+                    report.workload,
+                    report.fingerprint_digest,
+                    report.snapshot_id,
+                    report.node,
+                    json.dumps(list(report.devices)),
+                    report.reason_code,
+                    report.reason,
+                    report.new_fxgraph,
+                    report.new_aotautograd,
+                    report.new_triton,
+                    report.new_other,
+                    report.new_bytes,
+                    report.started_at,
+                    report.finished_at,
+                ],
+            )
+            return int(cursor.lastrowid or 0), now
+
+    def job_stats(self, *, workload: str | None = None) -> list[JobStats]:
+        """The job reports added up per (workload, fingerprint digest), sorted by both."""
+        where, params = ("WHERE workload = ?", [workload]) if workload is not None else ("", [])
+        totals = self.rows(
+            "SELECT workload, fingerprint_digest,"
+            " SUM(phase = 'prejob' AND outcome IN ('restored', 'already_restored')) AS restores,"
+            " SUM(phase = 'prejob' AND outcome = 'cold') AS cold,"
+            " SUM(phase = 'postjob') AS postjobs,"
+            " SUM(phase = 'postjob' AND outcome = 'compiled') AS compiled,"
+            " SUM(phase = 'postjob' AND outcome = 'compiled' AND snapshot_id IS NOT NULL)"
+            " AS compiled_after_restore,"
+            " SUM(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
+            " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
+            " SUM(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
+            f" MAX(at) AS last_report_at FROM job_reports {where}"
+            " GROUP BY workload, fingerprint_digest ORDER BY workload, fingerprint_digest",
+            params,
+        )
+        reasons: dict[tuple[str, str], dict[str, int]] = {}
+        for row in self.rows(
+            "SELECT workload, fingerprint_digest, COALESCE(reason_code, 'unknown') AS code,"
+            " COUNT(*) AS n FROM job_reports"
+            f" {where + ' AND' if where else 'WHERE'} phase = 'prejob' AND outcome = 'cold'"
+            " GROUP BY workload, fingerprint_digest, code",
+            params,
+        ):
+            key = (row["workload"], row["fingerprint_digest"])
+            reasons.setdefault(key, {})[row["code"]] = int(row["n"])
+        return [
+            JobStats(
+                workload=row["workload"],
+                fingerprint_digest=row["fingerprint_digest"],
+                restores=int(row["restores"]),
+                cold=int(row["cold"]),
+                cold_reasons=reasons.get((row["workload"], row["fingerprint_digest"]), {}),
+                postjobs=int(row["postjobs"]),
+                compiled=int(row["compiled"]),
+                compiled_after_restore=int(row["compiled_after_restore"]),
+                new_graphs=int(row["new_graphs"]),
+                new_bytes=int(row["new_bytes"]),
+                last_report_at=row["last_report_at"],
+            )
+            for row in totals
+        ]

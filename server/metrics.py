@@ -25,6 +25,19 @@ _HELP = {
     "cachekeeper_archive_blobs_total": ("counter", "Blobs sent inside archive streams."),
     "cachekeeper_snapshots_published_total": ("counter", "Snapshots newly published."),
     "cachekeeper_evictions_total": ("counter", "Snapshots evicted by GC."),
+    "cachekeeper_job_reports_total": (
+        "counter",
+        "Job reports (POST /v1/reports) by phase, outcome and workload.",
+    ),
+    "cachekeeper_cold_starts_total": ("counter", "Prejob cold starts by workload and reason."),
+    "cachekeeper_job_new_entries_total": (
+        "counter",
+        "Cache entries jobs compiled on top of the restore, by workload and kind.",
+    ),
+    "cachekeeper_job_new_bytes_total": (
+        "counter",
+        "Bytes of the entries jobs compiled on top of the restore, by workload.",
+    ),
     "cachekeeper_store_bytes": ("gauge", "Stored (compressed) blob bytes."),
     "cachekeeper_store_blobs": ("gauge", "Blobs in the store."),
     "cachekeeper_store_snapshots": ("gauge", "Snapshots in the store."),

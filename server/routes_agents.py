@@ -27,6 +27,11 @@ is in Inductor's key, so a snapshot serves only jobs whose ranks compile on thos
 ``?devices=cuda:0-7`` asks about the training nodes' devices: each row then lists the
 ones its snapshot does not cover (``uncovered``) and a one-line ``note`` on what to do
 (a builder with fewer GPUs than the nodes cannot build the higher indices).
+
+``jobs`` adds up what training jobs reported for the pair (``POST /v1/reports``; a pair a
+report names is a row when its workload is registered): restores, cold starts by reason,
+jobs that compiled anyway. ``jobs_note`` says when restored jobs compiled anyway: the
+workload file does not match training.
 """
 
 from __future__ import annotations
@@ -260,9 +265,11 @@ def fleet_status(
         )
         stored = {r["id"] for r in found}
         covers.update({r["id"]: r["devices"] for r in found})
+    jobs = {(j.workload, j.fingerprint_digest): j for j in catalog.job_stats(workload=workload)}
     pairs = {(w, d) for w in registered for d in names_by_digest}
     pairs |= set(events)
     pairs |= {key for key in verified if key[0] in registered}
+    pairs |= {key for key in jobs if key[0] in registered}
     rows = []
     for w, d in sorted(pairs):
         if (workload is not None and w != workload) or (
@@ -289,6 +296,8 @@ def fleet_status(
                     if uncovered
                     else None
                 ),
+                "jobs": to_dict(jobs[(w, d)]) if (w, d) in jobs else None,
+                "jobs_note": jobs[(w, d)].mismatch_note if (w, d) in jobs else None,
             }
         )
     return rows

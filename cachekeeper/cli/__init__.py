@@ -74,6 +74,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cachekeeper.cli.transfer:prejob_cmd",
         "Pre-job hook: restore the matching cache, print the env to export.",
     ),
+    "postjob": (
+        "cachekeeper.cli.postjob:postjob_cmd",
+        "Post-job hook: count what the job compiled on top of the restore, report it.",
+    ),
     "agent": (
         "cachekeeper.cli.agent:agent_cmd",
         "Builder daemon: keep every registered workload warm on this node.",

@@ -6,6 +6,10 @@ its state, the devices its snapshot covers and the agents of that environment. W
 lacks some of them is followed by one line saying which and what to do: the device index
 is in Inductor's key, so a builder with fewer GPUs than the nodes cannot build the higher
 indices (docs/operations.md, "GPU counts").
+
+A row that training jobs reported on (``cachekeeper prejob`` / ``postjob``) gets a
+``jobs:`` line: restores, cold starts by reason, jobs that compiled anyway; and when
+restored jobs compiled anyway, a line saying the workload file does not match training.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.devices import format_devices, requested_devices
 from cachekeeper.errors import CachekeeperError
+from cachekeeper.wire import JobStats
 
 __all__ = ["status_cmd"]
 
@@ -43,7 +48,8 @@ def status_cmd(
     """Show which workloads are warm for which builder environments, and on which devices.
 
     One row per (workload, environment): warm, building, broken, failed or missing, the
-    devices the warm snapshot covers, and the agents of that environment. --device names
+    devices the warm snapshot covers, and the agents of that environment; then what
+    training jobs reported (restores, cold starts by reason, jobs that compiled anyway). --device names
     the devices the training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get
     a line saying which indices were never built and what to do. Needs the read scope.
     """
@@ -74,3 +80,23 @@ def status_cmd(
         )
         if row.note:
             click.echo(f"  ! {row.note}")
+        if row.jobs is not None:
+            click.echo(f"  jobs: {jobs_line(row.jobs)}")
+        if row.jobs_note:
+            click.echo(f"  ! {row.jobs_note}")
+
+
+def jobs_line(jobs: JobStats) -> str:
+    """``3 restored, 1 cold (no_matching_snapshot 1), 1 of 2 compiled anyway (...)``."""
+    parts = [f"{jobs.restores} restored"]
+    cold = f"{jobs.cold} cold"
+    if jobs.cold_reasons:
+        reasons = ", ".join(f"{code} {n}" for code, n in sorted(jobs.cold_reasons.items()))
+        cold += f" ({reasons})"
+    parts.append(cold)
+    if jobs.postjobs:
+        parts.append(
+            f"{jobs.compiled} of {jobs.postjobs} compiled anyway"
+            f" ({jobs.new_graphs} graphs after a restore, {jobs.new_bytes / 1e6:.1f} MB)"
+        )
+    return ", ".join(parts)

@@ -266,6 +266,11 @@ def pull_cmd(
 @devices_option
 @trust_option
 @click.option(
+    "--no-report",
+    is_flag=True,
+    help="Do not report the outcome to the server (POST /v1/reports).",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -284,6 +289,7 @@ def prejob_cmd(
     device: str | None,
     devices: str | None,
     trust: tuple[Path, ...],
+    no_report: bool,
     as_json: bool,
 ) -> None:
     """Pre-job hook: restore this node's cache of --workload NAME; print the env to export.
@@ -294,7 +300,8 @@ def prejob_cmd(
     With a trust list (--trust or CACHEKEEPER_TRUSTED_KEYS), an unsigned, untrusted or
     tampered snapshot is not restored: that too is a cold start with its reason.
     An --env-file that cannot be written is one line on stderr; the exports still go to
-    stdout (with --strict it exits 1).
+    stdout (with --strict it exits 1). The outcome (restored, or cold and why) is reported
+    to the server, best-effort (--no-report: not).
     """
     report = prejob(
         workload=workload,
@@ -305,6 +312,7 @@ def prejob_cmd(
         driver_policy=driver_policy,
         devices=_devices(device, devices),
         trust=trust_paths(trust),
+        report=not no_report,
     )
     lines = export_lines(report.exports)
     if report.cold:

@@ -83,7 +83,12 @@ def test_round_trip_keeps_every_field_in_order():
     status = {"status": [{"workload": "w", "fingerprint_digest": "f" * 64, "status": "warm",
                           "snapshot_id": DIGEST, "updated_at": None, "last_event": event(),
                           "agents": ["b1"], "devices": ["cuda:0", "cuda:1"],
-                          "uncovered": ["cuda:2"], "note": "snapshot covers cuda:0,1; ..."}]}  # fmt: skip
+                          "uncovered": ["cuda:2"], "note": "snapshot covers cuda:0,1; ...",
+                          "jobs": {"workload": "w", "fingerprint_digest": "f" * 64,
+                                   "restores": 3, "cold": 1, "cold_reasons": {"no_match": 1},
+                                   "postjobs": 2, "compiled": 1, "compiled_after_restore": 1,
+                                   "new_graphs": 4, "new_bytes": 10, "last_report_at": "t"},
+                          "jobs_note": "restored, but ..."}]}  # fmt: skip
     assert to_dict(from_dict(StatusAnswer, status)) == status
 
 

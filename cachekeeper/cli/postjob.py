@@ -1,0 +1,100 @@
+"""``cachekeeper postjob``: after the job, count what it compiled on top of the restore.
+
+As light as ``prejob`` on purpose (the same epilog budget): click, the fingerprint's
+torch-free collector, a directory walk and one stdlib HTTP request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cachekeeper.cli._common import (
+    PathParam,
+    device_option,
+    echo_err,
+    emit_json,
+    handle_errors,
+    json_option,
+    server_option,
+    token_option,
+)
+from cachekeeper.client.postjob import REPORT_TIMEOUT_S, postjob, summary_line
+from cachekeeper.devices import requested_devices
+from cachekeeper.errors import CachekeeperError
+
+__all__ = ["postjob_cmd"]
+
+
+@click.command("postjob")
+@click.option(
+    "--workload", required=True, metavar="NAME", help="The workload the job's prejob restored."
+)
+@click.option(
+    "--cache-dir",
+    type=PathParam(file_okay=False, path_type=Path),
+    help="Cache dir the job used (default: as prejob's: $TORCHINDUCTOR_CACHE_DIR, else the "
+    "persistent per-environment dir).",
+)
+@server_option
+@token_option
+@device_option
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=REPORT_TIMEOUT_S,
+    show_default=True,
+    help="Give up reporting after this many seconds.",
+)
+@click.option(
+    "--strict", is_flag=True, help="Exit non-zero when nothing could be counted or reported."
+)
+@click.option("--no-report", is_flag=True, help="Count and print only; tell the server nothing.")
+@json_option
+@handle_errors
+def postjob_cmd(
+    workload: str,
+    cache_dir: Path | None,
+    server: str | None,
+    token: str | None,
+    device: str | None,
+    timeout_s: float,
+    strict: bool,
+    no_report: bool,
+    as_json: bool,
+) -> None:
+    """Post-job hook: count what the job compiled on top of the restored snapshot; report it.
+
+    Compares the cache dir with the snapshot prejob restored there (and what an earlier
+    postjob counted) and counts the new FX-graph, AOTAutograd and Triton entries and their
+    bytes. Prints one line (--json: a report) and reports to the server (POST /v1/reports).
+    A job that compiled on top of a restored snapshot means the workload file does not
+    match training (see cachekeeper explain). Never deletes anything and never fails the
+    job: exits 0 whatever happens, unless --strict.
+    """
+    try:
+        devices = requested_devices(device) if device else None
+    except CachekeeperError as exc:
+        raise click.BadParameter(exc.detail, param_hint="--device") from exc
+    report = postjob(
+        workload=workload,
+        server=server,
+        token=token,
+        cache_dir=cache_dir,
+        devices=devices,
+        report=not no_report,
+        timeout_s=timeout_s,
+    )
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(summary_line(report))
+    if report.warning:
+        echo_err(f"cachekeeper: postjob: {report.warning}")
+    unreported = not no_report and bool(server) and not report.reported
+    if unreported and report.error is None:
+        echo_err(f"cachekeeper: postjob: the server at {server} did not take the report")
+    if strict and (report.error is not None or unreported):
+        raise SystemExit(1)

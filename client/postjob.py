@@ -1,0 +1,310 @@
+"""The post-job hook: what did the job compile on top of the restored cache? (DESIGN 7)
+
+    cachekeeper postjob --workload drafter-gqa --cache-dir "$TORCHINDUCTOR_CACHE_DIR"
+
+Run after the job (a SLURM epilog, a Kubernetes sidecar, the torchrun wrapper), torch-free
+and without any change to training code. It compares the cache dir with what restores put
+there (their markers, ``.cachekeeper/restored/<snapshot id>``: each lists the files it
+wrote) and with what an earlier ``postjob`` already counted (``.cachekeeper/postjob.json``),
+and counts the rest by kind:
+
+- ``fxgraph``: FX-graph entries (``fxgraph/<xx>/<key>/``, one per key folder);
+- ``aotautograd``: AOTAutograd entries (``aotautograd/<key>/``);
+- ``triton``: Triton kernels (``triton/<device>/<hash>/``);
+- ``other``: files of Inductor's code cache (``<xx>/*.py``, ``*.so``, ...), one per file.
+
+A job whose FX-graph, AOTAutograd or Triton count is not zero ``compiled``; otherwise it is
+``clean``. The outcome is reported to the server (``POST /v1/reports``) under the same
+best-effort rules as the pre-job hook: nothing here raises for a server or a cache-dir
+problem (``error`` says what), nothing is deleted, and the only file written is our own
+``.cachekeeper/postjob.json`` (after a report the server stored, or with no server), so the
+next job on this node counts only what it compiles itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachekeeper import config
+from cachekeeper.errors import CachekeeperError
+from cachekeeper.fsutil import atomic_write_text
+from cachekeeper.scan import scan_dir
+from cachekeeper.wire import JobReport
+
+from .reporting import node_name, send_report, utc_now
+
+__all__ = [
+    "KINDS",
+    "CacheDiff",
+    "PostjobReport",
+    "diff_cache",
+    "kind_of",
+    "postjob",
+    "summary_line",
+]
+
+KINDS = ("fxgraph", "aotautograd", "triton", "other")
+_ENTRY_DEPTH = {"fxgraph": 3, "aotautograd": 2, "triton": 3}  # path parts naming one entry
+_STATE_DIR = ".cachekeeper"  # restore_writer.STATE_DIR, without importing the restore stack
+SEEN_FILE = "postjob.json"
+REPORT_TIMEOUT_S = 5.0
+
+
+def kind_of(path: str) -> str:
+    """The kind of cache entry a snapshot-relative path belongs to (see the docstring)."""
+    top = path.split("/", 1)[0]
+    return top if top in _ENTRY_DEPTH and "/" in path else "other"
+
+
+def _entry_of(path: str) -> str:
+    kind = kind_of(path)
+    if kind == "other":
+        return path
+    return "/".join(path.split("/")[: _ENTRY_DEPTH[kind]])
+
+
+@dataclass(frozen=True)
+class CacheDiff:
+    """What a cache dir holds beyond its restores and earlier post-job counts."""
+
+    snapshot_id: str | None  # the newest restore whose files are all still there
+    restored_files: int  # paths the restore markers list
+    new_files: tuple[tuple[str, int], ...]  # (path, size) of the files counted as new
+    entries: dict[str, int]  # kind -> new entries
+    kind_bytes: dict[str, int]  # kind -> bytes of those
+
+    @property
+    def new_bytes(self) -> int:
+        return sum(self.kind_bytes.values())
+
+    @property
+    def compiled(self) -> bool:
+        return any(self.entries[k] for k in ("fxgraph", "aotautograd", "triton"))
+
+
+def _markers(state: Path) -> list[tuple[float, str, list[list[Any]]]]:
+    """(mtime, snapshot id, files) of every readable restore marker."""
+    out = []
+    folder = state / "restored"
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            path = folder / name
+            body = json.loads(path.read_bytes())
+            out.append((path.stat().st_mtime, str(body["id"]), list(body["files"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a marker being written, or not ours: it is not a baseline
+    return sorted(out)
+
+
+def diff_cache(cache_dir: Path) -> CacheDiff:
+    """Compare ``cache_dir`` with its restore markers and the last post-job count.
+
+    Raises OSError (and LinkInCacheDir) when the dir cannot be read.
+    """
+    root = Path(cache_dir)
+    present = {rel: path for rel, path, _mode in scan_dir(root)}
+    state = root / _STATE_DIR
+    baseline: set[str] = set()
+    snapshot_id = None
+    markers = _markers(state)
+    for _mtime, marker_id, files in markers:
+        paths = {str(p) for p, _size in files}
+        baseline |= paths
+        if paths <= present.keys():
+            snapshot_id = marker_id  # the newest complete one wins (sorted by mtime)
+    restored = len(baseline)
+    try:
+        seen = json.loads((state / SEEN_FILE).read_bytes())
+        baseline |= {str(p) for p in seen["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no earlier post-job count (or an unreadable one): count from the restores
+    new: list[tuple[str, int]] = []
+    entries: dict[str, set[str]] = {k: set() for k in KINDS}
+    kind_bytes = dict.fromkeys(KINDS, 0)
+    for rel in sorted(present.keys() - baseline):
+        try:
+            size = present[rel].stat().st_size
+        except FileNotFoundError:
+            continue  # removed since the scan (a cache cleaning up its temp files)
+        new.append((rel, size))
+        kind = kind_of(rel)
+        entries[kind].add(_entry_of(rel))
+        kind_bytes[kind] += size
+    return CacheDiff(
+        snapshot_id=snapshot_id,
+        restored_files=restored,
+        new_files=tuple(new),
+        entries={k: len(v) for k, v in entries.items()},
+        kind_bytes=kind_bytes,
+    )
+
+
+def _record_seen(cache_dir: Path, diff: CacheDiff) -> None:
+    """Remember what this post-job counted, so the next one counts only its own job's."""
+    state = Path(cache_dir) / _STATE_DIR
+    path = state / SEEN_FILE
+    try:
+        files = set(json.loads(path.read_bytes())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        files = set()
+    files |= {p for p, _size in diff.new_files}
+    state.mkdir(exist_ok=True)
+    atomic_write_text(path, json.dumps({"at": utc_now(), "files": sorted(files)}))
+
+
+@dataclass(frozen=True)
+class PostjobReport:
+    """What the post-job hook found and did. ``outcome``: compiled, clean or error."""
+
+    workload: str
+    cache_dir: str
+    outcome: str
+    elapsed_s: float
+    fingerprint_digest: str
+    snapshot_id: str | None = None
+    entries: dict[str, int] = field(default_factory=dict)
+    kind_bytes: dict[str, int] = field(default_factory=dict)
+    new_files: int = 0
+    reported: bool = False
+    error: str | None = None  # why nothing could be counted; None otherwise
+    warning: str | None = None  # counted, but the count could not be recorded
+    pushed_snapshot_id: str | None = None  # postjob --push: the harvested delta
+
+    @property
+    def new_bytes(self) -> int:
+        return sum(self.kind_bytes.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "cache_dir": self.cache_dir,
+            "outcome": self.outcome,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "fingerprint_digest": self.fingerprint_digest,
+            "snapshot_id": self.snapshot_id,
+            "new_entries": dict(self.entries),
+            "new_bytes_by_kind": dict(self.kind_bytes),
+            "new_bytes": self.new_bytes,
+            "new_files": self.new_files,
+            "reported": self.reported,
+            "error": self.error,
+            "warning": self.warning,
+            "pushed_snapshot_id": self.pushed_snapshot_id,
+        }
+
+
+def summary_line(report: PostjobReport) -> str:
+    """The one line ``cachekeeper postjob`` prints."""
+    if report.error is not None:
+        return f"cachekeeper: postjob: nothing counted ({report.error})"
+    on = (
+        f"on top of snapshot {report.snapshot_id[:12]}"
+        if report.snapshot_id
+        else "with no snapshot restored (a cold start)"
+    )
+    if report.outcome == "clean":
+        return f"cachekeeper: postjob: the job compiled nothing new {on}"
+    e = report.entries
+    what = (
+        f"{e.get('fxgraph', 0)} FX graph(s), {e.get('aotautograd', 0)} AOTAutograd entr(ies),"
+        f" {e.get('triton', 0)} Triton kernel(s), {e.get('other', 0)} other file(s)"
+        f" ({report.new_bytes / 1e6:.1f} MB)"
+    )
+    line = f"cachekeeper: postjob: the job compiled {what} {on}"
+    if report.snapshot_id:
+        line += (
+            "; the workload file does not match training: run `cachekeeper explain` and see"
+            " docs/workloads.md"
+        )
+    return line
+
+
+def postjob(
+    *,
+    workload: str,
+    server: str | None,
+    token: str | None = None,
+    cache_dir: Path | None = None,
+    devices: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    report: bool = True,
+    timeout_s: float = REPORT_TIMEOUT_S,
+) -> PostjobReport:
+    """Count what the job compiled on top of the restore and report it; never raises for a
+    server or cache-dir problem (see ``error``)."""
+    from cachekeeper.fingerprint import collect, digest_of  # the hook's start-up budget
+
+    started = time.monotonic()
+    started_at = utc_now()
+    env = os.environ if environ is None else environ
+    if fingerprint is None:
+        fingerprint = collect(environ=env)
+    digest = digest_of(fingerprint)
+    if cache_dir is None:
+        explicit = env.get("TORCHINDUCTOR_CACHE_DIR")
+        cache_dir = Path(explicit) if explicit else config.node_cache_dir(digest, env)
+    target = Path(cache_dir).expanduser().absolute()
+    try:
+        diff = diff_cache(target)
+    except (OSError, CachekeeperError) as exc:
+        detail = exc.detail if isinstance(exc, CachekeeperError) else str(exc)
+        return PostjobReport(
+            workload=workload,
+            cache_dir=str(target),
+            outcome="error",
+            elapsed_s=time.monotonic() - started,
+            fingerprint_digest=digest,
+            error=f"cannot read {target}: {detail}",
+        )
+    outcome = "compiled" if diff.compiled else "clean"
+    reported = report and send_report(
+        server,
+        JobReport(
+            phase="postjob",
+            outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
+            workload=workload,
+            fingerprint_digest=digest,
+            snapshot_id=diff.snapshot_id,
+            node=node_name(),
+            devices=list(devices or []),
+            new_fxgraph=diff.entries["fxgraph"],
+            new_aotautograd=diff.entries["aotautograd"],
+            new_triton=diff.entries["triton"],
+            new_other=diff.entries["other"],
+            new_bytes=diff.new_bytes,
+            started_at=started_at,
+            finished_at=utc_now(),
+        ),
+        token=token,
+        timeout_s=timeout_s,
+    )
+    warning = None
+    if reported or not (report and server):
+        try:
+            _record_seen(target, diff)
+        except OSError as exc:  # a read-only cache dir: the count still stands
+            warning = f"cannot record the count in {target / _STATE_DIR}: {exc}"
+    return PostjobReport(
+        workload=workload,
+        cache_dir=str(target),
+        outcome=outcome,
+        elapsed_s=time.monotonic() - started,
+        fingerprint_digest=digest,
+        snapshot_id=diff.snapshot_id,
+        entries=dict(diff.entries),
+        kind_bytes=dict(diff.kind_bytes),
+        new_files=len(diff.new_files),
+        reported=reported,
+        warning=warning,
+    )

@@ -1,0 +1,50 @@
+"""``POST /v1/reports``: what training jobs saw, from both ends (DESIGN section 7).
+
+``cachekeeper prejob`` reports a restore, or a cold start and its reason; ``cachekeeper
+postjob`` reports what the job compiled on top of the restored snapshot. The catalog keeps
+every report (``job_reports``) and adds them up per (workload, fingerprint digest) for
+``GET /v1/status`` (``Catalog.job_stats``); this route also counts them for ``/metrics``.
+
+Read scope: the nodes that run the hooks hold read tokens. A report names a workload the
+server may not know (a misspelt name is a cold start worth seeing), so the metrics label a
+workload that is not registered as ``-`` to keep their label sets bounded.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from cachekeeper.wire import JobReport, JobReportAnswer
+
+from .auth import ReadScope
+from .deps import MetricsDep, StorageDep
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["reports"])
+
+
+@router.post("/reports", status_code=201, response_model=JobReportAnswer)
+def post_report(
+    body: JobReport, storage: StorageDep, metrics: MetricsDep, _: ReadScope
+) -> JobReportAnswer:
+    """Store one job report (prejob: restored or cold; postjob: compiled or clean)."""
+    catalog = storage.catalog
+    report_id, at = catalog.add_job_report(body)
+    workload = body.workload if catalog.workload_row(body.workload) is not None else "-"
+    metrics.inc(
+        "cachekeeper_job_reports_total", phase=body.phase, outcome=body.outcome, workload=workload
+    )
+    if body.phase == "prejob" and body.outcome == "cold":
+        reason = body.reason_code or "unknown"
+        metrics.inc("cachekeeper_cold_starts_total", workload=workload, reason=reason)
+    if body.phase == "postjob":
+        for kind in ("fxgraph", "aotautograd", "triton", "other"):
+            count = getattr(body, f"new_{kind}")
+            if count:
+                metrics.inc(
+                    "cachekeeper_job_new_entries_total", count, workload=workload, kind=kind
+                )
+        if body.new_bytes:
+            metrics.inc("cachekeeper_job_new_bytes_total", body.new_bytes, workload=workload)
+    return JobReportAnswer(id=report_id, at=at)

@@ -1,0 +1,184 @@
+"""The post-job hook and job reports: a real restore, the real CLI, a real server.
+
+A job "compiles" here by writing entries where Inductor writes them (the layout is what
+``kind_of`` counts); tests/e2e/test_harvest.py proves the count on real CPU compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.postjob import diff_cache, kind_of, postjob
+from cachekeeper.client.prejob import prejob
+from cachekeeper.client.push import push
+from cachekeeper.server.settings import Settings
+
+from cachekeeper.fingerprint import collect
+from tests.client.test_prejob import make_cache
+from tests.helpers.live_server import LiveServer, start_server
+
+CK = str(Path(sys.executable).parent / "cachekeeper")
+TOKENS = {"write-token": "write", "read-token": "read"}
+
+
+def toml(name: str) -> str:
+    return (
+        f'name = "{name}"\n[[attention]]\nbatch = 1\nq_heads = 4\nkv_heads = 2\n'
+        'head_dim = 16\nseq_lens = [128]\ndtype = "float32"\nmask = "causal"\n'
+    )
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory):
+    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server"), tokens=TOKENS))
+    yield server
+    server.stop()
+
+
+def ck(*args: str, server: str | None, home: Path, token: str = "read-token"):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEKEEPER_", "TORCHIND"))}
+    env.update(CACHEKEEPER_HOME=str(home), CACHEKEEPER_TOKEN=token)
+    if server:
+        env["CACHEKEEPER_SERVER"] = server
+    return subprocess.run([CK, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def compile_more(cache: Path, tag: str) -> None:
+    """What a job that compiled one more graph leaves: FX, AOT, a Triton kernel, code."""
+    (cache / "fxgraph" / "zz" / f"key-{tag}").mkdir(parents=True)
+    (cache / "fxgraph" / "zz" / f"key-{tag}" / "entry").write_bytes(b"g" * 1000)
+    (cache / "aotautograd" / f"aot-{tag}").mkdir(parents=True)
+    (cache / "aotautograd" / f"aot-{tag}" / "entry").write_bytes(b"a" * 500)
+    kernel = cache / "triton" / "0" / f"hash-{tag}"
+    kernel.mkdir(parents=True)
+    (kernel / "k.cubin").write_bytes(b"c" * 300)
+    (kernel / "k.json").write_bytes(b"{}")
+    (cache / "qq").mkdir(exist_ok=True)
+    (cache / "qq" / f"code-{tag}.py").write_text("pass\n")
+
+
+def test_kind_of() -> None:
+    assert kind_of("fxgraph/ab/key/entry") == "fxgraph"
+    assert kind_of("aotautograd/key/entry") == "aotautograd"
+    assert kind_of("triton/0/hash/k.cubin") == "triton"
+    assert kind_of("ab/code.py") == "other"
+    assert kind_of("fxgraph") == "other"  # a file named like the folder is no entry
+
+
+@pytest.fixture(scope="module")
+def restored(live: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A snapshot of workload 'wl' pushed for this node, restored by prejob into a dir."""
+    base = tmp_path_factory.mktemp("postjob")
+    src = base / "src"
+    make_cache(src)
+    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer write-token"}) as c:
+        assert c.put("/v1/workloads/wl", content=toml("wl")).status_code == 200
+    with CacheClient(base_url=live.url, token="write-token") as client:
+        pushed = push(src, client=client, workload="wl", store=None, fingerprint=collect())
+    cache = base / "cache"
+    pre = prejob(workload="wl", server=live.url, token="read-token", cache_dir=cache)
+    assert pre.outcome == "restored" and pre.reported, pre
+    return {"cache": cache, "snapshot_id": pushed.snapshot_id, "home": base / "home"}
+
+
+def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
+    live: LiveServer, restored: dict
+) -> None:
+    cache, home = restored["cache"], restored["home"]
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+
+    clean = ck("postjob", "--workload", "wl", "--cache-dir", str(cache), server=live.url, home=home)
+    assert clean.returncode == 0, clean.stderr
+    assert "compiled nothing new on top of snapshot" in clean.stdout
+
+    compile_more(cache, "1")
+    proc = ck(
+        "postjob", "--workload", "wl", "--cache-dir", str(cache), "--json",
+        server=live.url, home=home,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["outcome"] == "compiled" and report["reported"]
+    assert report["snapshot_id"] == restored["snapshot_id"]
+    assert report["new_entries"] == {"fxgraph": 1, "aotautograd": 1, "triton": 1, "other": 1}
+    assert report["new_bytes"] == 1000 + 500 + 300 + 2 + 5
+    # Nothing that was there is touched; the next job counts only its own compiles.
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items())
+    assert diff_cache(cache).new_files == ()
+
+    line = ck("postjob", "--workload", "wl", "--cache-dir", str(cache), server=live.url, home=home)
+    assert "compiled nothing new" in line.stdout
+
+    rows = httpx.get(
+        f"{live.url}/v1/status",
+        params={"workload": "wl"},
+        headers={"Authorization": "Bearer read-token"},
+    ).json()["status"]
+    (row,) = [r for r in rows if r["jobs"]]
+    jobs = row["jobs"]
+    assert jobs["restores"] == 1 and jobs["postjobs"] == 3
+    assert jobs["compiled"] == 1 and jobs["compiled_after_restore"] == 1
+    assert jobs["new_graphs"] == 2 and jobs["new_bytes"] == 1807
+    assert "does not match training" in row["jobs_note"]
+    assert "cachekeeper explain" in row["jobs_note"]
+
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'cachekeeper_job_new_entries_total{kind="fxgraph",workload="wl"} 1' in metrics
+    assert re.search(
+        r'cachekeeper_job_reports_total\{outcome="compiled",phase="postjob",workload="wl"\} 1',
+        metrics,
+    )
+
+    status = ck("status", "--workload", "wl", server=live.url, home=home)
+    assert status.returncode == 0, status.stderr
+    assert "compiled anyway" in status.stdout or "does not match training" in status.stdout
+
+
+def test_a_cold_start_is_reported_with_its_reason(live: LiveServer, tmp_path: Path) -> None:
+    pre = prejob(workload="wl-other", server=live.url, token="read-token", cache_dir=tmp_path)
+    assert pre.cold and pre.reported
+    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer write-token"}) as c:
+        assert c.put("/v1/workloads/wl-other", content=toml("wl-other")).status_code == 200
+        rows = c.get("/v1/status", params={"workload": "wl-other"}).json()["status"]
+    (row,) = [r for r in rows if r["jobs"]]
+    assert row["jobs"]["cold"] == 1 and row["jobs"]["restores"] == 0
+    assert row["jobs"]["cold_reasons"] == {"no_match": 1}
+    assert row["jobs_note"] is None
+
+
+def test_postjob_never_fails_the_job_unless_strict(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    missing = tmp_path / "nope"
+    proc = ck("postjob", "--workload", "wl", "--cache-dir", str(missing), server=None, home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert f"cannot read {missing}" in proc.stdout
+    assert not missing.exists()
+
+    cache = tmp_path / "cache"
+    make_cache(cache)
+    down = "http://127.0.0.1:9"  # discard port: nothing listens
+    args = ("postjob", "--workload", "wl", "--cache-dir", str(cache), "--timeout", "2")
+    proc = ck(*args, server=down, home=home)
+    assert proc.returncode == 0
+    assert "did not take the report" in proc.stderr
+    assert "with no snapshot restored" in proc.stdout
+    assert not (cache / ".cachekeeper" / "postjob.json").exists()  # counted again next time
+    assert ck(*args, "--strict", server=down, home=home).returncode == 1
+
+
+def test_postjob_without_a_server_counts_and_remembers(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    make_cache(cache)
+    first = postjob(workload="wl", server=None, cache_dir=cache)
+    assert first.outcome == "compiled" and first.snapshot_id is None and not first.reported
+    assert first.entries == {"fxgraph": 1, "aotautograd": 1, "triton": 0, "other": 2}
+    second = postjob(workload="wl", server=None, cache_dir=cache)
+    assert second.outcome == "clean" and second.new_files == 0
