@@ -87,3 +87,21 @@ def test_ck_torchrun_runs_torchrun_with_the_hook_exports(
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"TICD={cache}" in proc.stdout
     assert "this job will compile cold" in proc.stderr
+    assert "cachekeeper: postjob:" in proc.stderr  # the epilog ran, after the job
+
+
+def test_ck_torchrun_keeps_the_jobs_exit_status(
+    wrapper: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The post-job line runs after a failed job and the job's status is the wrapper's."""
+    script, env = wrapper
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "torchrun").write_text("#!/bin/sh\nexit 3\n")
+    (fake_bin / "torchrun").chmod(0o755)
+    env["PATH"] = f"{fake_bin}{os.pathsep}{env['PATH']}"
+    env["CACHEKEEPER_WORKLOAD"] = "drafter-gqa"
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = _run(script, env, "train.py")
+    assert proc.returncode == 3, proc.stderr
+    assert "cachekeeper: postjob:" in proc.stderr
