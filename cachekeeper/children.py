@@ -57,6 +57,19 @@ class work_area:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def child_environ(omp_num_threads: int | None) -> dict[str, str]:
+    """The environment of a prewarm or verify child: ours, with the workload's [process].
+
+    ``omp_num_threads`` (the workload's ``[process] omp_num_threads``) sets both
+    ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (torch takes MKL's first): Inductor's CPU
+    kernels are keyed on the thread count, so the child compiles as training's ranks do.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    if omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(omp_num_threads)
+    return env
+
+
 def slug(device: str) -> str:
     return device.replace(":", "_")
 
@@ -73,13 +86,14 @@ class _Child:
         work: Path,
         source: str,
         progress: Progress | None,
+        omp_num_threads: int | None,
     ) -> None:
         self.device = device
         self.mode = mode
         self.result_path = work / f"result-{mode}-{slug(device)}.json"
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self.progress = progress
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+        env = child_environ(omp_num_threads)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
         command = [
             sys.executable, "-m", "cachekeeper._child",
@@ -179,6 +193,7 @@ def run_children(
                     work=work,
                     source=source,
                     progress=progress,
+                    omp_num_threads=workload.omp_num_threads,
                 )
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

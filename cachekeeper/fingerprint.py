@@ -4,6 +4,11 @@ Collected without importing torch (the pre-job hook must start fast): versions c
 package metadata and from the text of ``torch/version.py``; GPUs from NVML (nvidia-ml-py)
 when present, else ``nvidia-smi``; the driver from NVML or ``/proc/driver/nvidia/version``.
 
+The ``cpu`` field (schema 2) is the process state that changes what Inductor compiles for
+the CPU: the thread count, the vector ISA (``cachekeeper.cpu``). It is compared only for
+snapshots that cover the ``cpu`` device; a fingerprint without it (schema 1) is not a
+mismatch, and ``unchecked`` names it so ``explain`` can say it was not checked.
+
 Matching (``compare``) is exact on every field but the driver; for the driver the default
 policy (``"newer"``) accepts a node driver at least as new as the builder's, since a kernel
 built by a newer ptxas can fail to load on an older driver, and no Inductor key holds it.
@@ -24,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from cachekeeper import config
+from cachekeeper import config, cpu
 from cachekeeper.wire import Mismatch
 
 __all__ = [
@@ -37,9 +42,10 @@ __all__ = [
     "compare",
     "is_compatible",
     "format_mismatches",
+    "unchecked",
 ]
 
-SCHEMA = 1
+SCHEMA = 2
 DriverPolicy = Literal["newer", "exact", "any"]
 
 # Environment variables that change Inductor/Dynamo keys or behaviour. Paths and pure
@@ -247,6 +253,7 @@ def collect(
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "arch": platform.machine(),
         "env": _compile_env(env),
+        "cpu": cpu.state(env),
     }
     fingerprint.update(config.fingerprint_overrides(env))
     if overrides:
@@ -293,6 +300,9 @@ def compare(
                 a, b = _gpu_models(a), _gpu_models(b)
         if a != b:
             out.append(Mismatch(field=field, node=a, snapshot=b))
+    if _cpu_compiled(node, snapshot, devices):
+        if cpu.differences(node.get("cpu"), snapshot.get("cpu")):
+            out.append(Mismatch(field="cpu", node=node.get("cpu"), snapshot=snapshot.get("cpu")))
     if devices is not None:
         wanted = node_devices
         if wanted is None:
@@ -307,6 +317,27 @@ def compare(
         elif _version_tuple(node_driver) < _version_tuple(snap_driver):
             out.append(Mismatch(field="driver", node=node_driver, snapshot=snap_driver))
     return out
+
+
+def _cpu_compiled(
+    node: Mapping[str, Any], snapshot: Mapping[str, Any], devices: list[str] | None
+) -> bool:
+    """Whether the snapshot holds CPU kernels (it covers ``cpu``, or is a GPU-less build)."""
+    if devices is not None:
+        return "cpu" in devices
+    return not snapshot.get("gpus")
+
+
+def unchecked(
+    node: Mapping[str, Any], snapshot: Mapping[str, Any], *, devices: list[str] | None = None
+) -> list[str]:
+    """Fields ``compare`` could not check because one side does not record them.
+
+    Today only ``cpu`` (added in fingerprint schema 2), and only where it matters.
+    """
+    if not _cpu_compiled(node, snapshot, devices):
+        return []
+    return [f for f in ("cpu",) if (node.get(f) is None) != (snapshot.get(f) is None)]
 
 
 def is_compatible(

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachekeeper.children import run_children, slug, work_area
+from cachekeeper import cpu
+from cachekeeper.children import child_environ, run_children, slug, work_area
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.reports import ErrorInfo, PrewarmReport, Progress
@@ -105,5 +106,6 @@ def prewarm(
         workload_digest=workload.digest,
         devices=list(devices),
         stats=report.stats,
+        cpu=cpu.state(child_environ(workload.omp_num_threads)),
     )
     return report

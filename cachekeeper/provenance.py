@@ -3,11 +3,14 @@
 ``cachekeeper prewarm`` writes, after its verify run::
 
     <cache_dir>/.cachekeeper/prewarm/<workload>.json
-      {"workload", "workload_digest", "devices": [...], "stats": {...}, "recorded_at"}
+      {"workload", "workload_digest", "devices": [...], "stats": {...}, "cpu": {...},
+       "recorded_at"}
 
 and ``snapshot_dir(..., workload=NAME)`` (so ``cachekeeper snapshot`` and ``push``) reads it
 to fill the manifest's ``stats`` (verified when ``stats["verify"]["effective"]``),
-``workload_digest`` and covered ``devices``. ``.cachekeeper/`` never enters a snapshot.
+``workload_digest`` and covered ``devices``, and the fingerprint's ``cpu`` field with the
+CPU state the children compiled under (``cachekeeper.cpu``: the workload's
+``[process] omp_num_threads``, not the shell's that runs ``snapshot``). ``.cachekeeper/`` never enters a snapshot.
 A later prewarm of the same workload on other devices adds its devices to the record;
 the stats are those of the latest prewarm. A dir that was never prewarmed by cachekeeper
 (someone's own warm cache) has no record: its snapshot is unverified, and says so.
@@ -68,6 +71,7 @@ def record_prewarm(
     workload_digest: str,
     devices: list[str],
     stats: dict[str, Any],
+    cpu: dict[str, Any] | None = None,
 ) -> Path:
     """Write (atomically) what a prewarm proved; devices accumulate across prewarms."""
     path = _record_path(cache_dir, workload)
@@ -79,6 +83,7 @@ def record_prewarm(
         "workload_digest": workload_digest,
         "devices": sorted(devices),
         "stats": stats,
+        "cpu": cpu,
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from cachekeeper.archive import open_archive_stream, read_manifest_member, write
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.provenance import load_prewarm_record
+from cachekeeper.provenance import load_prewarm_record, recorded_workloads
 from cachekeeper.scan import is_excluded, scan_dir
 from cachekeeper.signing import load_signing_key, sign_manifest
 from cachekeeper.store import LocalStore
@@ -108,11 +108,18 @@ def snapshot_dir(
     saved; the key is read first, so a bad key fails before any hashing.
 
     With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
-    ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``.
+    ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``,
+    and its CPU state replaces this shell's in the fingerprint. Without ``workload``, a dir
+    that a prewarm of exactly one workload left its record in is that workload's: the
+    snapshot of a freshly prewarmed dir says verified as the same dir pushed does.
     """
     root = Path(root)
     if sign_key is not None:
         load_signing_key(sign_key)  # fail early on a missing or wrong key
+    if workload is None and stats is None:
+        recorded = recorded_workloads(root)
+        workload = recorded[0] if len(recorded) == 1 else None
+    record = None
     if workload is not None and stats is None:
         record = load_prewarm_record(root, workload)
         if record is not None:
@@ -121,6 +128,8 @@ def snapshot_dir(
             devices = devices if devices is not None else record.get("devices")
     files = scan_dir(root)
     fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
+    if fingerprint is None and record is not None and isinstance(record.get("cpu"), dict):
+        fp = {**fp, "cpu": record["cpu"]}  # what the prewarm's children compiled under
     entries = []
     for rel, path, mode in files:
         digest, size = _store_file(store.blobs, path)

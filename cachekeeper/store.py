@@ -38,6 +38,16 @@ __all__ = ["LocalStore", "StoredSnapshot", "DeletePlan"]
 _MIN_PREFIX = 4
 
 
+def _gpu_model(manifest: Manifest) -> str | None:
+    """The model of the GPU the snapshot was built on (its first covered index), if any."""
+    covered = [int(d.split(":", 1)[1]) for d in manifest.devices if d.startswith("cuda:")]
+    gpus = {g.get("index"): g for g in manifest.fingerprint.get("gpus") or []}
+    for index in covered:
+        if index in gpus:
+            return str(gpus[index].get("name"))
+    return None
+
+
 @dataclass(frozen=True)
 class StoredSnapshot:
     """One snapshot in the local store, as ``ls`` shows it."""
@@ -50,10 +60,16 @@ class StoredSnapshot:
     size_bytes: int
     file_count: int
     created_at: datetime
+    torch: str | None = None  # the builder's environment, from the manifest's fingerprint
+    cuda: str | None = None
+    gpu: str | None = None  # the first covered GPU's model; None for a CPU build
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
+            "torch": self.torch,
+            "cuda": self.cuda,
+            "gpu": self.gpu,
             "workload": self.workload,
             "fingerprint_digest": self.fingerprint_digest,
             "devices": list(self.devices),
@@ -176,6 +192,9 @@ class LocalStore:
                     size_bytes=manifest.size_bytes,
                     file_count=len(manifest.files),
                     created_at=datetime.fromtimestamp(mtime, tz=UTC),
+                    torch=manifest.fingerprint.get("torch"),
+                    cuda=manifest.fingerprint.get("cuda"),
+                    gpu=_gpu_model(manifest),
                 )
             )
         rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)

@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
+from cachekeeper import cpu
 from cachekeeper.devices import coverage_advice
 
 __all__ = [
@@ -148,6 +149,8 @@ class Mismatch:
     def describe(self) -> str:
         if self.field == "devices":  # node: the devices asked for; snapshot: those it covers
             return coverage_advice(covered=self.snapshot, wanted=self.node)
+        if self.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
+            return "cpu: " + "; ".join(cpu.differences(self.node, self.snapshot))
         return f"{self.field} {_short(self.node)} != {_short(self.snapshot)}"
 
     def to_dict(self) -> dict[str, Any]:

@@ -15,6 +15,8 @@ A workload is a TOML file (format in DESIGN.md §5 and docs/workloads.md)::
     [[entrypoint]]                # the training code's own warm-up step
     target = "mytrainer.warmup:step"
     kwargs = { seq_len = 4096 }
+    [process]                     # optional: the process state training's ranks run with
+    omp_num_threads = 1           # torchrun's default; CPU kernels are keyed on it
 
 This module never imports torch or user code: the server validates workloads with it.
 Whether an import path (``"pkg.mod:attr"``) resolves is checked by the prewarm child.
@@ -73,7 +75,8 @@ _COMPILE_KEYS: dict[str, type | tuple[type, ...]] = {
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _IMPORT_PATH_RE = re.compile(rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$")
-_TOP_KEYS = frozenset({"name", "attention", "entrypoint"})
+_TOP_KEYS = frozenset({"name", "attention", "entrypoint", "process"})
+_PROCESS_KEYS = frozenset({"omp_num_threads"})
 _REGIME_KEYS = frozenset(
     {
         "batch",
@@ -176,6 +179,7 @@ class Workload:
     digest: str
     text: str
     source: str = ""
+    omp_num_threads: int | None = None  # [process]: the thread count training's ranks have
 
 
 def load_workload(path: Path) -> Workload:
@@ -215,6 +219,11 @@ def parse_workload(text: str, *, source: str) -> Workload:
     entrypoint = _tables(v, data, "entrypoint")
     if not attention and not entrypoint:
         v.fail("", "a workload needs at least one [[attention]] or [[entrypoint]] table")
+    process = v.typed(data.get("process", {}), dict, "process")
+    v.unknown_keys(process, _PROCESS_KEYS, "process")
+    omp = (
+        v.positive(process, "omp_num_threads", "process") if "omp_num_threads" in process else None
+    )
     regimes = tuple(_regime(v, table, f"attention[{i}]") for i, table in enumerate(attention))
     entrypoints = tuple(
         _entrypoint(v, table, f"entrypoint[{i}]") for i, table in enumerate(entrypoint)
@@ -226,6 +235,7 @@ def parse_workload(text: str, *, source: str) -> Workload:
         digest=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         text=text,
         source=source,
+        omp_num_threads=omp,
     )
 
 

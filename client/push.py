@@ -186,7 +186,7 @@ def check_registered(client: CacheClient, workload: str) -> None:
     except WorkloadNotFound as exc:
         raise WorkloadNotFound(
             f"no workload {workload!r} is registered on {client.base_url}: register it "
-            f"first (PUT /v1/workloads/{workload}), check the name, or pass "
+            f"first (cachekeeper workload register FILE), check the name, or pass "
             "--allow-unregistered to publish it anyway",
             extra=exc.extra,
         ) from exc

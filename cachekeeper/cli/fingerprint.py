@@ -4,6 +4,7 @@ does or does not suit this node, field by field)."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -11,7 +12,7 @@ from cachekeeper.cli._common import device_option, emit_json, handle_errors, jso
 from cachekeeper.cli.snapshot import load_manifest
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
-from cachekeeper.fingerprint import collect, compare, digest_of
+from cachekeeper.fingerprint import SCHEMA, collect, compare, digest_of, unchecked
 
 __all__ = ["fingerprint_cmd", "explain_cmd"]
 
@@ -40,9 +41,20 @@ def fingerprint_cmd(as_json: bool) -> None:
         ("python", fp.get("python")),
         ("arch", fp.get("arch")),
         ("env", ", ".join(f"{k}={v}" for k, v in (fp.get("env") or {}).items()) or "none"),
+        ("cpu", _cpu_line(fp.get("cpu"))),
         ("digest", digest),
     ):
         click.echo(f"{label:<12} {value}")
+
+
+def _cpu_line(cpu: Any) -> str:
+    if not isinstance(cpu, dict):
+        return "not recorded"
+    isa = cpu.get("isa") or "no vector ISA"
+    cap = cpu.get("aten_cpu_capability")
+    return f"{cpu.get('threads')} threads ({cpu.get('threads_from')}), {isa}" + (
+        f", ATEN_CPU_CAPABILITY={cap}" if cap else ""
+    )
 
 
 @click.command("explain")
@@ -78,21 +90,31 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
         devices=list(manifest.devices),
         node_devices=node_devices,
     )
+    notes = [
+        f"{field}: the snapshot's fingerprint does not record it (made before fingerprint "
+        f"schema {SCHEMA}), so it was not checked"
+        if manifest.fingerprint.get(field) is None
+        else f"{field}: this node's fingerprint does not record it, so it was not checked"
+        for field in unchecked(node, manifest.fingerprint, devices=list(manifest.devices))
+    ]
     if as_json:
         emit_json(
             {
                 "snapshot_id": manifest.id,
                 "compatible": not mismatches,
                 "mismatches": [{**m.to_dict(), "reason": m.describe()} for m in mismatches],
+                "unchecked": notes,
             }
         )
     elif mismatches:
         click.echo(f"snapshot {manifest.id[:12]} does NOT suit this node:")
         for m in mismatches:
-            if m.field == "devices":
-                click.echo(f"  {m.field:<12} {m.describe()}")
+            if m.field in ("devices", "cpu"):
+                click.echo(f"  {m.field:<12} {m.describe().removeprefix('cpu: ')}")
             else:
                 click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
     else:
         click.echo(f"snapshot {manifest.id[:12]} suits this node (driver policy {driver_policy})")
+    for note in notes:
+        click.echo(f"  note: {note}")
     sys.exit(1 if mismatches else 0)

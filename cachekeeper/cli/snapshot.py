@@ -17,9 +17,10 @@ from typing import Any
 
 import click
 
+from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.cli._common import PathParam, echo_err, emit_json, handle_errors, json_option, mb
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
-from cachekeeper.errors import SnapshotNotFound
+from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import restore, restore_archive
 from cachekeeper.snapshot import read_archive_manifest, snapshot_dir, write_archive
@@ -131,23 +132,37 @@ def snapshot_cmd(
     help="The cache dir to restore into (created if missing).",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be written; write nothing.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Restore a snapshot built for another environment (named on stderr) anyway.",
+)
 @trust_option
 @json_option
 @handle_errors
 def restore_cmd(
-    snapshot: str, cache_dir: Path, dry_run: bool, trust: tuple[Path, ...], as_json: bool
+    snapshot: str,
+    cache_dir: Path,
+    dry_run: bool,
+    force: bool,
+    trust: tuple[Path, ...],
+    as_json: bool,
 ) -> None:
     """Restore SNAPSHOT (archive file or local store id) into a cache dir, safely.
 
     Nothing present is deleted or overwritten: identical files are skipped, different
-    ones are kept and reported as conflicts (exit code stays 0). With a trust list
+    ones are kept and reported as conflicts (exit code stays 0). A snapshot built for
+    another environment (torch, Triton, CUDA, Python, GPU model, ...: its entries would
+    never hit here) is refused, naming the fields that differ, unless --force. With a trust list
     (--trust or CACHEKEEPER_TRUSTED_KEYS), only a snapshot signed by one of those keys
     is restored, and all of it or nothing.
     """
     trusted = trusted_keys(trust)
     path = archive_path(snapshot)
     if path is not None:
-        total = read_archive_manifest(path).size_bytes
+        archived = read_archive_manifest(path)
+        _check_environment(archived, force=force)
+        total = archived.size_bytes
         with _progress(total, "restoring") as progress:
             report = restore_archive(
                 path, cache_dir, dry_run=dry_run, progress=progress, trusted_keys=trusted
@@ -155,6 +170,7 @@ def restore_cmd(
     else:
         store = LocalStore()
         manifest = store.load_manifest(snapshot)
+        _check_environment(manifest, force=force)
         with _progress(manifest.size_bytes, "restoring") as progress:
             report = restore(
                 manifest,
@@ -182,6 +198,44 @@ def restore_cmd(
             )
     for rel in report.conflicts:
         echo_err(f"warning: kept existing {rel} (differs from the snapshot)")
+
+
+def environment_differences(manifest: Manifest) -> list[str]:
+    """``field: this node X, snapshot Y`` for each field on which this node differs.
+
+    The CPU thread count is left out: the shell that restores is not the job that runs
+    (``explain`` and the hook check it, with the job's environment).
+    """
+    node = fingerprint_mod.collect()
+    devices = list(manifest.devices)
+    found = fingerprint_mod.compare(
+        node, manifest.fingerprint, devices=devices, node_devices=devices
+    )
+    return [
+        f"{m.field}: this node {_value(m.node)}, snapshot {_value(m.snapshot)}"
+        for m in found
+        if m.field not in ("devices", "cpu")
+    ]
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return ", ".join(str(v.get("name")) for v in value) or "none"
+    return "none" if value is None else str(value)
+
+
+def _check_environment(manifest: Manifest, *, force: bool) -> None:
+    differences = environment_differences(manifest)
+    if not differences:
+        return
+    what = f"snapshot {manifest.id[:12]} was built for another environment: " + "; ".join(
+        differences
+    )
+    if not force:
+        raise NoMatchingSnapshot(
+            f"{what}. Its entries would not hit here; restore it anyway with --force"
+        )
+    echo_err(f"warning: {what} (restoring anyway: --force)")
 
 
 @click.command("inspect")

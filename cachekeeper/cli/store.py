@@ -31,7 +31,11 @@ __all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
 @json_option
 @handle_errors
 def ls_cmd(as_json: bool) -> None:
-    """List snapshots in the local store, newest first."""
+    """List snapshots in the local store, newest first.
+
+    Each with whether a prewarm verified it and the environment it was built for (torch,
+    the CUDA torch was built with, the GPU model; '-' for none).
+    """
     rows = LocalStore().list()
     if as_json:
         emit_json([r.to_dict() for r in rows])
@@ -40,12 +44,14 @@ def ls_cmd(as_json: bool) -> None:
         click.echo("no snapshots in the local store")
         return
     click.echo(
-        f"{'ID':<14}{'WORKLOAD':<20}{'DEVICES':<16}{'FILES':>7}{'SIZE':>12}  VERIFIED  CREATED"
+        f"{'ID':<14}{'WORKLOAD':<20}{'DEVICES':<16}{'FILES':>7}{'SIZE':>12}  VERIFIED  "
+        f"{'TORCH':<18}{'CUDA':<7}{'GPU':<20}CREATED"
     )
     for r in rows:
         click.echo(
             f"{r.id[:12]:<14}{(r.workload or '-')[:19]:<20}{','.join(r.devices)[:15]:<16}"
             f"{r.file_count:>7}{mb(r.size_bytes):>12}  {'yes' if r.verified else 'no':<8}  "
+            f"{(r.torch or '-')[:17]:<18}{(r.cuda or '-')[:6]:<7}{(r.gpu or '-')[:19]:<20}"
             f"{r.created_at:%Y-%m-%d %H:%M}"
         )
 

@@ -1,0 +1,131 @@
+"""The process state that changes what Inductor compiles for the CPU, read without torch.
+
+Inductor's FX graph key (torch/_inductor/codecache.py, ``FxGraphHashDetails``, torch 2.13)
+holds, besides the graph, the inductor config and the torch/Triton/device versions that
+the rest of the fingerprint records:
+
+- ``cpp_runtime_thread_count``: ``torch.get_num_threads()`` whenever the graph has CPU C++
+  kernels and ``TORCHINDUCTOR_CPP_THREADS`` / ``TORCHINDUCTOR_CPP_DYNAMIC_THREADS`` are left
+  at their defaults. torch's intra-op thread count is ``MKL_NUM_THREADS``, else
+  ``OMP_NUM_THREADS``, else the CPUs this process may run on (``os.sched_getaffinity``),
+  and never more than those CPUs. ``torchrun`` sets ``OMP_NUM_THREADS=1``: a cache built by a
+  plain ``prewarm`` on a 32-core builder misses on every rank.
+- the CPU vector ISA (``torch/_inductor/cpu_vec_isa.py``) that the C++ kernels and their
+  compile command are keyed on: the best ISA the CPU has (from ``/proc/cpuinfo``), capped by
+  ``ATEN_CPU_CAPABILITY``.
+- the deterministic-algorithms flags, the default dtype and the CUDA matmul precision
+  (TF32) settings: set by the training code itself, which the workload's entrypoints run,
+  so prewarm compiles under them; nothing in the process environment to record.
+- the device index (``CUDA_VISIBLE_DEVICES`` mapping): the fingerprint's ``gpus`` and the
+  snapshot's ``devices`` hold it.
+
+``state()`` is the fingerprint's ``cpu`` field; ``differences()`` says which of it makes a
+cache built under one state miss under another, in words an operator can act on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["state", "differences", "COMPARED", "THREAD_VARIABLES"]
+
+# The fields of ``state()`` that are in Inductor's key (the rest say where they came from).
+COMPARED = ("threads", "isa", "aten_cpu_capability")
+THREAD_VARIABLES = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+# Inductor's x86 ISAs, best first, with the /proc/cpuinfo flags each needs; then Arm.
+_ISAS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("amx", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile"})),
+    ("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    ("avx2", frozenset({"avx2", "fma"})),
+    ("sve", frozenset({"sve"})),
+    ("neon", frozenset({"asimd"})),
+)
+
+
+def _env_threads(raw: str | None) -> int | None:
+    """An ``OMP_NUM_THREADS``-style value's first number, or None when unset or not one."""
+    if raw is None:
+        return None
+    first = raw.split(",", 1)[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def _affinity_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _isa(flags: frozenset[str]) -> str | None:
+    for name, needs in _ISAS:
+        if needs <= flags:
+            return name
+    return None
+
+
+def state(environ: Mapping[str, str]) -> dict[str, Any]:
+    """This process's CPU compile state (the fingerprint's ``cpu`` field)."""
+    cpus = _affinity_cpus()
+    threads, source = cpus, f"{cpus} cpus this process may use"
+    set_by = {
+        name: value
+        for name in THREAD_VARIABLES
+        if (value := _env_threads(environ.get(name))) is not None
+    }
+    if set_by:  # MKL_NUM_THREADS wins over OMP_NUM_THREADS; name OMP's when both agree
+        value = set_by.get("MKL_NUM_THREADS", set_by.get("OMP_NUM_THREADS"))
+        name = "OMP_NUM_THREADS" if set_by.get("OMP_NUM_THREADS") == value else "MKL_NUM_THREADS"
+        threads, source = min(value or cpus, cpus), f"{name}={environ[name]}"
+    return {
+        "threads": threads,
+        "threads_from": source,
+        "isa": _isa(_cpu_flags()),
+        "aten_cpu_capability": environ.get("ATEN_CPU_CAPABILITY") or None,
+    }
+
+
+def with_threads(cpu: Mapping[str, Any], omp_num_threads: int) -> dict[str, Any]:
+    """``cpu`` as a process with ``OMP_NUM_THREADS=omp_num_threads`` (and no MKL's) has it."""
+    out = dict(cpu)
+    out["threads"] = omp_num_threads
+    out["threads_from"] = f"OMP_NUM_THREADS={omp_num_threads}"
+    return out
+
+
+def differences(node: Any, snapshot: Any) -> list[str]:
+    """Why a CPU cache built under ``snapshot``'s state misses under ``node``'s (empty: it hits).
+
+    Either side missing (a fingerprint from before schema 2) is no difference: it cannot be
+    checked, and ``unchecked`` callers say so.
+    """
+    if not isinstance(node, Mapping) or not isinstance(snapshot, Mapping):
+        return []
+    out: list[str] = []
+    if node.get("threads") != snapshot.get("threads"):
+        out.append(
+            f"built with {snapshot.get('threads')} threads ({snapshot.get('threads_from')}); "
+            f"this job has {node.get('threads')} ({node.get('threads_from')}): set "
+            f"[process] omp_num_threads = {node.get('threads')} in the workload and prewarm "
+            "again, or run the job with the builder's thread count"
+        )
+    for key, what in (("isa", "CPU vector ISA"), ("aten_cpu_capability", "ATEN_CPU_CAPABILITY")):
+        if node.get(key) != snapshot.get(key):
+            out.append(f"built for {what} {snapshot.get(key)}; this node has {node.get(key)}")
+    return out
