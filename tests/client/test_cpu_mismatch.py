@@ -1,0 +1,83 @@
+"""Issue 17.4: the hook names a CPU thread-count mismatch (no compile: the snapshot's files
+are stand-ins; what is checked is the server's match and the hook's cold line).
+
+A CPU snapshot built with 2 threads, a job with torchrun's ``OMP_NUM_THREADS=1``: the
+real hook process starts cold saying why, and with ``OMP_NUM_THREADS=2`` it restores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cachekeeper.server.settings import Settings
+
+from cachekeeper import cpu
+from cachekeeper.fingerprint import collect
+from tests.helpers.live_server import LiveServer, start_server
+from tests.server.conftest import make_snapshot, push
+
+CK = str(Path(sys.executable).parent / "cachekeeper")
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD = REPO / "examples" / "workloads" / "cpu-tiny.toml"
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[LiveServer]:
+    server = start_server(Settings(data_dir=tmp_path / "server"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _prejob(live: LiveServer, tmp_path: Path, threads: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CACHEKEEPER_", "TORCHINDUCTOR_")) and k != "MKL_NUM_THREADS"
+    }
+    env.update(
+        CACHEKEEPER_SERVER=live.url,
+        CACHEKEEPER_HOME=str(tmp_path / f"home{threads}"),
+        OMP_NUM_THREADS=threads,
+    )
+    command = [CK, "prejob", "--workload", "cpu-tiny", "--device", "cpu",
+               "--cache-dir", str(tmp_path / f"cache{threads}")]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
+def test_prejob_names_the_thread_count_a_cpu_snapshot_was_built_with(
+    live: LiveServer, tmp_path: Path
+) -> None:
+    node = collect(environ={})  # this machine, as the hook process collects it
+    built = dict(node, cpu=cpu.with_threads(node["cpu"], 2))
+    manifest, blobs = make_snapshot(
+        {"fxgraph/ab/entry": b"graph"},
+        workload="cpu-tiny",
+        fingerprint=built,
+        devices=("cpu",),
+        verified=True,
+    )
+    with httpx.Client(base_url=live.url) as c:
+        assert c.put("/v1/workloads/cpu-tiny", content=WORKLOAD.read_bytes()).is_success
+        assert push(c, manifest, blobs).status_code == 201
+
+    cold = _prejob(live, tmp_path, "1")
+    assert cold.returncode == 0, cold.stderr
+    assert "this job will compile cold" in cold.stderr, cold.stderr
+    assert (
+        "cpu: built with 2 threads (OMP_NUM_THREADS=2); this job has 1 (OMP_NUM_THREADS=1)"
+        in cold.stderr
+    ), cold.stderr
+    assert not (tmp_path / "cache1" / "fxgraph").exists()
+
+    warm = _prejob(live, tmp_path, "2")
+    assert warm.returncode == 0, warm.stderr
+    assert (tmp_path / "cache2" / "fxgraph" / "ab" / "entry").read_bytes() == b"graph"
