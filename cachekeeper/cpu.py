@@ -13,9 +13,11 @@ the rest of the fingerprint records:
 - the CPU vector ISA (``torch/_inductor/cpu_vec_isa.py``) that the C++ kernels and their
   compile command are keyed on: the best ISA the CPU has (from ``/proc/cpuinfo``), capped by
   ``ATEN_CPU_CAPABILITY``.
-- the deterministic-algorithms flags, the default dtype and the CUDA matmul precision
+- the deterministic-algorithms flags, the default dtype, grad mode (AOTAutograd's key,
+  ``torch/_functorch/_aot_autograd/autograd_cache.py``) and the CUDA matmul precision
   (TF32) settings: set by the training code itself, which the workload's entrypoints run,
-  so prewarm compiles under them; nothing in the process environment to record.
+  so prewarm compiles under them. The one variable that sets one of them at start-up,
+  ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE``, is in the fingerprint's ``env``.
 - the device index (``CUDA_VISIBLE_DEVICES`` mapping): the fingerprint's ``gpus`` and the
   snapshot's ``devices`` hold it.
 

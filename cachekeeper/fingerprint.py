@@ -51,6 +51,9 @@ DriverPolicy = Literal["newer", "exact", "any"]
 # Environment variables that change Inductor/Dynamo keys or behaviour. Paths and pure
 # logging switches do not change what is compiled, so they stay out of the fingerprint.
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
+# Outside those prefixes: TORCH_ALLOW_TF32_CUBLAS_OVERRIDE turns TF32 matmuls on at start-up,
+# and the CUDA matmul precision is in Inductor's FX graph key (torch 2.13).
+_ENV_NAMES = frozenset({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"})
 _ENV_IGNORED = frozenset(
     {
         "TORCHINDUCTOR_CACHE_DIR",
@@ -220,7 +223,7 @@ def _compile_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED
+        if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES) and k not in _ENV_IGNORED
     }
 
 

@@ -45,10 +45,13 @@ def test_env_overrides_and_compile_env() -> None:
         environ={
             "TORCHINDUCTOR_MAX_AUTOTUNE": "1",
             "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",
+            "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",
+            "OMP_NUM_THREADS": "1",
             "CACHEKEEPER_FINGERPRINT_OVERRIDES": json.dumps({"torch": "fake"}),
         }
     )
-    assert fp["env"] == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+    assert fp["env"] == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}
+    assert fp["cpu"]["threads"] == 1 and fp["cpu"]["threads_from"] == "OMP_NUM_THREADS=1"
     assert fp["torch"] == "fake"
 
 
