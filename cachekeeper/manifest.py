@@ -12,8 +12,16 @@ A manifest is JSON::
       "files": [{"path": "fxgraph/ab/..", "digest": "<sha256>", "size_bytes": 123, "mode": 420}],
       "stats": {...} | null,                 # prewarm / verify statistics (verified when
                                              # stats["verify"]["effective"] is true)
-      "signature": {"key_id": "...", "signature": "<base64>"} | null
-    }
+      "signature": {"key_id": "...", "signature": "<base64>"} | null,
+      "source": "harvest",                   # only on a harvested delta (absent otherwise)
+      "parent": "<snapshot id>"              # only on a harvested delta: the snapshot it
+    }                                        # was compiled on top of
+
+``source`` and ``parent`` appear only when set, so manifests without them (every snapshot
+before harvesting existed) keep their ids and stay valid. A harvested delta
+(``cachekeeper postjob --push``) holds only what one job compiled on top of ``parent``; it
+is never verified (``verified`` is False whatever its stats say) and resolve never picks it
+as a node's snapshot: a server with ``--serve-harvested`` offers it after its parent.
 
 A snapshot's id is the sha256 of the canonical JSON of the manifest *without* its
 signature, so signing a manifest does not change its id, and the signature covers the id.
@@ -44,6 +52,7 @@ __all__ = [
 ]
 
 FORMAT = 1
+SOURCES = ("harvest",)  # the values ``source`` may take (absent: a built snapshot)
 MAX_FILES = 200_000
 MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -124,6 +133,8 @@ class Manifest:
     signature: dict[str, Any] | None = None
     format: int = FORMAT
     fingerprint_digest: str = field(default="")
+    source: str | None = None  # "harvest" for a harvested delta
+    parent: str | None = None  # a harvested delta's parent snapshot id
 
     def __post_init__(self) -> None:
         if not self.fingerprint_digest:
@@ -134,7 +145,7 @@ class Manifest:
 
     # -- identity -----------------------------------------------------------------------
     def unsigned_dict(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": self.format,
             "workload": self.workload,
             "workload_digest": self.workload_digest,
@@ -144,6 +155,11 @@ class Manifest:
             "files": [f.to_dict() for f in self.files],
             "stats": self.stats,
         }
+        if self.source is not None:  # absent unless set: older manifests keep their ids
+            body["source"] = self.source
+        if self.parent is not None:
+            body["parent"] = self.parent
+        return body
 
     def to_dict(self) -> dict[str, Any]:
         body = self.unsigned_dict()
@@ -172,6 +188,8 @@ class Manifest:
 
     @property
     def verified(self) -> bool:
+        if self.source == "harvest":  # what a job compiled: nothing proved it effective
+            return False
         verify = (self.stats or {}).get("verify") or {}
         return bool(verify.get("effective"))
 
@@ -212,6 +230,12 @@ class Manifest:
         signature = raw.get("signature")
         if signature is not None and not isinstance(signature, dict):
             raise InvalidManifest("manifest 'signature' is not an object")
+        source = raw.get("source")
+        if source is not None and source not in SOURCES:
+            raise InvalidManifest(f"manifest 'source' {source!r} is not one of {SOURCES}")
+        parent = raw.get("parent")
+        if parent is not None and not is_digest(parent):
+            raise InvalidManifest("manifest 'parent' is not a snapshot id (sha256 hex)")
         fp_digest = raw.get("fingerprint_digest") or digest_of(fingerprint)
         if fp_digest != digest_of(fingerprint):
             raise InvalidManifest("manifest 'fingerprint_digest' does not match its fingerprint")
@@ -225,6 +249,8 @@ class Manifest:
             stats=stats,
             signature=signature,
             fingerprint_digest=fp_digest,
+            source=source,
+            parent=parent,
         )
 
     @classmethod

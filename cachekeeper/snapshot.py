@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +102,13 @@ def snapshot_dir(
     stats: dict[str, Any] | None = None,
     fingerprint: dict[str, Any] | None = None,
     sign_key: str | os.PathLike[str] | None = None,
+    only: Collection[str] | None = None,
+    parent: str | None = None,
 ) -> Manifest:
     """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest.
+
+    With ``only`` (relative paths) and ``parent`` (a snapshot id): a harvested delta of
+    just those files, ``source="harvest"``, parented on ``parent`` (never verified).
 
     With ``sign_key`` (an Ed25519 ``PREFIX.key``), the manifest is signed before it is
     saved; the key is read first, so a bad key fails before any hashing.
@@ -116,6 +122,8 @@ def snapshot_dir(
     root = Path(root)
     if sign_key is not None:
         load_signing_key(sign_key)  # fail early on a missing or wrong key
+    if parent is not None:
+        stats = {"harvest": {"parent": parent}}  # not the prewarm's stats: nothing verified it
     if workload is None and stats is None:
         recorded = recorded_workloads(root)
         workload = recorded[0] if len(recorded) == 1 else None
@@ -127,6 +135,9 @@ def snapshot_dir(
             workload_digest = workload_digest or record.get("workload_digest")
             devices = devices if devices is not None else record.get("devices")
     files = scan_dir(root)
+    if only is not None:
+        wanted = set(only)
+        files = [f for f in files if f[0] in wanted]
     fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
     if fingerprint is None and record is not None and isinstance(record.get("cpu"), dict):
         fp = {**fp, "cpu": record["cpu"]}  # what the prewarm's children compiled under
@@ -141,6 +152,8 @@ def snapshot_dir(
         workload=workload,
         workload_digest=workload_digest,
         stats=stats,
+        source=None if parent is None else "harvest",
+        parent=parent,
     )
     if sign_key is not None:
         manifest = sign_manifest(manifest, sign_key)

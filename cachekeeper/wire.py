@@ -217,6 +217,9 @@ class ResolveAnswer:
     # URL of the snapshot's archive (the format of GET /v1/snapshots/{id}/archive). None
     # from a local-dir server and from old servers: the node uses the archive route.
     archive_url: str | None = None
+    # Harvested deltas of ``snapshot`` for this environment (oldest first), restored after
+    # it; only from a server run with --serve-harvested, else empty.
+    deltas: tuple[Summary, ...] = ()
 
     @property
     def snapshot_id(self) -> str | None:

@@ -221,6 +221,8 @@ def summary_line(report: PostjobReport) -> str:
         f" ({report.new_bytes / 1e6:.1f} MB)"
     )
     line = f"cachekeeper: postjob: the job compiled {what} {on}"
+    if report.pushed_snapshot_id:
+        line += f"; harvested as snapshot {report.pushed_snapshot_id[:12]}"
     if report.snapshot_id:
         line += (
             "; the workload file does not match training: run `cachekeeper explain` and see"
@@ -240,9 +242,17 @@ def postjob(
     fingerprint: dict[str, Any] | None = None,
     report: bool = True,
     timeout_s: float = REPORT_TIMEOUT_S,
+    push: bool = False,
+    sign_key: str | os.PathLike[str] | None = None,
 ) -> PostjobReport:
     """Count what the job compiled on top of the restore and report it; never raises for a
-    server or cache-dir problem (see ``error``)."""
+    server or cache-dir problem (see ``error``).
+
+    With ``push`` (a write-scope token), what the job compiled is also uploaded as a
+    harvested delta of the same workload and fingerprint, parented on the restored snapshot
+    (``pushed_snapshot_id``; a failure is a ``warning``). Nothing is pushed after a cold
+    start (no parent) or when nothing new was compiled.
+    """
     from cachekeeper.fingerprint import collect, digest_of  # the hook's start-up budget
 
     started = time.monotonic()
@@ -290,6 +300,18 @@ def postjob(
         timeout_s=timeout_s,
     )
     warning = None
+    pushed = None
+    if push:
+        pushed, warning = _harvest(
+            target,
+            diff,
+            workload=workload,
+            server=server,
+            token=token,
+            fingerprint=fingerprint,
+            sign_key=sign_key,
+            timeout_s=timeout_s,
+        )
     if reported or not (report and server):
         try:
             _record_seen(target, diff)
@@ -307,4 +329,43 @@ def postjob(
         new_files=len(diff.new_files),
         reported=reported,
         warning=warning,
+        pushed_snapshot_id=pushed,
     )
+
+
+def _harvest(
+    cache_dir: Path,
+    diff: CacheDiff,
+    *,
+    workload: str,
+    server: str | None,
+    token: str | None,
+    fingerprint: dict[str, Any],
+    sign_key: str | os.PathLike[str] | None,
+    timeout_s: float,
+) -> tuple[str | None, str | None]:
+    """Push the job's new files as a harvested delta: (its id, None) or (None, why not)."""
+    if not diff.compiled:
+        return None, None
+    if diff.snapshot_id is None:
+        return None, "nothing harvested: no snapshot was restored here to layer it on"
+    if not server:
+        return None, "nothing harvested: no server (--server or CACHEKEEPER_SERVER)"
+    from .api import CacheClient  # only with --push: httpx and the snapshot stack
+    from .push import push as push_snapshot
+
+    try:
+        with CacheClient(base_url=server, token=token, timeout_s=max(timeout_s, 30.0)) as client:
+            done = push_snapshot(
+                cache_dir,
+                client=client,
+                workload=workload,
+                fingerprint=fingerprint,
+                sign_key=sign_key,
+                only=[path for path, _size in diff.new_files],
+                parent=diff.snapshot_id,
+            )
+    except (CachekeeperError, OSError) as exc:
+        detail = exc.detail if isinstance(exc, CachekeeperError) else str(exc)
+        return None, f"harvest not pushed: {detail}"
+    return done.snapshot_id, None

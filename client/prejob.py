@@ -169,10 +169,13 @@ def _work(
             },
             timeout_s=deadline.bound(timeout_s) / 2,  # leave the full client time to retry
         )
-        # The fast path: the restore's own already-restored check, on the quick answer.
-        if quick is not None and is_restored(quick, cache_dir, trusted_key_ids=key_ids):
-            result.snapshot_id, result.outcome = quick, "already_restored"
-            return
+        # The fast path: the restore's own already-restored check, on the quick answer
+        # (the snapshot and every harvested delta the server offers after it).
+        if quick is not None and quick.snapshot_id is not None:
+            held = [quick.snapshot_id, *(d.id for d in quick.deltas)]
+            if all(is_restored(i, cache_dir, trusted_key_ids=key_ids) for i in held):
+                result.snapshot_id, result.outcome = quick.snapshot_id, "already_restored"
+                return
 
         from .api import CacheClient  # not on the fast path: httpx alone costs ~130 ms
         from .pull import pull  # the restore stack: only when a restore may be due
@@ -203,13 +206,13 @@ def _work(
 
 def _quick_resolve(
     server: str | None, *, token: str | None, body: dict[str, Any], timeout_s: float
-) -> str | None:
-    """The resolved snapshot id from one stdlib POST /v1/resolve; None on any trouble."""
+) -> ResolveAnswer | None:
+    """The answer of one stdlib POST /v1/resolve; None on any trouble."""
     answer = post_json(server, "/v1/resolve", body, token=token, timeout_s=timeout_s)
     if answer is None or answer[0] != 200:
         return None
     try:
-        return from_dict(ResolveAnswer, json.loads(answer[1])).snapshot_id
+        return from_dict(ResolveAnswer, json.loads(answer[1]))
     except ValueError:  # WireError is a ValueError
         return None
 

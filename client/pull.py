@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import tarfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,6 +58,8 @@ class PullReport:
     conflicts: tuple[str, ...] = ()  # paths kept as they were (see cachekeeper.restore)
     archive_from: str = "server"  # "object_store" when the bytes came from a presigned URL
     fallback_reason: str | None = None  # why a presigned download was given up for the server
+    deltas: tuple[str, ...] = ()  # harvested deltas restored (or already there) after it
+    delta_problems: tuple[str, ...] = ()  # deltas not restored, one line each (why)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +74,8 @@ class PullReport:
             "conflicts": list(self.conflicts),
             "archive_from": self.archive_from,
             "fallback_reason": self.fallback_reason,
+            "deltas": list(self.deltas),
+            "delta_problems": list(self.delta_problems),
         }
 
 
@@ -219,7 +223,49 @@ def pull(
         source = _ServerSnapshot(
             client, snapshot_id, deadline, archive_url=resolution.archive_url, objects=objects
         )
-        return _restore(source, resolution, workload, cache_dir, attempts, trusted_keys)
+        report = _restore(source, resolution, workload, cache_dir, attempts, trusted_keys)
+    if not resolution.deltas:
+        return report
+    return _restore_deltas(
+        report, client, resolution, workload, cache_dir, attempts, trusted_keys, deadline
+    )
+
+
+def _restore_deltas(
+    report: PullReport,
+    client: CacheClient,
+    resolution: Resolution,
+    workload: str,
+    cache_dir: Path,
+    attempts: int,
+    trusted_keys: Sequence[TrustedKey] | None,
+    deadline: Deadline | None,
+) -> PullReport:
+    """Restore the harvested deltas after the snapshot, by the same restore and rules.
+
+    A delta that cannot be restored (unsigned under a trust list, cut off, conflicting) is
+    one line in ``delta_problems``; the snapshot restored before it stands.
+    """
+    done: list[str] = []
+    problems: list[str] = []
+    fetched = report.blobs_fetched
+    for delta in resolution.deltas:
+        if deadline is not None and deadline.expired:
+            problems.append(f"{delta.id[:12]}: out of time")
+            continue
+        source = _ServerSnapshot(client, delta.id, deadline)
+        try:
+            got = _restore(source, resolution, workload, cache_dir, attempts, trusted_keys)
+        except CachekeeperError as exc:
+            problems.append(f"{delta.id[:12]}: {exc.detail}")
+            continue
+        fetched += got.blobs_fetched
+        if got.conflicts:
+            problems.append(f"{delta.id[:12]}: {len(got.conflicts)} file(s) kept as they were")
+        done.append(delta.id)
+    return replace(
+        report, deltas=tuple(done), delta_problems=tuple(problems), blobs_fetched=fetched
+    )
 
 
 def _restore(

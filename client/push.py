@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -131,8 +131,13 @@ def push(
     fingerprint: dict[str, Any] | None = None,
     sign_key: str | os.PathLike[str] | None = None,
     require_registered: bool = False,
+    only: Collection[str] | None = None,
+    parent: str | None = None,
 ) -> PushReport:
     """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish.
+
+    With ``only`` and ``parent``: a harvested delta of only those paths, parented on the
+    snapshot ``parent`` (``cachekeeper postjob --push``; see ``snapshot_dir``).
 
     With ``sign_key``, the published manifest carries an Ed25519 signature by that key.
     With ``require_registered``, a workload the server has no registration of is refused
@@ -152,6 +157,8 @@ def push(
             fingerprint=fingerprint,
             sign_key=sign_key,
             require_registered=require_registered,
+            only=only,
+            parent=parent,
         )
     except (Unauthorized, Forbidden) as exc:
         if exc.extra.get("scope") == "write":
@@ -203,6 +210,8 @@ def _push(
     fingerprint: dict[str, Any] | None,
     sign_key: str | os.PathLike[str] | None,
     require_registered: bool,
+    only: Collection[str] | None = None,
+    parent: str | None = None,
 ) -> PushReport:
     if require_registered:
         check_registered(client, workload)
@@ -213,6 +222,8 @@ def _push(
         workload=workload,
         fingerprint=fingerprint,
         sign_key=sign_key,
+        only=only,
+        parent=parent,
     )
     done = upload_missing(manifest, client=client, store=store, workers=workers, progress=progress)
     try:

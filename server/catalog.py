@@ -4,7 +4,8 @@ Tables::
 
     snapshots       id (manifest sha256), workload, fingerprint_digest, fingerprint (JSON),
                     devices (JSON), verified, signed, stats (JSON), size_bytes, file_count,
-                    created_at, last_used_at, pinned, manifest (JSON text, signature included)
+                    created_at, last_used_at, pinned, manifest (JSON text, signature included),
+                    source ("harvest" or NULL), parent (a harvested delta's parent id)
     blobs           digest, size_bytes (uncompressed), stored_bytes (zstd at rest),
                     created_at, last_access_at
     snapshot_blobs  (snapshot_id, digest): which blobs each snapshot references
@@ -152,6 +153,15 @@ def _create_agent_events(db: sqlite_utils.Database) -> None:
     )
 
 
+def _add_harvest_columns(db: sqlite_utils.Database) -> None:
+    """``source`` and ``parent`` (harvested deltas), added to older databases in place."""
+    table = db.table("snapshots")
+    for name in ("source", "parent"):
+        if name not in table.columns_dict:
+            table.add_column(name, str)
+    table.create_index(["parent"], if_not_exists=True)
+
+
 def _create_job_reports(db: sqlite_utils.Database) -> None:
     db.table("job_reports").create(
         {
@@ -188,6 +198,7 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_agents_events,
     _create_agent_events,
     _create_job_reports,
+    _add_harvest_columns,
 ]
 
 
@@ -338,7 +349,7 @@ class Catalog:
         """Snapshots of a workload with what resolve compares, newest first."""
         sql = (
             f"SELECT {_SUMMARY_COLUMNS}, fingerprint FROM snapshots WHERE workload IS ?"
-            " ORDER BY created_at DESC, id LIMIT ?"
+            " AND source IS NULL ORDER BY created_at DESC, id LIMIT ?"
         )
         return self.rows(sql, [workload, limit])
 
@@ -370,6 +381,17 @@ class Catalog:
             [snapshot_id],
         )
         return {r["digest"]: r["size_bytes"] for r in rows}
+
+    def harvested_deltas(
+        self, parent_id: str, *, fingerprint_digest: str, limit: int = 32
+    ) -> list[dict[str, Any]]:
+        """SUMMARYs of the harvested deltas of ``parent_id`` for one environment, oldest first."""
+        rows = self.rows(
+            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE parent = ? AND source = 'harvest'"
+            " AND fingerprint_digest = ? ORDER BY created_at, id LIMIT ?",
+            [parent_id, fingerprint_digest, limit],
+        )
+        return [summary_of(r) for r in rows]
 
     # -- workloads --------------------------------------------------------------------
     def put_workload(self, *, name: str, toml: str, digest: str) -> dict[str, Any]:

@@ -69,11 +69,17 @@ def resolve(storage: Storage, body: ResolveRequest) -> dict[str, Any]:
         }
     (verified, exact, _created), best = max(hits, key=lambda h: h[0])
     storage.catalog.touch_snapshot(best["id"])
+    deltas = (
+        storage.catalog.harvested_deltas(best["id"], fingerprint_digest=best["fingerprint_digest"])
+        if storage.settings.serve_harvested
+        else []
+    )
     return {
         "snapshot": best,
         "verified": bool(verified),
         "exact": bool(exact),
         "near_misses": near_out,
+        "deltas": deltas,
     }
 
 

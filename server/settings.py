@@ -143,6 +143,9 @@ class Settings(BaseSettings):
     anonymous_read: bool = False
     # Serving a non-loopback address with no tokens is refused unless this is set.
     insecure_no_auth: bool = False
+    # Offer harvested deltas (``cachekeeper postjob --push``) after the snapshot they were
+    # compiled on top of, in resolve's ``deltas``. Off: they are stored but never served.
+    serve_harvested: bool = False
     max_blob_bytes: int = 2 << 30
     max_manifest_bytes: int = 64 << 20
     max_files: int = MAX_FILES

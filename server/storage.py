@@ -134,6 +134,8 @@ class Storage:
             "last_used_at": None,
             "pinned": 0,
             "manifest": manifest.to_json(),
+            "source": manifest.source,
+            "parent": manifest.parent,
         }
         with self.catalog.writing() as db:
             if db.execute("SELECT 1 FROM snapshots WHERE id = ?", [snapshot_id]).fetchone():

@@ -20,6 +20,7 @@ from cachekeeper.cli._common import (
     server_option,
     token_option,
 )
+from cachekeeper.cli.keys import sign_key_option
 from cachekeeper.client.postjob import REPORT_TIMEOUT_S, postjob, summary_line
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
@@ -52,6 +53,13 @@ __all__ = ["postjob_cmd"]
     "--strict", is_flag=True, help="Exit non-zero when nothing could be counted or reported."
 )
 @click.option("--no-report", is_flag=True, help="Count and print only; tell the server nothing.")
+@click.option(
+    "--push",
+    is_flag=True,
+    help="Also upload what the job compiled as a harvested delta of the restored snapshot "
+    "(write scope; unverified; served only by a server run with --serve-harvested).",
+)
+@sign_key_option
 @json_option
 @handle_errors
 def postjob_cmd(
@@ -63,6 +71,8 @@ def postjob_cmd(
     timeout_s: float,
     strict: bool,
     no_report: bool,
+    push: bool,
+    sign_key: Path | None,
     as_json: bool,
 ) -> None:
     """Post-job hook: count what the job compiled on top of the restored snapshot; report it.
@@ -72,7 +82,9 @@ def postjob_cmd(
     bytes. Prints one line (--json: a report) and reports to the server (POST /v1/reports).
     A job that compiled on top of a restored snapshot means the workload file does not
     match training (see cachekeeper explain). Never deletes anything and never fails the
-    job: exits 0 whatever happens, unless --strict.
+    job: exits 0 whatever happens, unless --strict. With --push, what the job compiled is
+    uploaded as a harvested delta (unverified, source=harvest) parented on the restored
+    snapshot; a server run with --serve-harvested offers it to later prejobs after it.
     """
     try:
         devices = requested_devices(device) if device else None
@@ -86,6 +98,8 @@ def postjob_cmd(
         devices=devices,
         report=not no_report,
         timeout_s=timeout_s,
+        push=push,
+        sign_key=sign_key,
     )
     if as_json:
         emit_json(report.to_dict())

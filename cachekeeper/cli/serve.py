@@ -48,6 +48,11 @@ __all__ = ["serve_cmd"]
     default=None,
     help="Serve a non-loopback address (0.0.0.0, ...) with no tokens, open to anyone who can reach it.",
 )
+@click.option(
+    "--serve-harvested/--no-serve-harvested",
+    default=None,
+    help="Offer harvested deltas (postjob --push) after their parent snapshot [default: off].",
+)
 @handle_errors
 def serve_cmd(
     host: str | None,
@@ -57,6 +62,7 @@ def serve_cmd(
     tokens: tuple[str, ...],
     anonymous_read: bool | None,
     insecure_no_auth: bool | None,
+    serve_harvested: bool | None,
 ) -> None:
     """Run the cache server (FastAPI under uvicorn) until interrupted.
 
@@ -96,6 +102,7 @@ def serve_cmd(
         data_dir=data_dir,
         anonymous_read=anonymous_read,
         insecure_no_auth=insecure_no_auth,
+        serve_harvested=serve_harvested,
         tokens=flag_tokens,
     )
     for warning in stray_variables(os.environ):

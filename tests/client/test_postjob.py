@@ -16,12 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 from cachekeeper.client.api import CacheClient
-from cachekeeper.client.postjob import diff_cache, kind_of, postjob
+from cachekeeper.client.postjob import diff_cache, kind_of, postjob, summary_line
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import collect
+from cachekeeper.signing import generate_keypair
 from tests.client.test_prejob import make_cache
 from tests.helpers.live_server import LiveServer, start_server
 
@@ -182,3 +183,46 @@ def test_postjob_without_a_server_counts_and_remembers(tmp_path: Path) -> None:
     assert first.entries == {"fxgraph": 1, "aotautograd": 1, "triton": 0, "other": 2}
     second = postjob(workload="wl", server=None, cache_dir=cache)
     assert second.outcome == "clean" and second.new_files == 0
+
+
+def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Path) -> None:
+    """postjob --push publishes a delta that resolve never picks as the snapshot; only a
+    --serve-harvested server offers it, and a trust list refuses an unsigned one while the
+    signed snapshot under it is still restored."""
+    key, pub, _ = generate_keypair(tmp_path / "builder")
+    fingerprint = collect()
+    src = tmp_path / "src"
+    make_cache(src)
+    for serve_harvested in (False, True):
+        data = tmp_path / f"data-{serve_harvested}"
+        settings = Settings(data_dir=data, tokens=TOKENS, serve_harvested=serve_harvested)
+        with start_server(settings) as live:
+            with CacheClient(base_url=live.url, token="write-token") as client:
+                base = push(
+                    src, client=client, workload="wl", fingerprint=fingerprint, sign_key=key
+                )
+            node_a = tmp_path / f"a-{serve_harvested}"
+            assert (
+                prejob(workload="wl", server=live.url, token="read-token", cache_dir=node_a).outcome
+                == "restored"
+            )
+            compile_more(node_a, "h")
+            done = postjob(
+                workload="wl", server=live.url, token="write-token", cache_dir=node_a, push=True
+            )
+            assert done.pushed_snapshot_id is not None, done
+            assert "harvested as snapshot" in summary_line(done)
+
+            node_b = tmp_path / f"b-{serve_harvested}"
+            got = prejob(workload="wl", server=live.url, token="read-token", cache_dir=node_b)
+            assert got.outcome == "restored" and got.snapshot_id == base.snapshot_id
+            harvested = (node_b / "fxgraph" / "zz" / "key-h" / "entry").exists()
+            assert harvested is serve_harvested
+
+            # A trust list covers the delta too: unsigned, it is not restored.
+            node_c = tmp_path / f"c-{serve_harvested}"
+            trusted = prejob(
+                workload="wl", server=live.url, token="read-token", cache_dir=node_c, trust=[pub]
+            )
+            assert trusted.outcome == "restored", trusted
+            assert not (node_c / "fxgraph" / "zz" / "key-h").exists()

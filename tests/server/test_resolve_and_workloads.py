@@ -63,6 +63,8 @@ def test_ranking_verified_exact_newest(client: httpx.Client) -> None:
         "near_misses": [],
         "reason": "no workload 'no-such-workload' is registered on this server, and no snapshot"
         " names it",
+        "archive_url": None,
+        "deltas": [],
     }
 
 
