@@ -71,6 +71,7 @@ def test_round_trip_keeps_every_field_in_order():
         ],
         "reason": "no snapshot matches",
         "archive_url": None,
+        "deltas": [{**summary(), "id": "e" * 64}],
     }
     parsed = from_dict(ResolveAnswer, answer)
     assert parsed.near_misses[0].snapshot_id == DIGEST
