@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
@@ -88,7 +89,8 @@ def _kill_loop(
 def archive(cache_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("kill-home")
     store = LocalStore(home=home)
-    manifest = snapshot_dir(cache_tree, store=store, fingerprint={"schema": 1})
+    # this node's own fingerprint: `cachekeeper restore` refuses another environment's
+    manifest = snapshot_dir(cache_tree, store=store, fingerprint=collect())
     out = home / "snap.tar.zst"
     write_archive(manifest, store.blobs, out)
     yield out

@@ -21,6 +21,7 @@ import zstandard
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import UnsafePath
+from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import is_restored, restore, restore_archive
 from cachekeeper.signing import generate_keypair, load_public_key, sign_manifest
@@ -52,7 +53,8 @@ def _cache(root: Path) -> Path:
 
 @pytest.fixture
 def archive(store: LocalStore, tmp_path: Path) -> Path:
-    manifest = snapshot_dir(_cache(tmp_path / "src"), store=store, fingerprint=FP)
+    # this node's own fingerprint: `cachekeeper restore` refuses another environment's
+    manifest = snapshot_dir(_cache(tmp_path / "src"), store=store, fingerprint=collect())
     out = tmp_path / "snap.tar.zst"
     write_archive(manifest, store.blobs, out)
     return out
