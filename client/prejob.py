@@ -73,6 +73,8 @@ class PrejobReport:
     reason: str | None = None  # why the job compiles cold; None otherwise
     error: CachekeeperError | None = field(default=None, repr=False, compare=False)
     reported: bool = False  # the server stored this outcome (POST /v1/reports)
+    deltas: tuple[str, ...] = ()  # harvested deltas restored after the snapshot
+    delta_problems: tuple[str, ...] = ()  # deltas not restored, one line each (why)
 
     @property
     def cold(self) -> bool:
@@ -90,6 +92,8 @@ class PrejobReport:
             "reason": self.reason,
             "error": None if self.error is None else self.error.code,
             "reported": self.reported,
+            "deltas": list(self.deltas),
+            "delta_problems": list(self.delta_problems),
         }
 
 
@@ -134,6 +138,8 @@ class _Outcome:
     snapshot_id: str | None = None
     blobs_fetched: int = 0
     error: CachekeeperError | None = None
+    deltas: tuple[str, ...] = ()
+    delta_problems: tuple[str, ...] = ()
 
 
 def _work(
@@ -196,6 +202,7 @@ def _work(
                 on_resolved=resolved,
             )
         result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
+        result.deltas, result.delta_problems = done.deltas, done.delta_problems
     except CachekeeperError as exc:
         result.error = exc
     except OSError as exc:  # an unwritable or full cache dir: the job still runs, cold
@@ -319,6 +326,8 @@ def prejob(
         reason=reason,
         error=error,
         reported=reported,
+        deltas=result.deltas,
+        delta_problems=result.delta_problems,
     )
 
 

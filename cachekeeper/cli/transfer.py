@@ -315,6 +315,8 @@ def prejob_cmd(
         report=not no_report,
     )
     lines = export_lines(report.exports)
+    for problem in report.delta_problems:
+        echo_err(f"cachekeeper: a harvested delta was not restored: {problem}")
     if report.cold:
         echo_err(cold_line(report.reason or "unknown reason"))
         if strict:

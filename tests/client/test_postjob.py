@@ -218,6 +218,7 @@ def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Pa
             assert got.outcome == "restored" and got.snapshot_id == base.snapshot_id
             harvested = (node_b / "fxgraph" / "zz" / "key-h" / "entry").exists()
             assert harvested is serve_harvested
+            assert got.deltas == ((done.pushed_snapshot_id,) if serve_harvested else ())
 
             # A trust list covers the delta too: unsigned, it is not restored.
             node_c = tmp_path / f"c-{serve_harvested}"
@@ -226,3 +227,4 @@ def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Pa
             )
             assert trusted.outcome == "restored", trusted
             assert not (node_c / "fxgraph" / "zz" / "key-h").exists()
+            assert trusted.deltas == () and len(trusted.delta_problems) == int(serve_harvested)
