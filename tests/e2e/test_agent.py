@@ -260,10 +260,10 @@ def test_a_hang_times_out_and_sigterm_abandons_a_build_cleanly(tmp_path: Path) -
             time.sleep(0.2)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        started = time.monotonic()
+        # Hang guard, not a speed claim: the child sleeps 600 s, so returning at all within
+        # 60 s means it was abandoned, not waited for (the children-killed check below).
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
-        assert time.monotonic() - started < 30  # abandoned, not waited for (600 s sleep)
         assert "agent stopped" in err
         assert _processes_mentioning(str(work / "build-hang-a-")) == []  # children killed
         assert list(work.iterdir()) == [leftover]
