@@ -343,6 +343,8 @@ def open_archive_stream(fh: BinaryIO, *, read_bytes: int = _READ_BYTES) -> Binar
 def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
     """Read the first member of an uncompressed tar stream; it must be ``manifest.json``.
 
+    The stream is left at the next member's header (``iter_tar`` reads the blobs on).
+
     Raises ``UnsupportedFormat`` for anything that is not an archive, and
     ``InvalidManifest`` for a manifest over ``MAX_MANIFEST_BYTES`` or ``MAX_FILES``.
     """
@@ -357,6 +359,7 @@ def read_manifest_member(stream: BinaryIO, *, source: str) -> Manifest:
                 f"{source}: {MANIFEST_MEMBER} is {member.size} bytes, over {MAX_MANIFEST_BYTES}"
             )
         data = _read_all(member.stream, member.size)
+        _skip(stream, _pad_bytes(member.size))  # at the next header: blobs read on from here
     except (TarFormatError, zstandard.ZstdError) as exc:
         raise UnsupportedFormat(f"{source} is not a cachekeeper archive: {exc}") from exc
     check_entry_count(data, source=source)

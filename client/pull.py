@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from cachekeeper.archive import read_manifest_member
 from cachekeeper.errors import (
     BlobMissing,
     CachekeeperError,
@@ -139,17 +140,41 @@ class _ServerSnapshot:
         self.fetched_manifest: Manifest | None = None
         self.archive_from = "server"
         self.fallback_reason: str | None = None
+        self._opened: BinaryIO | None = None  # the archive stream, manifest read from it
 
     def manifest(self) -> Manifest:
         if self.fetched_manifest is None:
-            self.fetched_manifest = self.client.get_manifest(
+            self.fetched_manifest = self._direct_manifest() or self.client.get_manifest(
                 self.snapshot_id, deadline=self.deadline
             )
         return self.fetched_manifest
 
+    def _direct_manifest(self) -> Manifest | None:
+        """The manifest from the archive object's first member, keeping the stream open for
+        ``open_blobs`` (one download, and the server sends no manifest); None on failure."""
+        stream = self._open_direct()
+        if stream is None:
+            return None
+        try:
+            found = read_manifest_member(stream, source="the object store's archive")
+            if found.id != self.snapshot_id:
+                raise DirectUnavailable(f"its manifest is {found.id}, not {self.snapshot_id}")
+        except Exception as exc:  # any failure of the store's bytes: ask the server
+            stream.close()
+            self.fallback_reason = f"the object store's archive failed: {exc}"
+            self.archive_url = None
+            return None
+        self._opened = stream
+        return found
+
+    def close(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
+
     @contextlib.contextmanager
     def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
-        direct = self._open_direct()
+        direct, self._opened = self._opened or self._open_direct(), None
         if direct is not None:
             try:
                 with contextlib.closing(direct) as tar:
@@ -223,6 +248,7 @@ def pull(
         source = _ServerSnapshot(
             client, snapshot_id, deadline, archive_url=resolution.archive_url, objects=objects
         )
+        stack.callback(source.close)
         report = _restore(source, resolution, workload, cache_dir, attempts, trusted_keys)
     if not resolution.deltas:
         return report
