@@ -2,8 +2,8 @@
 
 Routers, one per resource: ``routes_admin`` (/healthz, /metrics, /v1/gc),
 ``routes_resolve``, ``routes_blobs``, ``routes_snapshots``, ``routes_workloads``,
-``routes_agents`` (/v1/agents, /v1/status), ``routes_reports`` (/v1/reports). To add
-one: write the module with an
+``routes_agents`` (/v1/agents, /v1/status), ``routes_reports`` (/v1/reports),
+``routes_ui`` (the status page: /, /ui). To add one: write the module with an
 ``APIRouter`` named ``router`` using the dependencies in ``deps`` and ``auth``, add its
 tables to ``catalog._SCHEMA_STEPS``, and add the module name to ``ROUTER_MODULES`` below.
 
@@ -44,6 +44,7 @@ ROUTER_MODULES: tuple[str, ...] = (
     "routes_workloads",
     "routes_agents",
     "routes_reports",
+    "routes_ui",
 )
 
 _log = logging.getLogger("cachekeeper.server")

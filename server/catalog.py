@@ -409,6 +409,14 @@ class Catalog:
         found = self.rows("SELECT * FROM workloads WHERE name = ?", [name])
         return found[0] if found else None
 
+    def fingerprint_of(self, fingerprint_digest: str) -> dict[str, Any] | None:
+        """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
+        found = self.rows(
+            "SELECT fingerprint FROM snapshots WHERE fingerprint_digest = ? LIMIT 1",
+            [fingerprint_digest],
+        )
+        return json.loads(found[0]["fingerprint"]) if found else None
+
     def list_workloads(self) -> list[dict[str, Any]]:
         return self.rows("SELECT name, digest, updated_at FROM workloads ORDER BY name")
 

@@ -1,0 +1,319 @@
+"""What the status page shows, built from the library calls the JSON routes make.
+
+``page_data(storage)`` gathers the fleet status rows (``routes_agents.fleet_status``, the
+function behind ``GET /v1/status``), the agents (``GET /v1/agents``) and the recent
+snapshots (``GET /v1/snapshots``), and turns them into frozen dataclasses the templates
+read. No SQL here and no second copy of the status rules: a cell's state is the status
+row's ``status``, refined only where the row itself leaves it open:
+
+- ``warm`` splits into ``warm_verified`` and ``warm_unverified`` (the snapshot's
+  ``verified`` flag: verify found the cache effective, or nobody checked);
+- ``stale``: a ``warm`` row whose workload TOML changed after its snapshot was published
+  (the snapshot was built for the old definition), or a ``building`` row whose agents have
+  not been seen for ``stale_after_s`` (the agent likely died mid-build).
+
+The plot (``size_plot_svg``) is plain SVG text: the stored snapshots' total size over
+time and, where job reports exist, restores per day.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, is_dataclass
+from datetime import datetime, timedelta
+from html import escape
+from typing import Any
+
+from .routes_agents import fleet_status, list_agents
+from .storage import Storage
+
+__all__ = ["Cell", "Environment", "PageData", "page_data", "size_plot_svg", "STATES"]
+
+# (state, label, what it means): the legend, in the order the page shows it.
+STATES: tuple[tuple[str, str, str], ...] = (
+    ("warm_verified", "warm, verified", "a snapshot verify found effective"),
+    ("warm_unverified", "warm, unverified", "a snapshot nobody verified"),
+    ("building", "building", "an agent is building it now"),
+    ("broken", "cold_compile_broken", "the workload raised during a cold compile"),
+    ("failed", "failed", "the last build failed (crash, timeout, push)"),
+    ("missing", "missing", "nothing built for this pair"),
+    ("stale", "stale", "built for an older workload TOML, or its builder went silent"),
+)
+
+STALE_AFTER_S = 15 * 60
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    """A dict whether a library call answered a dict or a wire dataclass."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {k: getattr(value, k) for k in value.__dataclass_fields__}
+    return dict(value)
+
+
+def _parse(at: str | None) -> datetime | None:
+    return datetime.fromisoformat(at) if at else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Environment:
+    """One column: a fingerprint digest and its summary line."""
+
+    digest: str
+    torch: str
+    triton: str
+    cuda: str
+    driver: str
+    gpu: str
+    fingerprint: dict[str, Any] | None
+
+    @property
+    def short(self) -> str:
+        return self.digest[:12]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One (workload, environment) pair with its state and the facts behind it."""
+
+    workload: str
+    digest: str
+    state: str
+    why: str
+    row: dict[str, Any]
+    snapshot: dict[str, Any] | None
+    restore_rate: float | None  # restores / (restores + cold starts), from job reports
+    compiled_anyway_rate: float | None  # restored jobs that compiled anyway / restores
+
+    @property
+    def traceback(self) -> list[str]:
+        event = self.row.get("last_event") or {}
+        return list(event.get("traceback_tail") or [])
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageData:
+    workloads: list[str]
+    environments: list[Environment]
+    cells: dict[tuple[str, str], Cell]
+    agents: list[dict[str, Any]]
+    snapshots: list[dict[str, Any]]
+    builds: dict[str, dict[str, Any]]  # agent name -> its newest building event
+    now: datetime
+
+
+def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environment:
+    fp = fingerprint or {}
+    gpus = fp.get("gpus") or []
+    names = sorted({str(g.get("name", "?")) for g in gpus if isinstance(g, dict)})
+    gpu = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
+    return Environment(
+        digest=digest,
+        torch=str(fp.get("torch") or "?"),
+        triton=str(fp.get("triton") or "-"),
+        cuda=str(fp.get("cuda") or "-"),
+        driver=str(fp.get("driver") or "-"),
+        gpu=gpu,
+        fingerprint=fingerprint,
+    )
+
+
+def _rates(jobs: dict[str, Any] | None) -> tuple[float | None, float | None]:
+    if not jobs:
+        return None, None
+    restores = int(jobs.get("restores") or 0)
+    starts = restores + int(jobs.get("cold") or 0)
+    restore_rate = restores / starts if starts else None
+    anyway = int(jobs.get("compiled_after_restore") or 0)
+    compiled_rate = anyway / restores if restores else None
+    return restore_rate, compiled_rate
+
+
+def _state(
+    row: dict[str, Any],
+    snapshot: dict[str, Any] | None,
+    *,
+    workload_updated_at: str | None,
+    agents_seen: dict[str, datetime],
+    now: datetime,
+    stale_after_s: float,
+) -> tuple[str, str]:
+    status = row["status"]
+    if status == "warm":
+        created = snapshot["created_at"] if snapshot else None
+        if created and workload_updated_at and workload_updated_at > created:
+            return "stale", "the workload TOML changed after this snapshot was published"
+        if snapshot is not None and not snapshot["verified"]:
+            return "warm_unverified", "the snapshot was never verified effective"
+        return "warm_verified", "a verified snapshot serves this pair"
+    if status == "building":
+        seen = [agents_seen[a] for a in row.get("agents") or [] if a in agents_seen]
+        if seen and now - max(seen) > timedelta(seconds=stale_after_s):
+            return "stale", "building, but its agent has not been seen since " + max(
+                seen
+            ).isoformat(timespec="seconds")
+        return "building", "an agent reported a build in progress"
+    event = row.get("last_event") or {}
+    return status, str(event.get("detail") or "")
+
+
+def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
+    """Everything the page shows, from the same calls as the JSON routes."""
+    now = datetime.now().astimezone()
+    rows = [_plain(r) for r in fleet_status(storage)]
+    agents = [_plain(a) for a in list_agents(storage, "read")["agents"]]
+    summaries = [_plain(s) for s in storage.catalog.list_summaries(limit=10_000)]
+    by_id = {s["id"]: s for s in summaries}
+    workload_rows = storage.catalog.list_workloads()
+    updated = {w["name"]: w["updated_at"] for w in workload_rows}
+    seen: dict[str, datetime] = {}
+    fingerprints: dict[str, dict[str, Any]] = {}
+    for agent in agents:
+        at = _parse(agent["last_seen_at"])
+        if at is not None:
+            seen[agent["name"]] = max(at, seen.get(agent["name"], at))
+        fingerprints.setdefault(agent["fingerprint_digest"], agent["fingerprint"])
+    cells: dict[tuple[str, str], Cell] = {}
+    builds: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        snapshot = by_id.get(row["snapshot_id"] or "")
+        state, why = _state(
+            row,
+            snapshot,
+            workload_updated_at=updated.get(row["workload"]),
+            agents_seen=seen,
+            now=now,
+            stale_after_s=STALE_AFTER_S,
+        )
+        restore_rate, compiled_rate = _rates(row.get("jobs"))
+        cells[(row["workload"], row["fingerprint_digest"])] = Cell(
+            workload=row["workload"],
+            digest=row["fingerprint_digest"],
+            state=state,
+            why=why,
+            row=row,
+            snapshot=snapshot,
+            restore_rate=restore_rate,
+            compiled_anyway_rate=compiled_rate,
+        )
+        event = row.get("last_event")
+        if row["status"] == "building" and event:
+            for name in [a["name"] for a in agents if a["id"] == event["agent_id"]]:
+                builds[name] = event
+    for digest in {r["fingerprint_digest"] for r in rows} - set(fingerprints):
+        recorded = storage.catalog.fingerprint_of(digest)
+        if recorded is not None:
+            fingerprints[digest] = recorded
+    environments = [
+        environment_of(d, fingerprints.get(d))
+        for d in sorted({r["fingerprint_digest"] for r in rows})
+    ]
+    workloads = sorted({w["name"] for w in workload_rows} | {r["workload"] for r in rows})
+    return PageData(
+        workloads=workloads,
+        environments=environments,
+        cells=cells,
+        agents=agents,
+        snapshots=summaries[:snapshot_limit],
+        builds=builds,
+        now=now,
+    )
+
+
+def size_plot_svg(
+    snapshots: list[dict[str, Any]],
+    restores_by_day: list[tuple[str, int]],
+    *,
+    width: int = 560,
+    height: int = 160,
+) -> str:
+    """The stored snapshots' total size over time (a step line) and restores per day (bars)."""
+    pad = 36
+    points = sorted((s["created_at"], int(s["size_bytes"] or 0)) for s in snapshots)
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"'
+        f' viewBox="0 0 {width} {height}" role="img" aria-label="cache size and restores over time">',
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fafafa" stroke="#ddd"/>',
+    ]
+    if not points:
+        parts.append(
+            f'<text x="{width // 2}" y="{height // 2}" text-anchor="middle" fill="#888">'
+            "no snapshots stored yet</text></svg>"
+        )
+        return "".join(parts)
+    times = [_parse(at) for at, _ in points] + [
+        _parse(d + "T00:00:00+00:00") for d, _ in restores_by_day
+    ]
+    stamps = [t.timestamp() for t in times if t is not None]
+    start, end = min(stamps), max(stamps)
+    span = max(end - start, 1.0)
+    total = sum(size for _, size in points)
+    plot_w, plot_h = width - 2 * pad, height - 2 * pad
+
+    def x_of(stamp: float) -> float:
+        return pad + (stamp - start) / span * plot_w if end > start else pad + plot_w / 2
+
+    if restores_by_day:
+        most = max(n for _, n in restores_by_day) or 1
+        for day, n in restores_by_day:
+            when = _parse(day + "T00:00:00+00:00")
+            assert when is not None
+            bar = n / most * plot_h
+            parts.append(
+                f'<rect class="restores" x="{x_of(when.timestamp()) - 3:.1f}"'
+                f' y="{pad + plot_h - bar:.1f}" width="6" height="{bar:.1f}" fill="#9ecae1">'
+                f"<title>{escape(day)}: {n} restores</title></rect>"
+            )
+    running = 0
+    bottom = pad + plot_h
+    path: list[str] = []
+    dots: list[str] = []
+    for at, size in points:  # a step line: the total jumps at each publication
+        when = _parse(at)
+        assert when is not None
+        x = x_of(when.timestamp())
+        path.append(f"{'M' if not path else 'L'}{x:.1f},{bottom - running / total * plot_h:.1f}")
+        running += size
+        y = bottom - running / total * plot_h
+        path.append(f"L{x:.1f},{y:.1f}")
+        dots.append(
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#3182bd">'
+            f"<title>{escape(at[:19])}: {escape(human_bytes(running))}</title></circle>"
+        )
+    path.append(f"L{pad + plot_w:.1f},{bottom - plot_h:.1f}")
+    parts.append(
+        f'<line x1="{pad}" y1="{bottom}" x2="{pad + plot_w}" y2="{bottom}" stroke="#bbb"/>'
+    )
+    parts.append(
+        f'<path class="size" d="{" ".join(path)}" fill="none" stroke="#3182bd" stroke-width="2"/>'
+    )
+    parts += dots
+    first, last = points[0][0][:10], points[-1][0][:10]
+    parts += [
+        f'<text x="{pad}" y="{height - 10}" font-size="11" fill="#555">{escape(first)}</text>',
+        f'<text x="{width - pad}" y="{height - 10}" font-size="11" fill="#555"'
+        f' text-anchor="end">{escape(last)}</text>',
+        f'<text x="{pad}" y="{pad - 10}" font-size="11" fill="#3182bd">stored size:'
+        f" {escape(human_bytes(total))}</text>",
+        f'<text x="{width - pad}" y="{pad - 10}" font-size="11" fill="#6baed6" text-anchor="end">'
+        + (
+            f"restores: {sum(n for _, n in restores_by_day)}"
+            if restores_by_day
+            else "restores: no job reports yet"
+        )
+        + "</text>",
+        "</svg>",
+    ]
+    return "".join(parts)
+
+
+def human_bytes(n: int | None) -> str:
+    value = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def fingerprint_json(fingerprint: dict[str, Any] | None) -> str:
+    return json.dumps(fingerprint, indent=2, sort_keys=True) if fingerprint else "(unknown)"
