@@ -508,3 +508,13 @@ class Catalog:
             )
             for row in totals
         ]
+
+    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
+        """(UTC day, prejob restores that day) for the last ``days`` days with any, oldest first."""
+        found = self.rows(
+            "SELECT substr(at, 1, 10) AS day, COUNT(*) AS n FROM job_reports"
+            " WHERE phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
+            " GROUP BY day ORDER BY day DESC LIMIT ?",
+            [days],
+        )
+        return [(row["day"], int(row["n"])) for row in reversed(found)]

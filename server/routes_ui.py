@@ -149,7 +149,7 @@ def index(request: Request, storage: StorageDep) -> Response:
         return _to_login(request)
     data = page_data(storage)
     plot = size_plot_svg(
-        [s for s in storage.catalog.list_summaries(limit=10_000)], restores_by_day=[]
+        storage.catalog.list_summaries(limit=10_000), storage.catalog.restores_by_day()
     )
     return _render(
         request,

@@ -18,84 +18,10 @@ import httpx
 import pytest
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.fingerprint import digest_of
 from tests.helpers.live_server import LiveServer, start_server
-from tests.server.conftest import FINGERPRINT, make_snapshot, push
+from tests.helpers.ui_data import ADMIN, DIGEST, EXPECTED, TOKENS, seed
 
 CHROMIUM = "/usr/bin/chromium"
-TOKENS = {"read-token-1": "read", "write-token-1": "write", "admin-token-1": "admin"}
-ADMIN = {"Authorization": "Bearer admin-token-1"}
-DIGEST = digest_of(FINGERPRINT)
-TOML = 'name = "{name}"\n[[entrypoint]]\ntarget = "pkg.mod:{step}"\n'
-EXPECTED = {
-    "resnet": "warm_verified",
-    "bert": "warm_unverified",
-    "llama": "broken",
-    "gpt": "building",
-    "t5": "failed",
-    "vit": "missing",
-    "clip": "stale",
-}
-
-
-def _seed(url: str) -> dict[str, str]:
-    """Real data through the JSON API; returns {workload: snapshot id}."""
-    ids: dict[str, str] = {}
-    with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as c:
-        for name in EXPECTED:
-            r = c.put(f"/v1/workloads/{name}", content=TOML.format(name=name, step="step"))
-            assert r.status_code in (200, 201), r.text
-        for name, verified, size in (
-            ("resnet", True, 3000),
-            ("bert", False, 1500),
-            ("clip", True, 800),
-        ):
-            files = {f"fxgraph/{name}/{i}": bytes([i]) * size for i in range(3)}
-            manifest, blobs = make_snapshot(files, workload=name, verified=verified)
-            r = push(c, manifest, blobs)
-            assert r.status_code == 201, r.text
-            ids[name] = r.json()["id"]
-        # clip's TOML changes after its snapshot: the snapshot is stale
-        r = c.put("/v1/workloads/clip", content=TOML.format(name="clip", step="step2"))
-        assert r.status_code in (200, 201), r.text
-        agent = c.post(
-            "/v1/agents",
-            json={
-                "name": "builder-a",
-                "fingerprint": FINGERPRINT,
-                "gpus": FINGERPRINT["gpus"],
-                "devices": ["cuda:0"],
-                "version": "0.1.0",
-            },
-        ).json()
-        for workload, status, extra in (
-            (
-                "llama",
-                "cold_compile_broken",
-                {
-                    "detail": "ValueError during a cold compile",
-                    "traceback_tail": [
-                        "Traceback (most recent call last):",
-                        '  File "model.py", line 12, in step',
-                        "ValueError: shapes (4, 8) and (9, 2) not aligned",
-                    ],
-                },
-            ),
-            ("gpt", "building", {}),
-            ("bert", "built", {"snapshot_id": ids["bert"]}),  # pushed without a verify
-            ("t5", "failed", {"detail": "prewarm timed out after 600 s"}),
-        ):
-            r = c.post(
-                f"/v1/agents/{agent['id']}/events",
-                json={
-                    "workload": workload,
-                    "fingerprint_digest": DIGEST,
-                    "status": status,
-                    **extra,
-                },
-            )
-            assert r.status_code == 201, r.text
-    return ids
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +29,7 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServe
     data = tmp_path_factory.mktemp("ui-data")
     live = start_server(Settings(data_dir=data, tokens=TOKENS, gc_grace_s=3600))
     try:
-        yield live, _seed(live.url)
+        yield live, seed(live.url)
     finally:
         live.stop()
 
@@ -159,6 +85,9 @@ def test_page_shows_every_state_with_no_console_errors(page: Any, seeded: Any) -
     snapshots = page.locator("#snapshots").inner_text()
     assert ids["resnet"][:12] in snapshots and "8.8 KiB" in snapshots
     assert page.locator("#plot svg path.size").count() == 1
+    assert page.locator("#plot svg rect.restores").count() == 1  # today's 3 restores
+    resnet = page.locator('td.cell[data-workload="resnet"]').inner_text()
+    assert "restored 75%" in resnet and "compiled anyway 33%" in resnet
     assert "torch 2.13.0+cpu" in page.locator("#matrix").inner_text()
     assert page.console_errors == []
 
