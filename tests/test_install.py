@@ -122,6 +122,14 @@ def test_wheel_imports_server_and_hook_from_the_repo_root_and_elsewhere(tmp_path
     assert "cachekeeper/server/app.py" in sources and "cachekeeper/client/prejob.py" in sources
     assert sorted(sources - set(names)) == []  # a new subpackage must be listed in pyproject
     assert not [n for n in names if n.startswith(("server/", "client/"))]
+    # the status page's templates and script are package data (pyproject package-data)
+    assets = {
+        f"cachekeeper/server/{path.relative_to(src / 'server').as_posix()}"
+        for pattern in ("templates/*.html", "static/*.js")
+        for path in (src / "server").glob(pattern)
+    }
+    assert "cachekeeper/server/templates/index.html" in assets
+    assert sorted(assets - set(names)) == []
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
