@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 from urllib.parse import urlencode
 
-from cachekeeper.archive import ReadAhead
+import zstandard
+
+from cachekeeper.archive import open_archive_stream
 from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
@@ -71,6 +73,9 @@ _Shape = TypeVar("_Shape")
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _MAX_BACKOFF_S = 2.0
 _STREAM_CHUNK_BYTES = 1 << 20
+# The archive download reads the response in zstandard's recommended input size, as it
+# always has (local archive files are read 1 MiB at a time).
+_RESPONSE_READ_BYTES = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE
 
 
 def _import_httpx() -> Any:
@@ -248,8 +253,6 @@ class CacheClient:
         The stream is read as it arrives (nothing is buffered whole). A connection that
         breaks or stalls mid-stream raises ``ServerUnavailable`` from ``read``.
         """
-        import zstandard
-
         response = self._send(
             "POST",
             f"/v1/snapshots/{snapshot_id}/archive",
@@ -257,13 +260,12 @@ class CacheClient:
             stream=True,
             deadline=deadline,
         )
-        ahead: ReadAhead | None = None
+        ahead: BinaryIO | None = None
         try:
             raw = cast(BinaryIO, _ResponseReader(response, deadline))
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
             # Download and decompress in a thread, ahead of the hashing and writing.
-            ahead = ReadAhead(cast(BinaryIO, reader))
-            yield cast(BinaryIO, ahead)
+            ahead = open_archive_stream(raw, read_bytes=_RESPONSE_READ_BYTES)
+            yield ahead
         finally:
             if ahead is not None:
                 ahead.close()

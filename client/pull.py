@@ -14,7 +14,6 @@ fetches, the others wait on it and find the work done.
 from __future__ import annotations
 
 import contextlib
-import tarfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -315,8 +314,6 @@ def _restore(
             if source.fetched_manifest is None:
                 raise  # the manifest itself: the client retried it already
             last = exc
-        except (tarfile.TarError, EOFError) as exc:
-            last = ServerUnavailable(f"archive of {snapshot_id} was cut off: {exc}")
         else:
             return PullReport(
                 snapshot_id=snapshot_id,
