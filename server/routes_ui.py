@@ -34,7 +34,7 @@ from .auth import scope_of_token
 from .deps import StorageDep, storage_of
 from .routes_snapshots import read_body
 from .settings import Settings
-from .ui_view import STATES, fingerprint_json, human_bytes, page_data, size_plot_svg
+from .ui_view import STATES, fingerprint_json, human_bytes, page_data, plain, size_plot_svg
 
 __all__ = ["router"]
 
@@ -149,7 +149,8 @@ def index(request: Request, storage: StorageDep) -> Response:
         return _to_login(request)
     data = page_data(storage)
     plot = size_plot_svg(
-        storage.catalog.list_summaries(limit=10_000), storage.catalog.restores_by_day()
+        [plain(s) for s in storage.catalog.list_summaries(limit=10_000)],
+        storage.catalog.restores_by_day(),
     )
     return _render(
         request,

@@ -19,7 +19,7 @@ time and, where job reports exist, restores per day.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime, timedelta
 from html import escape
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 from .routes_agents import fleet_status, list_agents
 from .storage import Storage
 
-__all__ = ["Cell", "Environment", "PageData", "page_data", "size_plot_svg", "STATES"]
+__all__ = ["Cell", "Environment", "PageData", "page_data", "size_plot_svg", "STATES", "plain"]
 
 # (state, label, what it means): the legend, in the order the page shows it.
 STATES: tuple[tuple[str, str, str], ...] = (
@@ -43,10 +43,10 @@ STATES: tuple[tuple[str, str, str], ...] = (
 STALE_AFTER_S = 15 * 60
 
 
-def _plain(value: Any) -> dict[str, Any]:
+def plain(value: Any) -> dict[str, Any]:
     """A dict whether a library call answered a dict or a wire dataclass."""
     if is_dataclass(value) and not isinstance(value, type):
-        return {k: getattr(value, k) for k in value.__dataclass_fields__}
+        return asdict(value)  # nested dataclasses (a row's last_event) become dicts too
     return dict(value)
 
 
@@ -159,11 +159,11 @@ def _state(
 def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
     """Everything the page shows, from the same calls as the JSON routes."""
     now = datetime.now().astimezone()
-    rows = [_plain(r) for r in fleet_status(storage)]
-    agents = [_plain(a) for a in list_agents(storage, "read")["agents"]]
-    summaries = [_plain(s) for s in storage.catalog.list_summaries(limit=10_000)]
+    rows = [plain(r) for r in fleet_status(storage)]
+    agents = [plain(a) for a in list_agents(storage, "read")["agents"]]
+    summaries = [plain(s) for s in storage.catalog.list_summaries(limit=10_000)]
     by_id = {s["id"]: s for s in summaries}
-    workload_rows = storage.catalog.list_workloads()
+    workload_rows = [plain(w) for w in storage.catalog.list_workloads()]
     updated = {w["name"]: w["updated_at"] for w in workload_rows}
     seen: dict[str, datetime] = {}
     fingerprints: dict[str, dict[str, Any]] = {}
