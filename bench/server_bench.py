@@ -38,8 +38,8 @@ import zstandard
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cachekeeper.server.app import open_storage  # noqa: E402
 from cachekeeper.server.settings import Settings  # noqa: E402
-from cachekeeper.server.storage import Storage  # noqa: E402
 
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from cachekeeper.manifest import FileEntry, Manifest  # noqa: E402
@@ -49,7 +49,7 @@ FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "
 
 def build_store(cache: Path, data: Path) -> tuple[str, int, int]:
     """Store every file of ``cache`` as one snapshot; (snapshot id, bytes, file count)."""
-    storage = Storage.open(Settings(data_dir=data))
+    storage = open_storage(Settings(data_dir=data))
     entries = []
     for path in sorted(p for p in cache.rglob("*") if p.is_file()):
         blob = path.read_bytes()
@@ -62,7 +62,7 @@ def build_store(cache: Path, data: Path) -> tuple[str, int, int]:
         files=tuple(entries), fingerprint=FINGERPRINT, devices=("cpu",), workload="bench"
     )
     summary, _ = storage.publish(manifest)
-    return summary["id"], manifest.size_bytes, len(entries)
+    return summary.id, manifest.size_bytes, len(entries)
 
 
 def free_port() -> int:

@@ -1,11 +1,15 @@
 """The composition root: ``create_app(settings)`` builds the FastAPI app and its store.
 
-Routers, one per resource: ``routes_admin`` (/healthz, /metrics, /v1/gc),
-``routes_resolve``, ``routes_blobs``, ``routes_snapshots``, ``routes_workloads``,
-``routes_agents`` (/v1/agents, /v1/status), ``routes_reports`` (/v1/reports),
-``routes_ui`` (the status page: /, /ui). To add one: write the module with an
-``APIRouter`` named ``router`` using the dependencies in ``deps`` and ``auth``, add its
-tables to ``catalog._SCHEMA_STEPS``, and add the module name to ``ROUTER_MODULES`` below.
+``open_storage`` is the one place that picks the blob backend (the local directory
+``<data>/blobs`` today; an S3-compatible backend next) and opens the catalog
+(``<data>/meta.sqlite``), then runs the start-up check. Routers, one per resource, are
+included directly below: ``routes_admin`` (/healthz, /metrics, /v1/gc), ``routes_resolve``,
+``routes_blobs``, ``routes_snapshots``, ``routes_workloads``, ``routes_agents``
+(/v1/agents, /v1/status), ``routes_reports`` (/v1/reports), ``routes_ui`` (the status
+page: /, /ui). To add one: write the module with an ``APIRouter`` named
+``router`` using the dependencies in ``deps`` and ``auth``, its queries as ``Catalog``
+methods (``server/catalog.py``) behind a ``Storage`` method, and include it in
+``create_app``.
 
 Every request body is bounded in size and idle time, and JSON bodies are screened (depth,
 non-finite numbers) before a route sees them: ``limits.RequestLimits``.
@@ -17,9 +21,7 @@ Starlette's HTTP errors (404, 405, ...) with a code derived from the status.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,25 +29,26 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachekeeper import config
+from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import CachekeeperError
 
+from . import (
+    routes_admin,
+    routes_agents,
+    routes_blobs,
+    routes_reports,
+    routes_resolve,
+    routes_snapshots,
+    routes_ui,
+    routes_workloads,
+)
+from .catalog import Catalog
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .settings import Settings
 from .storage import Storage
 
-__all__ = ["create_app", "ROUTER_MODULES"]
-
-ROUTER_MODULES: tuple[str, ...] = (
-    "routes_admin",
-    "routes_resolve",
-    "routes_blobs",
-    "routes_snapshots",
-    "routes_workloads",
-    "routes_agents",
-    "routes_reports",
-    "routes_ui",
-)
+__all__ = ["create_app", "open_storage"]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -101,6 +104,27 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
+def open_storage(settings: Settings) -> Storage:
+    """The embedded default: SQLite at ``<data>/meta.sqlite``, blobs at ``<data>/blobs``."""
+    data = settings.data_dir
+    data.mkdir(parents=True, exist_ok=True)
+    catalog = Catalog.create(data / "meta.sqlite")
+    blobs = LocalBlobStore(data / "blobs")
+    blobs.sweep_temp(older_than_s=0)  # nothing is uploading before we start
+    storage = Storage(settings=settings, catalog=catalog, blobs=blobs)
+    report = storage.check()
+    if report.stale_blob_rows or report.completed or report.quarantined:
+        _log.warning(
+            "start-up check: dropped %d blob row(s) whose bytes were gone; completed %d"
+            " half-published snapshot(s); quarantined %d whose blobs are gone: %s",
+            report.stale_blob_rows,
+            len(report.completed),
+            len(report.quarantined),
+            ", ".join(s[:12] for s in report.quarantined) or "-",
+        )
+    return storage
+
+
 def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI:
     """A fresh app serving ``settings.data_dir`` (or the given ``storage``)."""
     app = FastAPI(
@@ -109,11 +133,19 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
         summary="Store and serve torch.compile (Inductor) cache snapshots.",
     )
     app.state.settings = settings
-    app.state.storage = storage if storage is not None else Storage.open(settings)
+    app.state.storage = storage if storage is not None else open_storage(settings)
     app.state.metrics = Metrics()
     _install_error_handlers(app)
-    for name in ROUTER_MODULES:
-        module: Any = importlib.import_module(f"{__package__}.{name}")
+    for module in (
+        routes_admin,
+        routes_resolve,
+        routes_blobs,
+        routes_snapshots,
+        routes_workloads,
+        routes_agents,
+        routes_reports,
+        routes_ui,
+    ):
         app.include_router(module.router)
     app.add_middleware(RequestLimits, settings=settings)  # inside metrics: refusals count
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)

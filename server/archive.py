@@ -16,11 +16,11 @@ through as stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import BinaryIO, Protocol
 
 import zstandard
 
 from cachekeeper.archive import layout
-from cachekeeper.blobstore import BlobStore
 
 __all__ = ["archive_chunks", "SPLICE_MIN_BYTES", "CHUNK_BYTES"]
 
@@ -28,11 +28,19 @@ CHUNK_BYTES = 4 << 20  # what one yield carries (each yield is a thread hop in S
 SPLICE_MIN_BYTES = 64 << 10  # blobs at least this big are copied as their stored frame
 
 
+class _BlobSource(Protocol):
+    """What the stream reads blobs from (``Storage``'s blob backend)."""
+
+    def open(self, digest: str) -> BinaryIO: ...
+
+    def open_raw(self, digest: str) -> BinaryIO: ...
+
+
 def archive_chunks(
     *,
     manifest_json: bytes,
     blobs: Sequence[tuple[str, int]],
-    store: BlobStore,
+    store: _BlobSource,
     level: int = 1,
     splice_min_bytes: int = SPLICE_MIN_BYTES,
     on_blob: Callable[[str], None] | None = None,

@@ -1,4 +1,4 @@
-"""The server's metadata: one SQLite file (WAL mode) through sqlite-utils.
+"""The server's metadata, and ALL of its SQL: one SQLite file (WAL mode) through sqlite-utils.
 
 Tables::
 
@@ -12,25 +12,30 @@ Tables::
     workloads       name, toml, digest (sha256 of the TOML text), updated_at
     agents          id, name, fingerprint_digest, fingerprint (JSON), devices (JSON),
                     registered_at, last_seen_at, info (JSON: gpus, version)
-    events          an audit log (snapshot.published, ...)
-    agent_events    what agents report per (workload, fingerprint_digest): building, built,
-                    skipped, cold_compile_broken, failed (see routes_agents)
+    events          an audit log (snapshot.published, snapshot.evicted, ...)
     job_reports     what training jobs report (POST /v1/reports): phase (prejob, postjob),
                     outcome, workload, fingerprint_digest, snapshot_id, node, devices
                     (JSON), reason_code, reason, new_fxgraph, new_aotautograd, new_triton,
                     new_other, new_bytes, started_at, finished_at, at (received)
+    quarantine      id, at, reason, manifest: snapshots the start-up check took out of
+                    service because blobs they reference are gone (re-push to restore)
+    agent_events    what agents report per (workload, fingerprint_digest): building, built,
+                    skipped, cold_compile_broken, failed (see server/fleet.py)
 
-Each thread gets its own connection (``check_same_thread=False``, opened lazily); WAL is
-enabled once by ``Catalog.create``. Writes take ``Catalog.write_lock`` and stay short, so
-they are serialized in-process and never wait on SQLite's busy timeout.
+Every query the server makes is a method here; callers get frozen dataclasses, never row
+dicts. Each thread gets its own connection (``check_same_thread=False``, opened lazily);
+WAL is enabled once by ``Catalog.create``. Every write goes through ``Catalog.writing()``:
+one real transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, ``ROLLBACK`` on any exception)
+under ``write_lock``, so writes are serialized in-process, never wait on SQLite's busy
+timeout, and a multi-statement operation (publish, delete, pin, GC) is all or nothing.
 
-Adding a table for a new router: add its ``create`` call to ``_SCHEMA_STEPS`` (idempotent,
-``if_not_exists=True``) and its queries to the router module, using ``catalog.db()`` for
-reads and ``with catalog.writing() as db:`` for writes.
+Adding a table: add its ``create`` call to ``_SCHEMA_STEPS`` (idempotent,
+``if_not_exists=True``) and its queries as methods of ``Catalog``, returning dataclasses.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import threading
@@ -42,9 +47,21 @@ from typing import Any
 
 import sqlite_utils
 
-from cachekeeper.wire import JobReport, JobStats
+from cachekeeper.errors import InsufficientStorage
+from cachekeeper.manifest import Manifest
+from cachekeeper.wire import (
+    AgentInfo,
+    EventOut,
+    EventStatus,
+    JobReport,
+    JobStats,
+    Summary,
+    WorkloadInfo,
+)
 
-__all__ = ["Catalog", "utc_now", "summary_of"]
+from .records import BlobInfo, BlobUsage, Candidate, Counts, StatusFacts
+
+__all__ = ["Catalog", "Transaction", "agent_id_for", "utc_now"]
 
 _BATCH = 500
 
@@ -52,6 +69,14 @@ _BATCH = 500
 def utc_now() -> str:
     """The current UTC time as ISO 8601 with microseconds (sorts as text)."""
     return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def agent_id_for(name: str, fingerprint_digest: str) -> str:
+    """The id an agent of ``name`` gets for an environment (stable across registrations)."""
+    return hashlib.sha256(f"{name}\n{fingerprint_digest}".encode()).hexdigest()[:16]
+
+
+# -- schema -----------------------------------------------------------------------------------
 
 
 def _create_snapshots(db: sqlite_utils.Database) -> None:
@@ -153,15 +178,6 @@ def _create_agent_events(db: sqlite_utils.Database) -> None:
     )
 
 
-def _add_harvest_columns(db: sqlite_utils.Database) -> None:
-    """``source`` and ``parent`` (harvested deltas), added to older databases in place."""
-    table = db.table("snapshots")
-    for name in ("source", "parent"):
-        if name not in table.columns_dict:
-            table.add_column(name, str)
-    table.create_index(["parent"], if_not_exists=True)
-
-
 def _create_job_reports(db: sqlite_utils.Database) -> None:
     db.table("job_reports").create(
         {
@@ -191,6 +207,21 @@ def _create_job_reports(db: sqlite_utils.Database) -> None:
     db.table("job_reports").create_index(["workload", "fingerprint_digest"], if_not_exists=True)
 
 
+def _add_harvest_columns(db: sqlite_utils.Database) -> None:
+    """``source`` and ``parent`` (harvested deltas), added to older databases in place."""
+    table = db.table("snapshots")
+    for name in ("source", "parent"):
+        if name not in table.columns_dict:
+            table.add_column(name, str)
+    table.create_index(["parent"], if_not_exists=True)
+
+
+def _create_quarantine(db: sqlite_utils.Database) -> None:
+    db.table("quarantine").create(
+        {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
+    )
+
+
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,
@@ -199,24 +230,8 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_agent_events,
     _create_job_reports,
     _add_harvest_columns,
+    _create_quarantine,
 ]
-
-
-def summary_of(row: dict[str, Any]) -> dict[str, Any]:
-    """The API's SUMMARY of a snapshot row."""
-    return {
-        "id": row["id"],
-        "workload": row["workload"],
-        "fingerprint_digest": row["fingerprint_digest"],
-        "devices": json.loads(row["devices"] or "[]"),
-        "verified": bool(row["verified"]),
-        "signed": bool(row["signed"]),
-        "size_bytes": row["size_bytes"],
-        "file_count": row["file_count"],
-        "created_at": row["created_at"],
-        "last_used_at": row["last_used_at"],
-        "pinned": bool(row["pinned"]),
-    }
 
 
 _SUMMARY_COLUMNS = (
@@ -225,8 +240,350 @@ _SUMMARY_COLUMNS = (
 )
 
 
+def _summary(row: dict[str, Any]) -> Summary:
+    return Summary(
+        id=row["id"],
+        workload=row["workload"],
+        fingerprint_digest=row["fingerprint_digest"],
+        devices=tuple(json.loads(row["devices"] or "[]")),
+        verified=bool(row["verified"]),
+        signed=bool(row["signed"]),
+        size_bytes=row["size_bytes"],
+        file_count=row["file_count"],
+        created_at=row["created_at"],
+        last_used_at=row["last_used_at"],
+        pinned=bool(row["pinned"]),
+    )
+
+
+def _agent(row: dict[str, Any]) -> AgentInfo:
+    info = json.loads(row["info"] or "{}")
+    return AgentInfo(
+        id=row["id"],
+        name=row["name"],
+        fingerprint_digest=row["fingerprint_digest"],
+        fingerprint=json.loads(row["fingerprint"]),
+        devices=tuple(json.loads(row["devices"] or "[]")),
+        gpus=tuple(info.get("gpus") or ()),
+        version=info.get("version") or "",
+        registered_at=row["registered_at"],
+        last_seen_at=row["last_seen_at"],
+    )
+
+
+def _event(row: dict[str, Any]) -> EventOut:
+    return EventOut(
+        id=row["id"],
+        at=row["at"],
+        agent_id=row["agent_id"],
+        workload=row["workload"],
+        fingerprint_digest=row["fingerprint_digest"],
+        status=row["status"],
+        detail=row["detail"] or "",
+        traceback_tail=json.loads(row["traceback_tail"] or "[]"),
+        snapshot_id=row["snapshot_id"],
+        seconds=row["seconds"],
+    )
+
+
+def _disk_full(exc: sqlite3.OperationalError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
+
+
+def _chunks(items: list[str]) -> Iterator[tuple[list[str], str]]:
+    """``items`` in batches with their ``?,?,...`` placeholder text."""
+    for start in range(0, len(items), _BATCH):
+        part = items[start : start + _BATCH]
+        yield part, ",".join("?" * len(part))
+
+
+class Transaction:
+    """The queries that run inside one ``Catalog.writing()`` block (reads see its writes)."""
+
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self.db = db
+
+    def _one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        row = self.db.execute(sql, list(params)).fetchone()
+        return None if row is None else row[0]
+
+    # -- blobs ------------------------------------------------------------------------
+    def missing_blob_rows(self, digests: Iterable[str]) -> list[str]:
+        """The ``digests`` that have no blob row, sorted."""
+        wanted = sorted(set(digests))
+        present: set[str] = set()
+        for part, marks in _chunks(wanted):
+            sql = f"SELECT digest FROM blobs WHERE digest IN ({marks})"
+            present.update(r[0] for r in self.db.execute(sql, part))
+        return [d for d in wanted if d not in present]
+
+    def record_blob(self, *, digest: str, size_bytes: int, stored_bytes: int) -> None:
+        now = utc_now()
+        self.db.execute(
+            "INSERT INTO blobs (digest, size_bytes, stored_bytes, created_at, last_access_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT(digest) DO UPDATE SET"
+            " last_access_at = excluded.last_access_at",
+            [digest, size_bytes, stored_bytes, now, now],
+        )
+
+    def blob_last_access(self, digest: str) -> str | None:
+        """The row's ``last_access_at`` ('' when never set), or None when there is no row."""
+        found = self.db.execute("SELECT last_access_at FROM blobs WHERE digest = ?", [digest])
+        row = found.fetchone()
+        return None if row is None else (row[0] or "")
+
+    def is_referenced(self, digest: str) -> bool:
+        sql = "SELECT 1 FROM snapshot_blobs WHERE digest = ? LIMIT 1"
+        return self._one(sql, [digest]) is not None
+
+    def delete_blob_rows(self, digests: Iterable[str]) -> None:
+        for part, marks in _chunks(sorted(set(digests))):
+            self.db.execute(f"DELETE FROM blobs WHERE digest IN ({marks})", part)
+
+    # -- snapshots --------------------------------------------------------------------
+    def snapshot_exists(self, snapshot_id: str) -> bool:
+        return self._one("SELECT 1 FROM snapshots WHERE id = ?", [snapshot_id]) is not None
+
+    def referenced_digests(self, snapshot_id: str) -> set[str]:
+        sql = "SELECT digest FROM snapshot_blobs WHERE snapshot_id = ?"
+        return {r[0] for r in self.db.execute(sql, [snapshot_id])}
+
+    def insert_snapshot(self, manifest: Manifest, *, created_at: str) -> None:
+        """The snapshot's row, its blob references, and a ``snapshot.published`` event."""
+        self.db.table("snapshots").insert(
+            {
+                "id": manifest.id,
+                "workload": manifest.workload,
+                "fingerprint_digest": manifest.fingerprint_digest,
+                "fingerprint": json.dumps(manifest.fingerprint, sort_keys=True),
+                "devices": json.dumps(list(manifest.devices)),
+                "verified": int(manifest.verified),
+                "signed": int(manifest.signature is not None),
+                "stats": json.dumps(manifest.stats, sort_keys=True),
+                "size_bytes": manifest.size_bytes,
+                "file_count": len(manifest.files),
+                "created_at": created_at,
+                "last_used_at": None,
+                "pinned": 0,
+                "manifest": manifest.to_json(),
+                "source": manifest.source,
+                "parent": manifest.parent,
+            }
+        )
+        self.add_references(manifest.id, manifest.digests, at=created_at)
+        self.add_event(kind="snapshot.published", subject=manifest.id, detail=manifest.workload)
+
+    def add_references(self, snapshot_id: str, digests: Iterable[str], *, at: str) -> None:
+        """Reference ``digests`` from the snapshot (idempotent) and mark them used ``at``."""
+        self.db.table("snapshot_blobs").insert_all(
+            ({"snapshot_id": snapshot_id, "digest": d} for d in sorted(set(digests))),
+            batch_size=_BATCH,
+            ignore=True,
+        )
+        self.db.execute(
+            "UPDATE blobs SET last_access_at = ? WHERE digest IN"
+            " (SELECT digest FROM snapshot_blobs WHERE snapshot_id = ?)",
+            [at, snapshot_id],
+        )
+
+    def sign_snapshot(self, snapshot_id: str, *, manifest_json: str) -> None:
+        """Store the signed manifest of an unsigned snapshot (the id does not change)."""
+        self.db.execute(
+            "UPDATE snapshots SET manifest = ?, signed = 1 WHERE id = ? AND signed = 0",
+            [manifest_json, snapshot_id],
+        )
+
+    def touch_snapshot(self, snapshot_id: str) -> None:
+        sql = "UPDATE snapshots SET last_used_at = ? WHERE id = ?"
+        self.db.execute(sql, [utc_now(), snapshot_id])
+
+    def set_pinned(self, snapshot_id: str, *, pinned: bool) -> bool:
+        sql = "UPDATE snapshots SET pinned = ? WHERE id = ?"
+        return self.db.execute(sql, [int(pinned), snapshot_id]).rowcount > 0
+
+    def delete_snapshot(self, snapshot_id: str, *, only_unpinned: bool = False) -> bool:
+        """Remove a snapshot's row and references (blobs stay for GC); False if not there
+        (or pinned, with ``only_unpinned``)."""
+        pinned_clause = " AND pinned = 0" if only_unpinned else ""
+        sql = f"SELECT 1 FROM snapshots WHERE id = ?{pinned_clause}"
+        if self._one(sql, [snapshot_id]) is None:
+            return False
+        self.db.execute("DELETE FROM snapshot_blobs WHERE snapshot_id = ?", [snapshot_id])
+        self.db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
+        return True
+
+    def manifest_text(self, snapshot_id: str) -> str | None:
+        found = self.db.execute("SELECT manifest FROM snapshots WHERE id = ?", [snapshot_id])
+        row = found.fetchone()
+        return None if row is None else str(row[0])
+
+    # -- the start-up check -------------------------------------------------------------
+    def blob_row_digests(self) -> set[str]:
+        return {r[0] for r in self.db.execute("SELECT digest FROM blobs")}
+
+    def incomplete_suspects(self) -> list[str]:
+        """Snapshots that may reference fewer blobs than their manifest names: fewer
+        references than files (exact only after parsing: files may share a blob), or a
+        reference to a blob with no row."""
+        rows = self.db.execute(
+            "SELECT s.id FROM snapshots s LEFT JOIN (SELECT snapshot_id, COUNT(*) AS n"
+            " FROM snapshot_blobs GROUP BY snapshot_id) r ON r.snapshot_id = s.id"
+            " WHERE COALESCE(r.n, 0) < s.file_count"
+            " UNION SELECT sb.snapshot_id FROM snapshot_blobs sb"
+            " LEFT JOIN blobs b ON b.digest = sb.digest WHERE b.digest IS NULL"
+        )
+        return sorted(r[0] for r in rows)
+
+    def quarantine_snapshot(self, snapshot_id: str, *, reason: str) -> None:
+        """Take a snapshot out of service, keeping its manifest in ``quarantine``."""
+        manifest = self.manifest_text(snapshot_id) or ""
+        self.db.execute(
+            "INSERT INTO quarantine (id, at, reason, manifest) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT(id) DO UPDATE SET at = excluded.at, reason = excluded.reason,"
+            " manifest = excluded.manifest",
+            [snapshot_id, utc_now(), reason, manifest],
+        )
+        self.delete_snapshot(snapshot_id)
+        self.add_event(kind="snapshot.quarantined", subject=snapshot_id, detail=reason)
+
+    # -- workloads --------------------------------------------------------------------
+    def put_workload(self, *, name: str, toml: str, digest: str) -> WorkloadInfo:
+        now = utc_now()
+        self.db.execute(
+            "INSERT INTO workloads (name, toml, digest, updated_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT(name) DO UPDATE SET toml = excluded.toml,"
+            " digest = excluded.digest, updated_at = excluded.updated_at",
+            [name, toml, digest, now],
+        )
+        return WorkloadInfo(name=name, digest=digest, updated_at=now)
+
+    def delete_workload(self, name: str) -> bool:
+        return self.db.execute("DELETE FROM workloads WHERE name = ?", [name]).rowcount > 0
+
+    # -- agents -----------------------------------------------------------------------
+    def register_agent(
+        self,
+        *,
+        name: str,
+        fingerprint: dict[str, Any],
+        fingerprint_digest: str,
+        devices: list[str],
+        gpus: list[dict[str, Any]],
+        version: str,
+    ) -> tuple[str, bool]:
+        """(agent id, created): insert the agent, or refresh devices, GPUs, version, seen."""
+        agent_id = agent_id_for(name, fingerprint_digest)
+        now = utc_now()
+        created = self._one("SELECT 1 FROM agents WHERE id = ?", [agent_id]) is None
+        self.db.execute(
+            "INSERT INTO agents (id, name, fingerprint_digest, fingerprint, devices,"
+            " registered_at, last_seen_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(id) DO UPDATE SET devices = excluded.devices,"
+            " last_seen_at = excluded.last_seen_at, info = excluded.info",
+            [
+                agent_id,
+                name,
+                fingerprint_digest,
+                json.dumps(fingerprint, sort_keys=True),
+                json.dumps(devices),
+                now,
+                now,
+                json.dumps({"gpus": gpus, "version": version}, sort_keys=True),
+            ],
+        )
+        return agent_id, created
+
+    def agent_seen(self, agent_id: str, *, at: str | None = None) -> bool:
+        """Set the agent's ``last_seen_at``; False when no such agent."""
+        sql = "UPDATE agents SET last_seen_at = ? WHERE id = ?"
+        return self.db.execute(sql, [at or utc_now(), agent_id]).rowcount > 0
+
+    def add_agent_event(
+        self,
+        agent_id: str,
+        *,
+        workload: str,
+        fingerprint_digest: str,
+        status: EventStatus,
+        detail: str,
+        traceback_tail: list[str],
+        snapshot_id: str | None,
+        seconds: float | None,
+    ) -> EventOut | None:
+        """Record one report (also a heartbeat); None when the agent is not registered."""
+        now = utc_now()
+        if not self.agent_seen(agent_id, at=now):
+            return None
+        cursor = self.db.execute(
+            "INSERT INTO agent_events (at, agent_id, workload, fingerprint_digest, status,"
+            " detail, traceback_tail, snapshot_id, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                now,
+                agent_id,
+                workload,
+                fingerprint_digest,
+                status,
+                detail,
+                json.dumps(traceback_tail),
+                snapshot_id,
+                seconds,
+            ],
+        )
+        return EventOut(
+            id=int(cursor.lastrowid or 0),
+            at=now,
+            agent_id=agent_id,
+            workload=workload,
+            fingerprint_digest=fingerprint_digest,
+            status=status,
+            detail=detail,
+            traceback_tail=list(traceback_tail),
+            snapshot_id=snapshot_id,
+            seconds=seconds,
+        )
+
+    # -- job reports ------------------------------------------------------------------
+    def add_job_report(self, report: JobReport) -> tuple[int, str]:
+        """Store one job report; returns its (id, received at)."""
+        now = utc_now()
+        cursor = self.db.execute(
+            "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
+            " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
+            " new_triton, new_other, new_bytes, started_at, finished_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                now,
+                report.phase,
+                report.outcome,
+                report.workload,
+                report.fingerprint_digest,
+                report.snapshot_id,
+                report.node,
+                json.dumps(list(report.devices)),
+                report.reason_code,
+                report.reason,
+                report.new_fxgraph,
+                report.new_aotautograd,
+                report.new_triton,
+                report.new_other,
+                report.new_bytes,
+                report.started_at,
+                report.finished_at,
+            ],
+        )
+        return int(cursor.lastrowid or 0), now
+
+    # -- events -----------------------------------------------------------------------
+    def add_event(self, *, kind: str, subject: str, detail: Any) -> None:
+        self.db.execute(
+            "INSERT INTO events (at, kind, subject, detail) VALUES (?, ?, ?, ?)",
+            [utc_now(), kind, subject, json.dumps(detail, sort_keys=True)],
+        )
+
+
 class Catalog:
-    """Connections to the metadata database and the queries the routes share."""
+    """Connections to the metadata database; reads here, writes in ``writing()``."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -238,86 +595,126 @@ class Catalog:
         """Open (creating if needed) the database at ``path``, enable WAL, ensure tables."""
         path.parent.mkdir(parents=True, exist_ok=True)
         catalog = cls(path)
-        db = catalog.db()
-        db.enable_wal()
-        with catalog.writing() as wdb:
+        catalog.db().enable_wal()
+        with catalog.writing() as tx:
             for step in _SCHEMA_STEPS:
-                step(wdb)
+                step(tx.db)
         return catalog
 
     def db(self) -> sqlite_utils.Database:
-        """This thread's connection (opened on first use)."""
+        """This thread's connection (opened on first use).
+
+        ``isolation_level=None``: Python's sqlite3 module opens no transaction on its own,
+        so the only transactions are the ``BEGIN IMMEDIATE`` of ``writing()``. Inside one,
+        sqlite-utils' ``execute`` and ``insert``/``insert_all`` commit nothing themselves
+        (they see ``conn.in_transaction`` and use a savepoint); outside, each statement
+        commits alone.
+        """
         db = getattr(self._local, "db", None)
         if db is None:
-            conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30.0)
+            conn = sqlite3.connect(
+                self.path, check_same_thread=False, timeout=30.0, isolation_level=None
+            )
             conn.execute("PRAGMA synchronous=NORMAL")
             db = sqlite_utils.Database(conn)
             self._local.db = db
         return db
 
     @contextmanager
-    def writing(self) -> Iterator[sqlite_utils.Database]:
-        """A short serialized write transaction on this thread's connection."""
-        db = self.db()
-        with self.write_lock, db.conn:
-            yield db
+    def writing(self) -> Iterator[Transaction]:
+        """One write transaction: everything in the block commits together or not at all.
 
-    def rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        Holds ``write_lock`` (one writer at a time in this process) and SQLite's write
+        lock (``BEGIN IMMEDIATE``) for the block; any exception rolls back the whole block.
+        A full disk (SQLITE_FULL) is raised as InsufficientStorage (507), after rollback.
+        """
+        conn = self.db().conn
+        with self.write_lock:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield Transaction(self.db())
+                    conn.execute("COMMIT")
+                finally:
+                    if conn.in_transaction:  # an exception in the block, or in COMMIT
+                        conn.execute("ROLLBACK")
+            except sqlite3.OperationalError as exc:
+                if _disk_full(exc):
+                    raise InsufficientStorage(
+                        f"the server's metadata disk is full ({exc}); nothing was changed"
+                    ) from exc
+                raise
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Several reads that see one consistent state (a deferred read transaction)."""
+        conn = self.db().conn
+        if conn.in_transaction:  # already inside writing(): its view is consistent
+            yield
+            return
+        conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            conn.execute("COMMIT")
+
+    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         return list(self.db().query(sql, list(params)))
 
     # -- blobs ------------------------------------------------------------------------
-    def record_blob(self, *, digest: str, size_bytes: int, stored_bytes: int) -> None:
-        now = utc_now()
-        with self.writing() as db:
-            db.execute(
-                "INSERT INTO blobs (digest, size_bytes, stored_bytes, created_at, last_access_at)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT(digest) DO UPDATE SET"
-                " last_access_at = excluded.last_access_at",
-                [digest, size_bytes, stored_bytes, now, now],
-            )
-
-    def blob_row(self, digest: str) -> dict[str, Any] | None:
-        found = self.rows("SELECT * FROM blobs WHERE digest = ?", [digest])
-        return found[0] if found else None
+    def blob_info(self, digest: str) -> BlobInfo | None:
+        found = self._rows("SELECT * FROM blobs WHERE digest = ?", [digest])
+        if not found:
+            return None
+        row = found[0]
+        return BlobInfo(
+            digest=row["digest"],
+            size_bytes=int(row["size_bytes"]),
+            stored_bytes=int(row["stored_bytes"]),
+            created_at=row["created_at"],
+            last_access_at=row["last_access_at"] or "",
+        )
 
     def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
-        """{digest: uncompressed size} for the digests that are stored."""
-        wanted = list(dict.fromkeys(digests))
+        """{digest: uncompressed size} for the digests that have a row."""
         out: dict[str, int] = {}
-        for start in range(0, len(wanted), _BATCH):
-            part = wanted[start : start + _BATCH]
-            marks = ",".join("?" * len(part))
-            for row in self.rows(
-                f"SELECT digest, size_bytes FROM blobs WHERE digest IN ({marks})", part
-            ):
-                out[row["digest"]] = row["size_bytes"]
+        for part, marks in _chunks(list(dict.fromkeys(digests))):
+            sql = f"SELECT digest, size_bytes FROM blobs WHERE digest IN ({marks})"
+            out.update((r["digest"], r["size_bytes"]) for r in self._rows(sql, part))
         return out
 
-    def missing_blobs(self, digests: Iterable[str]) -> list[str]:
-        wanted = list(dict.fromkeys(digests))
-        present = self.blob_sizes(wanted)
-        return [d for d in wanted if d not in present]
+    def blob_usage(self) -> list[BlobUsage]:
+        """Every blob row with its stored size, last use and reference count."""
+        rows = self._rows(
+            "SELECT b.digest AS digest, b.stored_bytes AS stored, b.last_access_at AS at,"
+            " COUNT(sb.snapshot_id) AS refs FROM blobs b"
+            " LEFT JOIN snapshot_blobs sb ON sb.digest = b.digest GROUP BY b.digest"
+        )
+        return [
+            BlobUsage(r["digest"], int(r["stored"]), r["at"] or "", int(r["refs"])) for r in rows
+        ]
 
     def store_bytes(self) -> int:
-        row = self.rows("SELECT COALESCE(SUM(stored_bytes), 0) AS n FROM blobs")[0]
+        row = self._rows("SELECT COALESCE(SUM(stored_bytes), 0) AS n FROM blobs")[0]
         return int(row["n"])
 
-    def counts(self) -> dict[str, int]:
-        row = self.rows(
+    def counts(self) -> Counts:
+        row = self._rows(
             "SELECT (SELECT COUNT(*) FROM snapshots) AS snapshots,"
             " (SELECT COUNT(*) FROM blobs) AS blobs,"
             " (SELECT COALESCE(SUM(stored_bytes), 0) FROM blobs) AS stored_bytes"
         )[0]
-        return {k: int(v) for k, v in row.items()}
+        return Counts(int(row["snapshots"]), int(row["blobs"]), int(row["stored_bytes"]))
 
     # -- snapshots --------------------------------------------------------------------
-    def snapshot_row(self, snapshot_id: str, *, columns: str = "*") -> dict[str, Any] | None:
-        found = self.rows(f"SELECT {columns} FROM snapshots WHERE id = ?", [snapshot_id])
-        return found[0] if found else None
+    def summary(self, snapshot_id: str) -> Summary | None:
+        sql = f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE id = ?"
+        found = self._rows(sql, [snapshot_id])
+        return _summary(found[0]) if found else None
 
-    def summary(self, snapshot_id: str) -> dict[str, Any] | None:
-        row = self.snapshot_row(snapshot_id, columns=_SUMMARY_COLUMNS)
-        return summary_of(row) if row else None
+    def manifest_text(self, snapshot_id: str) -> str | None:
+        found = self._rows("SELECT manifest FROM snapshots WHERE id = ?", [snapshot_id])
+        return str(found[0]["manifest"]) if found else None
 
     def list_summaries(
         self,
@@ -326,56 +723,42 @@ class Catalog:
         fingerprint_digest: str | None = None,
         verified: bool | None = None,
         limit: int = 1000,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Summary]:
         where: list[str] = []
         params: list[Any] = []
-        if workload is not None:
-            where.append("workload = ?")
-            params.append(workload)
-        if fingerprint_digest is not None:
-            where.append("fingerprint_digest = ?")
-            params.append(fingerprint_digest)
-        if verified is not None:
-            where.append("verified = ?")
-            params.append(int(verified))
+        for column, value in (
+            ("workload", workload),
+            ("fingerprint_digest", fingerprint_digest),
+            ("verified", None if verified is None else int(verified)),
+        ):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         sql = (
             f"SELECT {_SUMMARY_COLUMNS} FROM snapshots {clause}"
             " ORDER BY created_at DESC, id LIMIT ?"
         )
-        return [summary_of(r) for r in self.rows(sql, [*params, limit])]
+        return [_summary(r) for r in self._rows(sql, [*params, limit])]
 
-    def candidates(self, workload: str | None, *, limit: int = 2000) -> list[dict[str, Any]]:
+    def candidates(self, workload: str | None, *, limit: int = 2000) -> list[Candidate]:
         """Snapshots of a workload with what resolve compares, newest first."""
         sql = (
             f"SELECT {_SUMMARY_COLUMNS}, fingerprint FROM snapshots WHERE workload IS ?"
             " AND source IS NULL ORDER BY created_at DESC, id LIMIT ?"
         )
-        return self.rows(sql, [workload, limit])
-
-    def touch_snapshot(self, snapshot_id: str) -> None:
-        with self.writing() as db:
-            db.execute(
-                "UPDATE snapshots SET last_used_at = ? WHERE id = ?", [utc_now(), snapshot_id]
-            )
-
-    def set_pinned(self, snapshot_id: str, *, pinned: bool) -> bool:
-        with self.writing() as db:
-            cursor = db.execute(
-                "UPDATE snapshots SET pinned = ? WHERE id = ?", [int(pinned), snapshot_id]
-            )
-            return cursor.rowcount > 0
-
-    def delete_snapshot(self, snapshot_id: str) -> bool:
-        """Remove a snapshot's rows (pointers first); its blobs are left for GC."""
-        with self.writing() as db:
-            db.execute("DELETE FROM snapshot_blobs WHERE snapshot_id = ?", [snapshot_id])
-            cursor = db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
-            return cursor.rowcount > 0
+        parsed: dict[str, dict[str, Any]] = {}  # one parse per distinct fingerprint
+        out = []
+        for row in self._rows(sql, [workload, limit]):
+            fingerprint = parsed.get(row["fingerprint_digest"])
+            if fingerprint is None:
+                fingerprint = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
+            out.append(Candidate(summary=_summary(row), fingerprint=fingerprint))
+        return out
 
     def snapshot_blobs(self, snapshot_id: str) -> dict[str, int]:
         """{digest: uncompressed size} of a snapshot's distinct blobs."""
-        rows = self.rows(
+        rows = self._rows(
             "SELECT sb.digest AS digest, b.size_bytes AS size_bytes FROM snapshot_blobs sb"
             " JOIN blobs b ON b.digest = sb.digest WHERE sb.snapshot_id = ?",
             [snapshot_id],
@@ -384,90 +767,66 @@ class Catalog:
 
     def harvested_deltas(
         self, parent_id: str, *, fingerprint_digest: str, limit: int = 32
-    ) -> list[dict[str, Any]]:
-        """SUMMARYs of the harvested deltas of ``parent_id`` for one environment, oldest first."""
-        rows = self.rows(
+    ) -> list[Summary]:
+        """Summaries of the harvested deltas of ``parent_id`` for one environment, oldest first."""
+        rows = self._rows(
             f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE parent = ? AND source = 'harvest'"
             " AND fingerprint_digest = ? ORDER BY created_at, id LIMIT ?",
             [parent_id, fingerprint_digest, limit],
         )
-        return [summary_of(r) for r in rows]
-
-    # -- workloads --------------------------------------------------------------------
-    def put_workload(self, *, name: str, toml: str, digest: str) -> dict[str, Any]:
-        now = utc_now()
-        with self.writing() as db:
-            db.execute(
-                "INSERT INTO workloads (name, toml, digest, updated_at) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT(name) DO UPDATE SET toml = excluded.toml,"
-                " digest = excluded.digest, updated_at = excluded.updated_at",
-                [name, toml, digest, now],
-            )
-        return {"name": name, "digest": digest, "updated_at": now}
-
-    def workload_row(self, name: str) -> dict[str, Any] | None:
-        found = self.rows("SELECT * FROM workloads WHERE name = ?", [name])
-        return found[0] if found else None
+        return [_summary(r) for r in rows]
 
     def fingerprint_of(self, fingerprint_digest: str) -> dict[str, Any] | None:
         """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
-        found = self.rows(
+        found = self._rows(
             "SELECT fingerprint FROM snapshots WHERE fingerprint_digest = ? LIMIT 1",
             [fingerprint_digest],
         )
         return json.loads(found[0]["fingerprint"]) if found else None
 
-    def list_workloads(self) -> list[dict[str, Any]]:
-        return self.rows("SELECT name, digest, updated_at FROM workloads ORDER BY name")
-
-    def delete_workload(self, name: str) -> bool:
-        with self.writing() as db:
-            return db.execute("DELETE FROM workloads WHERE name = ?", [name]).rowcount > 0
-
-    # -- events -----------------------------------------------------------------------
-    def add_event(self, db: sqlite_utils.Database, *, kind: str, subject: str, detail: Any) -> None:
-        """Append an event inside an open write transaction."""
-        db.execute(
-            "INSERT INTO events (at, kind, subject, detail) VALUES (?, ?, ?, ?)",
-            [utc_now(), kind, subject, json.dumps(detail, sort_keys=True)],
+    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
+        """(UTC day, prejob restores that day) for the last ``days`` days with any, oldest first."""
+        found = self._rows(
+            "SELECT substr(at, 1, 10) AS day, COUNT(*) AS n FROM job_reports"
+            " WHERE phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
+            " GROUP BY day ORDER BY day DESC LIMIT ?",
+            [days],
         )
+        return [(row["day"], int(row["n"])) for row in reversed(found)]
 
-    # -- job reports ------------------------------------------------------------------
-    def add_job_report(self, report: JobReport) -> tuple[int, str]:
-        """Store one job report (one transaction); returns its (id, received at)."""
-        now = utc_now()
-        with self.writing() as db:
-            cursor = db.execute(
-                "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
-                " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
-                " new_triton, new_other, new_bytes, started_at, finished_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    now,
-                    report.phase,
-                    report.outcome,
-                    report.workload,
-                    report.fingerprint_digest,
-                    report.snapshot_id,
-                    report.node,
-                    json.dumps(list(report.devices)),
-                    report.reason_code,
-                    report.reason,
-                    report.new_fxgraph,
-                    report.new_aotautograd,
-                    report.new_triton,
-                    report.new_other,
-                    report.new_bytes,
-                    report.started_at,
-                    report.finished_at,
-                ],
-            )
-            return int(cursor.lastrowid or 0), now
+    def lru_unpinned(self) -> list[str]:
+        """Unpinned snapshot ids, least recently used first (never used: by creation)."""
+        rows = self._rows(
+            "SELECT id FROM snapshots WHERE pinned = 0"
+            " ORDER BY COALESCE(last_used_at, created_at), created_at"
+        )
+        return [r["id"] for r in rows]
+
+    # -- workloads --------------------------------------------------------------------
+    def workload_toml(self, name: str) -> str | None:
+        found = self._rows("SELECT toml FROM workloads WHERE name = ?", [name])
+        return str(found[0]["toml"]) if found else None
+
+    def list_workloads(self) -> list[WorkloadInfo]:
+        rows = self._rows("SELECT name, digest, updated_at FROM workloads ORDER BY name")
+        return [
+            WorkloadInfo(name=r["name"], digest=r["digest"], updated_at=r["updated_at"])
+            for r in rows
+        ]
+
+    # -- agents -----------------------------------------------------------------------
+    def agent(self, agent_id: str) -> AgentInfo | None:
+        found = self._rows("SELECT * FROM agents WHERE id = ?", [agent_id])
+        return _agent(found[0]) if found else None
+
+    def list_agents(self) -> list[AgentInfo]:
+        rows = self._rows("SELECT * FROM agents ORDER BY last_seen_at DESC, id")
+        return [_agent(r) for r in rows]
 
     def job_stats(self, *, workload: str | None = None) -> list[JobStats]:
         """The job reports added up per (workload, fingerprint digest), sorted by both."""
         where, params = ("WHERE workload = ?", [workload]) if workload is not None else ("", [])
-        totals = self.rows(
+        totals = self._rows(
             "SELECT workload, fingerprint_digest,"
             " SUM(phase = 'prejob' AND outcome IN ('restored', 'already_restored')) AS restores,"
             " SUM(phase = 'prejob' AND outcome = 'cold') AS cold,"
@@ -483,7 +842,7 @@ class Catalog:
             params,
         )
         reasons: dict[tuple[str, str], dict[str, int]] = {}
-        for row in self.rows(
+        for row in self._rows(
             "SELECT workload, fingerprint_digest, COALESCE(reason_code, 'unknown') AS code,"
             " COUNT(*) AS n FROM job_reports"
             f" {where + ' AND' if where else 'WHERE'} phase = 'prejob' AND outcome = 'cold'"
@@ -509,12 +868,46 @@ class Catalog:
             for row in totals
         ]
 
-    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
-        """(UTC day, prejob restores that day) for the last ``days`` days with any, oldest first."""
-        found = self.rows(
-            "SELECT substr(at, 1, 10) AS day, COUNT(*) AS n FROM job_reports"
-            " WHERE phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
-            " GROUP BY day ORDER BY day DESC LIMIT ?",
-            [days],
+    def status_facts(self) -> StatusFacts:
+        """What ``server.fleet`` decides each (workload, fingerprint digest)'s status from."""
+        with self.reading():
+            return self._status_facts()
+
+    def _status_facts(self) -> StatusFacts:
+        workloads = tuple(w.name for w in self.list_workloads())
+        agents = tuple(
+            (r["name"], r["fingerprint_digest"])
+            for r in self._rows("SELECT name, fingerprint_digest FROM agents ORDER BY name, id")
         )
-        return [(row["day"], int(row["n"])) for row in reversed(found)]
+        latest = [
+            _event(r)
+            for r in self._rows(
+                "SELECT e.* FROM agent_events e JOIN (SELECT MAX(id) AS id FROM agent_events"
+                " GROUP BY workload, fingerprint_digest) m ON e.id = m.id"
+            )
+        ]
+        verified: dict[tuple[str, str], tuple[str, str]] = {}
+        covers: dict[str, tuple[str, ...]] = {}
+        for snap in self._rows(
+            "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
+            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
+        ):
+            key = (snap["workload"], snap["fingerprint_digest"])
+            verified[key] = (snap["id"], snap["created_at"])  # newest wins
+            covers[snap["id"]] = tuple(json.loads(snap["devices"] or "[]"))
+        named = sorted({e.snapshot_id for e in latest if e.snapshot_id})
+        stored: set[str] = set()
+        for part, marks in _chunks(named):
+            sql = f"SELECT id, devices FROM snapshots WHERE id IN ({marks})"
+            for r in self._rows(sql, part):
+                stored.add(r["id"])
+                covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+        return StatusFacts(
+            workloads=workloads,
+            agents=agents,
+            latest={(e.workload, e.fingerprint_digest): e for e in latest},
+            verified=verified,
+            stored=frozenset(stored),
+            covers=covers,
+            jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
+        )

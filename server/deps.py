@@ -1,4 +1,5 @@
-"""Dependencies the routers share, as ``Annotated`` aliases (FastAPI's template style)."""
+"""What the routers share: dependencies as ``Annotated`` aliases (FastAPI's template style),
+and reading a bounded request body."""
 
 from __future__ import annotations
 
@@ -6,11 +7,20 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from cachekeeper.errors import PayloadTooLarge
+
 from .metrics import Metrics
 from .settings import Settings
 from .storage import Storage
 
-__all__ = ["StorageDep", "SettingsDep", "MetricsDep", "storage_of", "metrics_of"]
+__all__ = [
+    "StorageDep",
+    "SettingsDep",
+    "MetricsDep",
+    "storage_of",
+    "metrics_of",
+    "read_body",
+]
 
 
 def storage_of(request: Request) -> Storage:
@@ -28,3 +38,16 @@ def settings_of(request: Request) -> Settings:
 StorageDep = Annotated[Storage, Depends(storage_of)]
 MetricsDep = Annotated[Metrics, Depends(metrics_of)]
 SettingsDep = Annotated[Settings, Depends(settings_of)]
+
+
+async def read_body(request: Request, *, limit: int, what: str) -> bytes:
+    """The whole request body, refusing (413) more than ``limit`` bytes before reading it all."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"{what} of {length} bytes is over the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"{what} is over the limit of {limit} bytes")
+    return bytes(body)

@@ -354,6 +354,6 @@ def store_room(app: FastAPI) -> StoreRoom:
     room: StoreRoom | None = getattr(app.state, "store_room", None)
     if room is None:
         storage = app.state.storage
-        room = StoreRoom(settings=app.state.settings, stored_bytes=storage.catalog.store_bytes)
+        room = StoreRoom(settings=app.state.settings, stored_bytes=storage.store_bytes)
         app.state.store_room = room
     return room

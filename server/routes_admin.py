@@ -24,11 +24,11 @@ def healthz(request: Request) -> Health:
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
     """Prometheus text exposition."""
-    counts = storage.catalog.counts()
+    counts = storage.counts()
     gauges = {
-        "cachekeeper_store_bytes": float(counts["stored_bytes"]),
-        "cachekeeper_store_blobs": float(counts["blobs"]),
-        "cachekeeper_store_snapshots": float(counts["snapshots"]),
+        "cachekeeper_store_bytes": float(counts.stored_bytes),
+        "cachekeeper_store_blobs": float(counts.blobs),
+        "cachekeeper_store_snapshots": float(counts.snapshots),
     }
     registry = metrics_of(request)
     evicted = storage.evictions - registry.value("cachekeeper_evictions_total")
@@ -45,7 +45,7 @@ def gc(storage: StorageDep, _: AdminScope, body: GcRequest | None = None) -> GcA
     dry_run = body.dry_run if body is not None else False
     plan = storage.plan_gc()
     if not dry_run:
-        storage.execute_gc(plan)
+        plan = storage.execute_gc(plan)
     return GcAnswer(
         snapshots_evicted=plan.snapshots_evicted,
         blobs_deleted=len(plan.blobs) + len(plan.orphan_files),

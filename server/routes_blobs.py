@@ -29,6 +29,7 @@ from .auth import ReadScope, WriteScope
 from .deps import StorageDep, metrics_of, storage_of
 from .limits import Reservation, StoreRoom, store_room, upload_limiter
 from .responses import error_responses
+from .storage import Storage
 
 __all__ = ["router"]
 
@@ -42,7 +43,7 @@ _END, _ABORT = object(), object()
 @router.post("/missing", response_model=MissingAnswer)
 def missing_blobs(body: MissingRequest, storage: StorageDep, _: ReadScope) -> dict[str, Any]:
     """Which of ``digests`` the server does not have."""
-    return {"missing": storage.catalog.missing_blobs(body.digests)}
+    return {"missing": storage.missing_blobs(body.digests)}
 
 
 class _Aborted(Exception):
@@ -189,9 +190,9 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     return JSONResponse(to_dict(answer), status_code=201 if result.created else 200)
 
 
-def _reserve(storage: Any, room: StoreRoom, digest: str, declared: int) -> Reservation | None:
+def _reserve(storage: Storage, room: StoreRoom, digest: str, declared: int) -> Reservation | None:
     """Room for an upload of ``declared`` bytes, or None when the blob is already stored."""
-    if storage.blobs.has(digest):
+    if storage.has_blob_bytes(digest):
         return None  # nothing will be added
     return room.open(declared_bytes=declared)
 
@@ -224,8 +225,8 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
     return start, end
 
 
-def _slice(storage: Any, digest: str, start: int, end: int) -> Iterator[bytes]:
-    with storage.blobs.open(digest) as fh:
+def _slice(storage: Storage, digest: str, start: int, end: int) -> Iterator[bytes]:
+    with storage.open_blob(digest) as fh:
         to_skip = start
         while to_skip:
             skipped = len(fh.read(min(to_skip, _READ_BYTES)))
@@ -241,8 +242,8 @@ def _slice(storage: Any, digest: str, start: int, end: int) -> Iterator[bytes]:
             yield chunk
 
 
-def _raw(storage: Any, digest: str) -> Iterator[bytes]:
-    with storage.blobs.open_raw(digest) as fh:
+def _raw(storage: Storage, digest: str) -> Iterator[bytes]:
+    with storage.open_blob_raw(digest) as fh:
         while chunk := fh.read(_READ_BYTES):
             yield chunk
 
@@ -258,20 +259,19 @@ def _raw(storage: Any, digest: str) -> Iterator[bytes]:
 )
 def get_blob(digest: Digest, request: Request, storage: StorageDep, _: ReadScope) -> Response:
     """The blob's bytes, streamed; ``Range`` supported; ``Accept-Encoding: zstd`` gets the frame."""
-    row = storage.catalog.blob_row(digest)
-    stored = storage.blobs.size(digest)
-    if row is None or stored is None:
+    found = storage.blob(digest)
+    if found is None:
         missing = BlobMissing(f"blob {digest} is not on the server", extra={"missing": [digest]})
         return JSONResponse(missing.to_dict(), status_code=404)  # a GET of nothing is a 404
     metrics_of(request).inc("cachekeeper_blob_downloads_total")
-    size = int(row["size_bytes"])
+    size = found.size_bytes
     range_header = request.headers.get("range")
     accepts = request.headers.get("accept-encoding", "").lower()
     if range_header is None and "zstd" in [a.split(";")[0].strip() for a in accepts.split(",")]:
         return StreamingResponse(
             _raw(storage, digest),
             media_type="application/octet-stream",
-            headers={"Content-Encoding": "zstd", "Content-Length": str(stored)},
+            headers={"Content-Encoding": "zstd", "Content-Length": str(found.stored_bytes)},
         )
     if range_header is not None:
         span = _parse_range(range_header, size)

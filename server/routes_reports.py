@@ -29,9 +29,8 @@ def post_report(
     body: JobReport, storage: StorageDep, metrics: MetricsDep, _: ReadScope
 ) -> JobReportAnswer:
     """Store one job report (prejob: restored or cold; postjob: compiled or clean)."""
-    catalog = storage.catalog
-    report_id, at = catalog.add_job_report(body)
-    workload = body.workload if catalog.workload_row(body.workload) is not None else "-"
+    report_id, at = storage.add_job_report(body)
+    workload = body.workload if storage.has_workload(body.workload) else "-"
     metrics.inc(
         "cachekeeper_job_reports_total", phase=body.phase, outcome=body.outcome, workload=workload
     )

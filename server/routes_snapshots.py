@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -11,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachekeeper.errors import (
     BlobMissing,
+    InsufficientStorage,
     InvalidManifest,
     PayloadTooLarge,
     SignatureInvalid,
@@ -22,33 +24,19 @@ from cachekeeper.manifest import Manifest
 from cachekeeper.signing import load_trusted_keys, verify_manifest
 from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
 
-from .archive import archive_chunks
 from .auth import AdminScope, ReadScope, WriteScope
-from .deps import StorageDep, metrics_of, storage_of
+from .deps import StorageDep, metrics_of, read_body, storage_of
 from .responses import error_responses
 from .storage import Storage
 
-__all__ = ["router", "read_body"]
+__all__ = ["router"]
 
 router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
 
 SnapshotId = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the manifest's sha256")]
 
 
-async def read_body(request: Request, *, limit: int, what: str) -> bytes:
-    """The whole request body, refusing (413) more than ``limit`` bytes before reading it all."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"{what} of {length} bytes is over the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"{what} is over the limit of {limit} bytes")
-    return bytes(body)
-
-
-def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
+def _publish(storage: Storage, body: bytes) -> tuple[Summary, bool]:
     max_files = storage.settings.max_files
     listed = body.count(b'"digest"')  # a scan, before parsing builds millions of objects
     if listed > max_files:
@@ -94,6 +82,7 @@ def _publish(storage: Storage, body: bytes) -> tuple[dict[str, Any], bool]:
             UnsafePath,
             UnsupportedFormat,
             SignatureInvalid,  # only when the server requires signatures
+            InsufficientStorage,  # the metadata disk is full: nothing was published
         ),
     },
 )
@@ -104,7 +93,9 @@ async def publish_snapshot(request: Request, _: WriteScope) -> Response:
     summary, created = await run_in_threadpool(_publish, storage, body)
     if created:
         metrics_of(request).inc("cachekeeper_snapshots_published_total")
-    return JSONResponse({**summary, "created": created}, status_code=201 if created else 200)
+    return JSONResponse(
+        {**asdict(summary), "created": created}, status_code=201 if created else 200
+    )
 
 
 @router.get("", response_model=SnapshotList)
@@ -117,17 +108,10 @@ def list_snapshots(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
     """Snapshots, newest first, optionally filtered."""
-    found = storage.catalog.list_summaries(
+    found = storage.list_snapshots(
         workload=workload, fingerprint_digest=fingerprint_digest, verified=verified, limit=limit
     )
-    return {"snapshots": found}
-
-
-def _manifest_text(storage: Storage, snapshot_id: str) -> str:
-    row = storage.catalog.snapshot_row(snapshot_id, columns="manifest")
-    if row is None:
-        raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
-    return str(row["manifest"])
+    return {"snapshots": [asdict(s) for s in found]}
 
 
 @router.get(
@@ -137,29 +121,19 @@ def _manifest_text(storage: Storage, snapshot_id: str) -> str:
 )
 def get_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: ReadScope) -> Response:
     """The manifest JSON, signature included."""
-    return Response(_manifest_text(storage, snapshot_id), media_type="application/json")
+    return Response(storage.manifest_text(snapshot_id), media_type="application/json")
 
 
 def _archive(
     request: Request, storage: Storage, snapshot_id: str, wanted: list[str] | None
 ) -> Response:
-    text = _manifest_text(storage, snapshot_id)
-    manifest = json.loads(text)
-    sizes = storage.catalog.snapshot_blobs(snapshot_id)
-    order = list(dict.fromkeys(f["digest"] for f in manifest["files"]))
-    if wanted is not None:
-        chosen = set(wanted)
-        order = [d for d in order if d in chosen]
-    storage.catalog.touch_snapshot(snapshot_id)
     metrics = metrics_of(request)
-    metrics.inc("cachekeeper_archive_requests_total")
-    chunks = archive_chunks(
-        manifest_json=text.encode(),
-        blobs=[(d, sizes[d]) for d in order],
-        store=storage.blobs,
-        level=storage.settings.archive_level,
+    chunks = storage.archive(
+        snapshot_id,
+        digests=wanted,
         on_blob=lambda _d: metrics.inc("cachekeeper_archive_blobs_total"),
     )
+    metrics.inc("cachekeeper_archive_requests_total")
     return StreamingResponse(
         chunks, media_type="application/zstd", headers={"X-Cachekeeper-Snapshot": snapshot_id}
     )
@@ -199,17 +173,8 @@ def post_archive(
 )
 def delete_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: AdminScope) -> Response:
     """Remove a snapshot; blobs no other snapshot uses go at the next GC."""
-    if not storage.catalog.delete_snapshot(snapshot_id):
-        raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+    storage.delete_snapshot(snapshot_id)
     return Response(status_code=204)
-
-
-def _pin(storage: Storage, snapshot_id: str, *, pinned: bool) -> dict[str, Any]:
-    if not storage.catalog.set_pinned(snapshot_id, pinned=pinned):
-        raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
-    summary = storage.catalog.summary(snapshot_id)
-    assert summary is not None
-    return summary
 
 
 @router.post(
@@ -217,7 +182,7 @@ def _pin(storage: Storage, snapshot_id: str, *, pinned: bool) -> dict[str, Any]:
 )
 def pin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Keep a snapshot out of LRU eviction."""
-    return _pin(storage, snapshot_id, pinned=True)
+    return asdict(storage.set_pinned(snapshot_id, pinned=True))
 
 
 @router.delete(
@@ -225,4 +190,4 @@ def pin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) ->
 )
 def unpin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Let LRU eviction take a snapshot again."""
-    return _pin(storage, snapshot_id, pinned=False)
+    return asdict(storage.set_pinned(snapshot_id, pinned=False))

@@ -30,9 +30,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 
+from cachekeeper.errors import SnapshotNotFound
+
 from .auth import scope_of_token
-from .deps import StorageDep, storage_of
-from .routes_snapshots import read_body
+from .deps import StorageDep, read_body, storage_of
 from .settings import Settings
 from .ui_view import STATES, fingerprint_json, human_bytes, page_data, plain, size_plot_svg
 
@@ -149,8 +150,8 @@ def index(request: Request, storage: StorageDep) -> Response:
         return _to_login(request)
     data = page_data(storage)
     plot = size_plot_svg(
-        [plain(s) for s in storage.catalog.list_summaries(limit=10_000)],
-        storage.catalog.restores_by_day(),
+        [plain(s) for s in storage.list_snapshots(limit=10_000)],
+        storage.restores_by_day(),
     )
     return _render(
         request,
@@ -180,7 +181,9 @@ def cell(
             message=f"no status for workload {workload!r} in environment {digest[:12]}",
         )  # fmt: skip
     environment = next(e for e in data.environments if e.digest == digest)
-    snapshots = storage.catalog.list_summaries(workload=workload, fingerprint_digest=digest)
+    snapshots = [
+        plain(s) for s in storage.list_snapshots(workload=workload, fingerprint_digest=digest)
+    ]
     return _render(
         request,
         "cell.html",
@@ -242,12 +245,13 @@ async def snapshot_action(request: Request, snapshot_id: str, action: str) -> Re
             request, "message.html", status_code=404, title="Not found",
             message=f"no action {action!r} on snapshot {snapshot_id[:12]}",
         )  # fmt: skip
-    catalog = storage_of(request).catalog
-    if action == "delete":
-        done = await run_in_threadpool(catalog.delete_snapshot, snapshot_id)
-    else:
-        done = await run_in_threadpool(catalog.set_pinned, snapshot_id, pinned=action == "pin")
-    if not done:
+    storage = storage_of(request)
+    try:
+        if action == "delete":
+            await run_in_threadpool(storage.delete_snapshot, snapshot_id)
+        else:
+            await run_in_threadpool(storage.set_pinned, snapshot_id, pinned=action == "pin")
+    except SnapshotNotFound:
         return _render(
             request, "message.html", status_code=404, title="Not found",
             message=f"no snapshot {snapshot_id[:12]} on this server",

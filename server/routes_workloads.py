@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -14,9 +15,8 @@ from cachekeeper.wire import WorkloadInfo, WorkloadList
 from cachekeeper.workload import parse_workload
 
 from .auth import AdminScope, ReadScope, WriteScope
-from .deps import StorageDep, storage_of
+from .deps import StorageDep, read_body, storage_of
 from .responses import error_responses
-from .routes_snapshots import read_body
 from .storage import Storage
 
 __all__ = ["router"]
@@ -31,7 +31,7 @@ WorkloadName = Annotated[
 @router.get("", response_model=WorkloadList)
 def list_workloads(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
     """Every registered workload."""
-    return {"workloads": storage.catalog.list_workloads()}
+    return {"workloads": [asdict(w) for w in storage.list_workloads()]}
 
 
 def _register(storage: Storage, name: str, body: bytes) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def _register(storage: Storage, name: str, body: bytes) -> dict[str, Any]:
     if workload.name != name:
         raise WorkloadInvalid(f"workload file names itself {workload.name!r}, not {name!r}")
     digest = hashlib.sha256(body).hexdigest()
-    return storage.catalog.put_workload(name=name, toml=text, digest=digest)
+    return asdict(storage.put_workload(name=name, toml=text, digest=digest))
 
 
 _TOML_BODY = {
@@ -77,10 +77,7 @@ async def put_workload(name: WorkloadName, request: Request, _: WriteScope) -> d
 )
 def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Response:
     """The workload's TOML text as registered."""
-    row = storage.catalog.workload_row(name)
-    if row is None:
-        raise WorkloadNotFound(f"no workload {name!r} is registered")
-    return Response(row["toml"], media_type="application/toml")
+    return Response(storage.workload_toml(name), media_type="application/toml")
 
 
 @router.delete(
@@ -91,6 +88,5 @@ def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Respo
 )
 def delete_workload(name: WorkloadName, storage: StorageDep, _: AdminScope) -> Response:
     """Unregister a workload (its snapshots stay)."""
-    if not storage.catalog.delete_workload(name):
-        raise WorkloadNotFound(f"no workload {name!r} is registered")
+    storage.delete_workload(name)
     return Response(status_code=204)

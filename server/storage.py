@@ -1,10 +1,13 @@
-"""Blobs and snapshots behind one object the routes use: ``Storage``.
+"""The one storage interface the routes use: ``Storage``.
 
-The blob bytes live in a ``cachekeeper.blobstore.BlobStore`` (``LocalBlobStore`` under
-``<data>/blobs`` by default; an S3-compatible backend only needs to implement that
-protocol), their metadata in the ``Catalog``. This module adds what the server needs on
-top: the upload size limit, publishing a manifest, and GC as plan -> execute (which evicts
-LRU snapshots down to the hard cap; uploads never evict, see ``limits.StoreRoom``).
+``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
+``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (the local directory,
+``cachekeeper.blobstore.LocalBlobStore``, by default; an S3-compatible backend implements
+the same protocol). ``create_app`` (``server/app.py``) is the one place that picks the
+backend. What this module adds on top: the upload size limit, publishing a manifest, and
+GC as plan -> execute (which evicts LRU snapshots down to the hard cap; uploads never
+evict, see ``limits.StoreRoom``). Routes call one
+method each and never see the catalog or the backend.
 
 Ordering rules that keep a crash harmless: a blob's row is written only after the blob
 store made the file visible (a crash before leaves at most a temp file, or a file with no
@@ -16,24 +19,72 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
-from cachekeeper.blobstore import BlobStore, LocalBlobStore, PutResult
+from cachekeeper.blobstore import BlobStat, PutResult
 from cachekeeper.errors import (
+    AgentNotFound,
     BlobMissing,
     InvalidManifest,
     PayloadTooLarge,
     ServerUnavailable,
+    SnapshotNotFound,
+    WorkloadNotFound,
 )
+from cachekeeper.fingerprint import DriverPolicy
 from cachekeeper.manifest import Manifest
+from cachekeeper.wire import (
+    AgentInfo,
+    EventOut,
+    JobReport,
+    ResolveAnswer,
+    StatusRow,
+    Summary,
+    WorkloadInfo,
+)
 
+from .archive import archive_chunks
 from .catalog import Catalog, utc_now
+from .fleet import fleet_status
+from .records import Counts
+from .resolver import miss_reason, rank
 from .settings import Settings
 
-__all__ = ["Storage", "GcPlan", "limit_size"]
+__all__ = ["BlobBackend", "CheckReport", "GcPlan", "Storage", "StoredBlob", "limit_size"]
+
+
+class BlobBackend(Protocol):
+    """Where blob bytes live. ``LocalBlobStore`` implements it; an S3 backend will too.
+
+    Blobs are named by the sha256 of their uncompressed bytes and stored as one zstd
+    frame each. ``put`` verifies the digest while streaming and makes the blob visible
+    only when complete; ``stat`` and ``scan`` give the stored size and age (what GC's
+    grace period is measured on); ``presigned_url`` is a URL a client may use directly
+    instead of the server (None when the backend has none, as the local directory).
+    """
+
+    def put(
+        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
+    ) -> PutResult: ...
+
+    def open(self, digest: str) -> BinaryIO:
+        """The uncompressed bytes; raises BlobMissing."""
+
+    def open_raw(self, digest: str) -> BinaryIO:
+        """The bytes as stored (one zstd frame); raises BlobMissing."""
+
+    def stat(self, digest: str) -> BlobStat | None: ...
+
+    def delete(self, digest: str) -> bool: ...
+
+    def scan(self) -> Iterator[BlobStat]: ...
+
+    def presigned_url(
+        self, digest: str, *, method: str = "GET", expires_s: int = 900
+    ) -> str | None: ...
 
 
 def limit_size(chunks: Iterable[bytes], *, max_bytes: int, what: str) -> Iterator[bytes]:
@@ -44,6 +95,22 @@ def limit_size(chunks: Iterable[bytes], *, max_bytes: int, what: str) -> Iterato
         if total > max_bytes:
             raise PayloadTooLarge(f"{what} is over the server's limit of {max_bytes} bytes")
         yield chunk
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    digest: str
+    size_bytes: int  # uncompressed
+    stored_bytes: int  # as stored
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``Storage.check`` changed at start-up."""
+
+    stale_blob_rows: int  # rows dropped: their bytes were gone
+    completed: tuple[str, ...]  # snapshots whose missing references were added
+    quarantined: tuple[str, ...]  # snapshots taken out of service: blobs are gone
 
 
 @dataclass(frozen=True)
@@ -59,52 +126,153 @@ class GcPlan:
 class Storage:
     """The server's store: a blob backend plus the metadata catalog."""
 
-    def __init__(self, *, settings: Settings, catalog: Catalog, blobs: BlobStore) -> None:
+    def __init__(self, *, settings: Settings, catalog: Catalog, blobs: BlobBackend) -> None:
         self.settings = settings
         self.catalog = catalog
         self.blobs = blobs
         self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
 
-    @classmethod
-    def open(cls, settings: Settings) -> Storage:
-        """The embedded default: SQLite at ``<data>/meta.sqlite``, blobs at ``<data>/blobs``."""
-        data = settings.data_dir
-        data.mkdir(parents=True, exist_ok=True)
-        catalog = Catalog.create(data / "meta.sqlite")
-        blobs = LocalBlobStore(data / "blobs")
-        blobs.sweep_temp(older_than_s=0)  # nothing is uploading before we start
-        return cls(settings=settings, catalog=catalog, blobs=blobs)
-
     # -- blobs ------------------------------------------------------------------------
+    def missing_blobs(self, digests: Iterable[str]) -> list[str]:
+        """Which of ``digests`` the server does not have, in the order given."""
+        wanted = list(dict.fromkeys(digests))
+        present = self.catalog.blob_sizes(wanted)
+        return [d for d in wanted if d not in present]
+
+    def blob(self, digest: str) -> StoredBlob | None:
+        """The blob's sizes when both its row and its bytes are there."""
+        info = self.catalog.blob_info(digest)
+        stat = self.blobs.stat(digest)
+        if info is None or stat is None:
+            return None
+        return StoredBlob(digest, info.size_bytes, stat.stored_bytes)
+
+    def has_blob_bytes(self, digest: str) -> bool:
+        """Whether the backend holds the blob's bytes (row or not)."""
+        return self.blobs.stat(digest) is not None
+
+    def store_bytes(self) -> int:
+        """Stored (compressed) bytes of every blob with a row: what the cap counts."""
+        return self.catalog.store_bytes()
+
+    def open_blob(self, digest: str) -> BinaryIO:
+        return self.blobs.open(digest)
+
+    def open_blob_raw(self, digest: str) -> BinaryIO:
+        return self.blobs.open_raw(digest)
+
     def put_blob(self, digest: str, chunks: Iterable[bytes]) -> PutResult:
         """Store the uncompressed ``chunks`` as blob ``digest`` (hash-checked), then its row."""
         limited = limit_size(chunks, max_bytes=self.settings.max_blob_bytes, what="blob")
         result = self.blobs.put(limited, digest=digest)
-        stored = self.blobs.size(digest)
-        if stored is None:  # deleted by a concurrent GC between put and here
+        stat = self.blobs.stat(digest)
+        if stat is None:  # deleted by a concurrent GC between put and here
             raise ServerUnavailable(f"blob {digest} was collected while uploading; retry")
         size = result.size_bytes
         if not result.created:
-            row = self.catalog.blob_row(digest)
-            size = row["size_bytes"] if row else _uncompressed_size(self.blobs, digest)
-        self.catalog.record_blob(digest=digest, size_bytes=size, stored_bytes=stored)
-        return PutResult(digest, size, stored, result.created)
+            info = self.catalog.blob_info(digest)
+            size = info.size_bytes if info else _uncompressed_size(self.blobs, digest)
+        with self.catalog.writing() as tx:
+            tx.record_blob(digest=digest, size_bytes=size, stored_bytes=stat.stored_bytes)
+        return PutResult(digest, size, stat.stored_bytes, result.created)
 
     # -- snapshots --------------------------------------------------------------------
-    def publish(self, manifest: Manifest) -> tuple[dict[str, Any], bool]:
-        """Record ``manifest`` as a snapshot; (SUMMARY, created). Idempotent by id."""
+    def snapshot(self, snapshot_id: str) -> Summary:
+        found = self.catalog.summary(snapshot_id)
+        if found is None:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+        return found
+
+    def list_snapshots(
+        self,
+        *,
+        workload: str | None = None,
+        fingerprint_digest: str | None = None,
+        verified: bool | None = None,
+        limit: int = 1000,
+    ) -> list[Summary]:
+        return self.catalog.list_summaries(
+            workload=workload, fingerprint_digest=fingerprint_digest, verified=verified, limit=limit
+        )
+
+    def manifest_text(self, snapshot_id: str) -> str:
+        """The manifest JSON as published (signature included)."""
+        text = self.catalog.manifest_text(snapshot_id)
+        if text is None:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+        return text
+
+    def archive(
+        self,
+        snapshot_id: str,
+        *,
+        digests: Iterable[str] | None = None,
+        on_blob: Callable[[str], None] | None = None,
+    ) -> Iterator[bytes]:
+        """The snapshot (or only ``digests`` of it) as one archive stream; marks it used."""
+        text = self.manifest_text(snapshot_id)
+        sizes = self.catalog.snapshot_blobs(snapshot_id)
+        order = list(dict.fromkeys(f["digest"] for f in json.loads(text)["files"]))
+        if digests is not None:
+            chosen = set(digests)
+            order = [d for d in order if d in chosen]
+        with self.catalog.writing() as tx:
+            tx.touch_snapshot(snapshot_id)
+        return archive_chunks(
+            manifest_json=text.encode(),
+            blobs=[(d, sizes[d]) for d in order],
+            store=self.blobs,
+            level=self.settings.archive_level,
+            on_blob=on_blob,
+        )
+
+    def resolve(
+        self,
+        *,
+        fingerprint: dict[str, Any],
+        workload: str | None,
+        driver_policy: DriverPolicy = "newer",
+        devices: list[str] | None = None,
+    ) -> ResolveAnswer:
+        """The best snapshot for a node (see ``server.resolver``); marks the hit used."""
+        candidates = self.catalog.candidates(workload)
+        found = rank(
+            candidates, fingerprint=fingerprint, driver_policy=driver_policy, devices=devices
+        )
+        if found.snapshot is None:
+            registered = workload is not None and self.catalog.workload_toml(workload) is not None
+            reason = miss_reason(workload, has_snapshots=bool(candidates), registered=registered)
+            return replace(found, reason=reason)
+        with self.catalog.writing() as tx:
+            tx.touch_snapshot(found.snapshot.id)
+        if not self.settings.serve_harvested:
+            return found
+        deltas = self.catalog.harvested_deltas(
+            found.snapshot.id, fingerprint_digest=found.snapshot.fingerprint_digest
+        )
+        return replace(found, deltas=tuple(deltas))
+
+    def set_pinned(self, snapshot_id: str, *, pinned: bool) -> Summary:
+        with self.catalog.writing() as tx:
+            if not tx.set_pinned(snapshot_id, pinned=pinned):
+                raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+        return self.snapshot(snapshot_id)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot (pointers only); blobs no other snapshot uses go at the next GC."""
+        with self.catalog.writing() as tx:
+            if not tx.delete_snapshot(snapshot_id):
+                raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
+
+    def publish(self, manifest: Manifest) -> tuple[Summary, bool]:
+        """Record ``manifest`` as a snapshot; (summary, created). Idempotent by id.
+
+        One transaction: the snapshot row, every blob reference and the event appear
+        together or not at all. Publishing a snapshot that exists completes it if it lacks
+        references (a half-published row left by an older server) and keeps a signature
+        it did not have; it answers ``created`` False.
+        """
         snapshot_id = manifest.id
-        existing = self.catalog.summary(snapshot_id)
-        if existing is not None:
-            if manifest.signature is not None and not existing.get("signed"):
-                # The same snapshot, now signed: keep the signature (the id is unchanged).
-                with self.catalog.writing() as db:
-                    db.execute(
-                        "UPDATE snapshots SET manifest = ?, signed = 1 WHERE id = ? AND signed = 0",
-                        [manifest.to_json(), snapshot_id],
-                    )
-                existing = self.catalog.summary(snapshot_id) or existing
-            return existing, False
         sizes = self.catalog.blob_sizes(manifest.digests)
         missing = sorted(manifest.digests - sizes.keys())
         if missing:
@@ -118,66 +286,135 @@ class Storage:
                     f"{entry.path}: size_bytes {entry.size_bytes} does not match blob"
                     f" {entry.digest[:12]} ({sizes[entry.digest]} bytes)"
                 )
-        now = utc_now()
-        row = {
-            "id": snapshot_id,
-            "workload": manifest.workload,
-            "fingerprint_digest": manifest.fingerprint_digest,
-            "fingerprint": json.dumps(manifest.fingerprint, sort_keys=True),
-            "devices": json.dumps(list(manifest.devices)),
-            "verified": int(manifest.verified),
-            "signed": int(manifest.signature is not None),
-            "stats": json.dumps(manifest.stats, sort_keys=True),
-            "size_bytes": manifest.size_bytes,
-            "file_count": len(manifest.files),
-            "created_at": now,
-            "last_used_at": None,
-            "pinned": 0,
-            "manifest": manifest.to_json(),
-            "source": manifest.source,
-            "parent": manifest.parent,
-        }
-        with self.catalog.writing() as db:
-            if db.execute("SELECT 1 FROM snapshots WHERE id = ?", [snapshot_id]).fetchone():
-                created = False
+        with self.catalog.writing() as tx:
+            # A GC may have run since the check above: re-check inside the transaction.
+            created = not tx.snapshot_exists(snapshot_id)
+            absent = set(manifest.digests)
+            if not created:
+                absent -= tx.referenced_digests(snapshot_id)
+            still = tx.missing_blob_rows(absent)
+            if still:
+                raise BlobMissing(
+                    f"{len(still)} blob(s) of snapshot {snapshot_id[:12]} were collected",
+                    extra={"missing": still},
+                )
+            if created:
+                tx.insert_snapshot(manifest, created_at=utc_now())
             else:
-                # A GC may have run since the check above: re-check inside the transaction.
-                still = self.catalog_missing(db, manifest.digests)
-                if still:
-                    raise BlobMissing(
-                        f"{len(still)} blob(s) of snapshot {snapshot_id[:12]} were collected",
-                        extra={"missing": still},
-                    )
-                db.table("snapshots").insert(row)
-                db.table("snapshot_blobs").insert_all(
-                    ({"snapshot_id": snapshot_id, "digest": d} for d in sorted(manifest.digests)),
-                    batch_size=500,
-                )
-                db.execute(
-                    "UPDATE blobs SET last_access_at = ? WHERE digest IN"
-                    " (SELECT digest FROM snapshot_blobs WHERE snapshot_id = ?)",
-                    [now, snapshot_id],
-                )
-                self.catalog.add_event(
-                    db, kind="snapshot.published", subject=snapshot_id, detail=manifest.workload
-                )
-                created = True
-        summary = self.catalog.summary(snapshot_id)
-        assert summary is not None
-        return summary, created
+                if manifest.signature is not None:
+                    # The same snapshot, now signed: keep the signature (the id is unchanged).
+                    tx.sign_snapshot(snapshot_id, manifest_json=manifest.to_json())
+                if absent:
+                    tx.add_references(snapshot_id, absent, at=utc_now())
+                    tx.add_event(kind="snapshot.completed", subject=snapshot_id, detail=len(absent))
+        return self.snapshot(snapshot_id), created
 
-    @staticmethod
-    def catalog_missing(db: Any, digests: Iterable[str]) -> list[str]:
-        wanted = sorted(set(digests))
-        present: set[str] = set()
-        for start in range(0, len(wanted), 500):
-            part = wanted[start : start + 500]
-            marks = ",".join("?" * len(part))
-            present.update(
-                r[0]
-                for r in db.execute(f"SELECT digest FROM blobs WHERE digest IN ({marks})", part)
-            )
-        return [d for d in wanted if d not in present]
+    def check(self) -> CheckReport:
+        """The start-up check: make every row agree with what is stored.
+
+        Blob rows whose bytes are gone are dropped. A snapshot that references fewer blobs
+        than its manifest names (a publish cut short by an older server) is completed when
+        every blob is there, and quarantined otherwise (``quarantine`` table; a re-push of
+        the same manifest publishes it again). One transaction.
+        """
+        present = {s.digest for s in self.blobs.scan()}
+        repaired: list[str] = []
+        quarantined: list[str] = []
+        with self.catalog.writing() as tx:
+            stale = tx.blob_row_digests() - present
+            tx.delete_blob_rows(stale)
+            for snapshot_id in tx.incomplete_suspects():
+                text = tx.manifest_text(snapshot_id) or '{"files": []}'
+                digests = {f["digest"] for f in json.loads(text)["files"]}
+                gone = tx.missing_blob_rows(digests)
+                if gone:
+                    reason = f"{len(gone)} of its {len(digests)} blob(s) are not on the server"
+                    tx.quarantine_snapshot(snapshot_id, reason=reason)
+                    quarantined.append(snapshot_id)
+                elif digests - tx.referenced_digests(snapshot_id):
+                    tx.add_references(snapshot_id, digests, at=utc_now())
+                    tx.add_event(kind="snapshot.completed", subject=snapshot_id, detail=None)
+                    repaired.append(snapshot_id)
+        return CheckReport(len(stale), tuple(repaired), tuple(quarantined))
+
+    # -- workloads, agents, status ------------------------------------------------------
+    def list_workloads(self) -> list[WorkloadInfo]:
+        return self.catalog.list_workloads()
+
+    def put_workload(self, *, name: str, toml: str, digest: str) -> WorkloadInfo:
+        with self.catalog.writing() as tx:
+            return tx.put_workload(name=name, toml=toml, digest=digest)
+
+    def workload_toml(self, name: str) -> str:
+        toml = self.catalog.workload_toml(name)
+        if toml is None:
+            raise WorkloadNotFound(f"no workload {name!r} is registered")
+        return toml
+
+    def delete_workload(self, name: str) -> None:
+        with self.catalog.writing() as tx:
+            if not tx.delete_workload(name):
+                raise WorkloadNotFound(f"no workload {name!r} is registered")
+
+    def register_agent(self, **registration: Any) -> tuple[AgentInfo, bool]:
+        """(agent, created); see ``Transaction.register_agent`` for the keywords."""
+        with self.catalog.writing() as tx:
+            agent_id, created = tx.register_agent(**registration)
+        return self.agent(agent_id), created
+
+    def agent(self, agent_id: str) -> AgentInfo:
+        found = self.catalog.agent(agent_id)
+        if found is None:
+            raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
+        return found
+
+    def list_agents(self) -> list[AgentInfo]:
+        return self.catalog.list_agents()
+
+    def heartbeat(self, agent_id: str) -> AgentInfo:
+        with self.catalog.writing() as tx:
+            tx.agent_seen(agent_id)
+        return self.agent(agent_id)
+
+    def report_event(self, agent_id: str, **report: Any) -> EventOut:
+        """Record an agent's report; see ``Transaction.add_agent_event`` for the keywords."""
+        with self.catalog.writing() as tx:
+            event = tx.add_agent_event(agent_id, **report)
+        if event is None:
+            raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
+        return event
+
+    def fleet_status(
+        self,
+        *,
+        workload: str | None = None,
+        fingerprint_digest: str | None = None,
+        devices: list[str] | None = None,
+    ) -> list[StatusRow]:
+        return fleet_status(
+            self.catalog.status_facts(),
+            workload=workload,
+            fingerprint_digest=fingerprint_digest,
+            devices=devices,
+        )
+
+    def add_job_report(self, report: JobReport) -> tuple[int, str]:
+        """Store one job report; (its id, when it was received)."""
+        with self.catalog.writing() as tx:
+            return tx.add_job_report(report)
+
+    def fingerprint_of(self, fingerprint_digest: str) -> dict[str, Any] | None:
+        """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
+        return self.catalog.fingerprint_of(fingerprint_digest)
+
+    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
+        return self.catalog.restores_by_day(days=days)
+
+    def has_workload(self, name: str) -> bool:
+        return self.catalog.workload_toml(name) is not None
+
+    def counts(self) -> Counts:
+        return self.catalog.counts()
 
     # -- GC ---------------------------------------------------------------------------
     def plan_gc(self, *, target_bytes: int | None = None) -> GcPlan:
@@ -189,63 +426,39 @@ class Storage:
         waiting for its publish survives).
         """
         target = self.settings.max_store_bytes if target_bytes is None else target_bytes
-        rows = self.catalog.rows(
-            "SELECT b.digest AS digest, b.stored_bytes AS stored, b.last_access_at AS at,"
-            " COUNT(sb.snapshot_id) AS refs FROM blobs b"
-            " LEFT JOIN snapshot_blobs sb ON sb.digest = b.digest GROUP BY b.digest"
-        )
-        refs = {r["digest"]: r["refs"] for r in rows}
-        stored = {r["digest"]: r["stored"] for r in rows}
-        cutoff = (datetime.now(UTC) - timedelta(seconds=self.settings.gc_grace_s)).isoformat(
-            timespec="microseconds"
-        )
-        old = {r["digest"] for r in rows if (r["at"] or "") < cutoff}
-        dead = {d for d, n in refs.items() if n == 0 and d in old}
+        usage = self.catalog.blob_usage()
+        refs = {u.digest: u.refs for u in usage}
+        stored = {u.digest: u.stored_bytes for u in usage}
+        cutoff = _iso_ago(self.settings.gc_grace_s)
+        dead = {u.digest for u in usage if u.refs == 0 and u.last_access_at < cutoff}
         total = sum(stored.values())
         freed = sum(stored[d] for d in dead)
         evicted: list[str] = []
         if target is not None and total - freed > target:
-            lru = self.catalog.rows(
-                "SELECT id FROM snapshots WHERE pinned = 0"
-                " ORDER BY COALESCE(last_used_at, created_at), created_at"
-            )
-            for snap in lru:
+            for snapshot_id in self.catalog.lru_unpinned():
                 if total - freed <= target:
                     break
-                evicted.append(snap["id"])
-                for digest in self.catalog.snapshot_blobs(snap["id"]):
+                evicted.append(snapshot_id)
+                for digest in self.catalog.snapshot_blobs(snapshot_id):
                     refs[digest] -= 1
                     if refs[digest] == 0 and digest not in dead:
                         dead.add(digest)
                         freed += stored[digest]
-        known = set(stored)
-        orphans = tuple(
-            d
-            for d in self.blobs.digests()
-            if d not in known and _older_than(self.blobs, d, self.settings.gc_grace_s)
-        )
-        freed += sum(self.blobs.size(d) or 0 for d in orphans)
-        return GcPlan(tuple(evicted), tuple(sorted(dead)), freed, orphans)
+        too_new = time.time() - self.settings.gc_grace_s
+        orphans = [
+            s for s in self.blobs.scan() if s.digest not in stored and s.modified_at < too_new
+        ]
+        freed += sum(s.stored_bytes for s in orphans)
+        return GcPlan(tuple(evicted), tuple(sorted(dead)), freed, tuple(s.digest for s in orphans))
 
     def execute_gc(self, plan: GcPlan) -> GcPlan:
         """Delete what ``plan`` lists; rows first, files second; re-checks references."""
-        with self.catalog.writing() as db:
+        with self.catalog.writing() as tx:
             for snapshot_id in plan.snapshots_evicted:
-                db.execute("DELETE FROM snapshot_blobs WHERE snapshot_id = ?", [snapshot_id])
-                db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
-                self.catalog.add_event(
-                    db, kind="snapshot.evicted", subject=snapshot_id, detail=None
-                )
-            doomed = [
-                d
-                for d in plan.blobs
-                if not db.execute(
-                    "SELECT 1 FROM snapshot_blobs WHERE digest = ? LIMIT 1", [d]
-                ).fetchone()
-            ]
-            for start in range(0, len(doomed), 500):
-                part = doomed[start : start + 500]
-                db.execute(f"DELETE FROM blobs WHERE digest IN ({','.join('?' * len(part))})", part)
+                tx.delete_snapshot(snapshot_id)
+                tx.add_event(kind="snapshot.evicted", subject=snapshot_id, detail=None)
+            doomed = [d for d in plan.blobs if not tx.is_referenced(d)]
+            tx.delete_blob_rows(doomed)
             # Files go while the lock is held, so an upload cannot re-add a row meanwhile.
             for digest in [*doomed, *plan.orphan_files]:
                 self.blobs.delete(digest)
@@ -253,17 +466,11 @@ class Storage:
         return plan
 
 
-def _older_than(blobs: BlobStore, digest: str, seconds: float) -> bool:
-    path_for = getattr(blobs, "path_for", None)
-    if path_for is None:
-        return True
-    try:
-        return path_for(digest).stat().st_mtime < time.time() - seconds
-    except FileNotFoundError:
-        return False
+def _iso_ago(seconds: float) -> str:
+    return (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat(timespec="microseconds")
 
 
-def _uncompressed_size(blobs: BlobStore, digest: str) -> int:
+def _uncompressed_size(blobs: BlobBackend, digest: str) -> int:
     total = 0
     with blobs.open(digest) as fh:
         while chunk := fh.read(1 << 20):

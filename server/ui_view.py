@@ -1,6 +1,6 @@
 """What the status page shows, built from the library calls the JSON routes make.
 
-``page_data(storage)`` gathers the fleet status rows (``routes_agents.fleet_status``, the
+``page_data(storage)`` gathers the fleet status rows (``Storage.fleet_status``, the
 function behind ``GET /v1/status``), the agents (``GET /v1/agents``) and the recent
 snapshots (``GET /v1/snapshots``), and turns them into frozen dataclasses the templates
 read. No SQL here and no second copy of the status rules: a cell's state is the status
@@ -24,7 +24,6 @@ from datetime import datetime, timedelta
 from html import escape
 from typing import Any
 
-from .routes_agents import fleet_status, list_agents
 from .storage import Storage
 
 __all__ = ["Cell", "Environment", "PageData", "page_data", "size_plot_svg", "STATES", "plain"]
@@ -159,11 +158,11 @@ def _state(
 def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
     """Everything the page shows, from the same calls as the JSON routes."""
     now = datetime.now().astimezone()
-    rows = [plain(r) for r in fleet_status(storage)]
-    agents = [plain(a) for a in list_agents(storage, "read")["agents"]]
-    summaries = [plain(s) for s in storage.catalog.list_summaries(limit=10_000)]
+    rows = [plain(r) for r in storage.fleet_status()]
+    agents = [plain(a) for a in storage.list_agents()]
+    summaries = [plain(s) for s in storage.list_snapshots(limit=10_000)]
     by_id = {s["id"]: s for s in summaries}
-    workload_rows = [plain(w) for w in storage.catalog.list_workloads()]
+    workload_rows = [plain(w) for w in storage.list_workloads()]
     updated = {w["name"]: w["updated_at"] for w in workload_rows}
     seen: dict[str, datetime] = {}
     fingerprints: dict[str, dict[str, Any]] = {}
@@ -200,7 +199,7 @@ def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
             for name in [a["name"] for a in agents if a["id"] == event["agent_id"]]:
                 builds[name] = event
     for digest in {r["fingerprint_digest"] for r in rows} - set(fingerprints):
-        recorded = storage.catalog.fingerprint_of(digest)
+        recorded = storage.fingerprint_of(digest)
         if recorded is not None:
             fingerprints[digest] = recorded
     environments = [

@@ -1,0 +1,60 @@
+"""The catalog's typed results that are not HTTP shapes: what ``server.catalog`` answers
+instead of row dicts. Where a result is what the API answers (a snapshot's summary, an
+agent, an event, a workload), the catalog returns ``cachekeeper.wire``'s dataclass itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cachekeeper.wire import EventOut, JobStats, Summary
+
+__all__ = ["BlobInfo", "BlobUsage", "Candidate", "Counts", "StatusFacts"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A snapshot as resolve compares it: its summary and its full fingerprint."""
+
+    summary: Summary
+    fingerprint: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    digest: str
+    size_bytes: int  # uncompressed
+    stored_bytes: int  # as stored (zstd)
+    created_at: str
+    last_access_at: str
+
+
+@dataclass(frozen=True)
+class BlobUsage:
+    """What a GC plan needs of one blob row."""
+
+    digest: str
+    stored_bytes: int
+    last_access_at: str
+    refs: int  # snapshots referencing it
+
+
+@dataclass(frozen=True)
+class Counts:
+    snapshots: int
+    blobs: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class StatusFacts:
+    """Everything the fleet status is decided from, read at one time."""
+
+    workloads: tuple[str, ...]  # registered workload names
+    agents: tuple[tuple[str, str], ...]  # (name, fingerprint_digest), by name
+    latest: dict[tuple[str, str], EventOut]  # newest event per (workload, digest)
+    verified: dict[tuple[str, str], tuple[str, str]]  # newest (id, created_at) per pair
+    stored: frozenset[str]  # snapshot ids named by ``latest`` that still exist
+    covers: dict[str, tuple[str, ...]]  # devices of those and of the verified snapshots
+    jobs: dict[tuple[str, str], JobStats]  # what jobs reported, per (workload, digest)

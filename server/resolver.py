@@ -1,0 +1,75 @@
+"""Resolve: the best snapshot for a node, or a miss with the nearest misses.
+
+Ranking among compatible snapshots: verified before unverified, exact (same driver)
+before driver-compatible, newest first. Near misses are the incompatible snapshots of the
+workload with the fewest mismatching fields (newest first among equals), each with its
+field-by-field mismatches so the node can say why it missed. A miss is a value
+(``snapshot`` None), never an error, with a ``reason`` (``miss_reason``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from cachekeeper.fingerprint import DriverPolicy, compare
+from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
+
+from .records import Candidate
+
+__all__ = ["NEAR_MISSES", "miss_reason", "rank"]
+
+NEAR_MISSES = 3
+
+
+def rank(
+    candidates: Iterable[Candidate],
+    *,
+    fingerprint: dict[str, Any],
+    driver_policy: DriverPolicy = "newer",
+    devices: list[str] | None = None,
+) -> ResolveAnswer:
+    """The resolution of ``fingerprint`` among ``candidates`` (see the module docstring).
+
+    Raises TypeError, ValueError or AttributeError when the fingerprint cannot be compared.
+    """
+    hits: list[tuple[tuple[int, int, str], Summary]] = []
+    misses: list[tuple[tuple[int, str], Summary, list[Mismatch]]] = []
+    for candidate in candidates:
+        summary = candidate.summary
+        mismatches = compare(
+            fingerprint,
+            candidate.fingerprint,
+            driver_policy=driver_policy,
+            devices=list(summary.devices) or None,
+            node_devices=devices,
+        )
+        if not mismatches:
+            exact = fingerprint.get("driver") == candidate.fingerprint.get("driver")
+            hits.append(((int(summary.verified), int(exact), summary.created_at), summary))
+        else:
+            key = (len(mismatches), summary.created_at)
+            misses.append((key, summary, mismatches))
+    near = sorted(misses, key=lambda m: (m[0][0], _neg(m[0][1])))[:NEAR_MISSES]
+    near_out = tuple(NearMiss(snapshot=s, mismatches=tuple(mm)) for _k, s, mm in near)
+    if not hits:
+        return ResolveAnswer(snapshot=None, verified=False, exact=False, near_misses=near_out)
+    (verified, exact, _created), best = max(hits, key=lambda h: h[0])
+    return ResolveAnswer(
+        snapshot=best, verified=bool(verified), exact=bool(exact), near_misses=near_out
+    )
+
+
+def miss_reason(workload: str | None, *, has_snapshots: bool, registered: bool) -> str:
+    """Why nothing was found: the workload is unknown, has no snapshot, or none matches."""
+    name = "no workload name" if workload is None else f"workload {workload!r}"
+    if has_snapshots:
+        return f"no snapshot of {name} matches this node"
+    if workload is not None and not registered:
+        return f"no workload {workload!r} is registered on this server, and no snapshot names it"
+    return f"{name} has no snapshot yet"
+
+
+def _neg(text: str) -> tuple[int, ...]:
+    """A key that sorts ISO timestamps newest first."""
+    return tuple(-ord(c) for c in text)
