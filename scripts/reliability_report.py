@@ -1,6 +1,10 @@
 """Run the hardening tests and print docs/reliability.md's table from what they recorded.
 
     .venv/bin/python scripts/reliability_report.py > docs/reliability.md
+    .venv/bin/python scripts/reliability_report.py --only tests/server/test_gc_races.py
+
+``--only PATH...`` runs just those test files (their rows only), for checking new rows
+without the whole run.
 
 The tests in tests/hardening/ append one JSON row per fault or input they tried (to the
 file named by CACHEKEEPER_RELIABILITY_LOG) only after their assertions passed. Attacker
@@ -114,6 +118,36 @@ EXISTING = {
         " mount), or whose meta.sqlite is a directory: one line naming path and cause",
         "refused",
     ),
+    "tests/server/test_catalog.py::test_two_inserts_then_an_exception_leave_neither": (
+        "transactions",
+        "an exception after two inserts in one write (both roll back)",
+        "kept",
+    ),
+    "tests/server/test_catalog.py::test_a_failed_publish_leaves_no_snapshot_and_no_references": (
+        "transactions",
+        "an exception after a snapshot row and 1,200 references (all roll back)",
+        "kept",
+    ),
+    "tests/server/test_catalog.py::test_a_full_disk_is_insufficient_storage_and_rolls_back": (
+        "disk full",
+        "SQLite database full (max_page_count) mid-publish: insufficient_storage, rolled back",
+        "refused",
+    ),
+    "tests/server/test_gc_races.py::test_a_snapshot_pinned_after_the_plan_is_not_evicted": (
+        "concurrency",
+        "snapshot pinned between a capped GC's plan and its execution (not evicted)",
+        "kept",
+    ),
+    "tests/server/test_gc_races.py::test_an_orphan_uploaded_after_the_plan_keeps_its_file": (
+        "concurrency",
+        "orphan blob uploaded and published between GC's plan and its execution (file kept)",
+        "kept",
+    ),
+    "tests/server/test_gc_races.py::test_a_blob_row_without_its_file_is_reported_missing": (
+        "server state",
+        "blob row whose file is gone: reported missing, re-uploaded by the next push",
+        "recovered",
+    ),
     "tests/server/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (
         "server killed",
         "client connection cut mid-upload (no blob stored)",
@@ -135,9 +169,11 @@ class _Collector:
                 self.failed.append(report.nodeid)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import pytest
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    only = args[1:] if args[:1] == ["--only"] else None
     os.chdir(REPO)
     log = Path(tempfile.mkstemp(prefix="reliability-", suffix=".jsonl")[1])
     os.environ["CACHEKEEPER_RELIABILITY_LOG"] = str(log)
@@ -147,6 +183,12 @@ def main() -> int:
         "tests/hardening",
         *sorted({k.split("::")[0] + "::" + k.split("::")[1] for k in EXISTING}),
     ]
+    existing = EXISTING
+    if only is not None:
+        targets = [t for t in targets if t.split("::")[0] in only] + [
+            t for t in only if t.startswith("tests/hardening")
+        ]
+        existing = {k: v for k, v in EXISTING.items() if k.split("::")[0] in only}
     with open(os.devnull, "w") as quiet:
         stdout = sys.stdout
         sys.stdout = quiet
@@ -157,7 +199,7 @@ def main() -> int:
     took = time.monotonic() - started
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     log.unlink()
-    for prefix, (area, fault, outcome) in EXISTING.items():
+    for prefix, (area, fault, outcome) in existing.items():
         tries = sum(n for node, n in collector.passed.items() if node.startswith(prefix))
         failed = any(node.startswith(prefix) for node in collector.failed)
         rows.append(

@@ -303,6 +303,12 @@ class Transaction:
 
     def __init__(self, db: sqlite_utils.Database) -> None:
         self.db = db
+        self.after_commit_actions: list[Callable[[], object]] = []
+
+    def after_commit(self, action: Callable[[], object]) -> None:
+        """Run ``action`` once this transaction committed, still under the write lock
+        (deleting files whose rows it deleted: pointers before blobs)."""
+        self.after_commit_actions.append(action)
 
     def _one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         row = self.db.execute(sql, list(params)).fetchone()
@@ -333,9 +339,22 @@ class Transaction:
         row = found.fetchone()
         return None if row is None else (row[0] or "")
 
-    def is_referenced(self, digest: str) -> bool:
-        sql = "SELECT 1 FROM snapshot_blobs WHERE digest = ? LIMIT 1"
-        return self._one(sql, [digest]) is not None
+    def delete_unused_blob_rows(
+        self, digests: Iterable[str], *, unused_since: str
+    ) -> dict[str, int]:
+        """Delete the rows of ``digests`` that nothing references and nobody used after
+        ``unused_since``; {digest: stored bytes} of those deleted."""
+        gone: dict[str, int] = {}
+        for part, marks in _chunks(sorted(set(digests))):
+            rows = self.db.execute(
+                f"SELECT digest, stored_bytes FROM blobs WHERE digest IN ({marks})"
+                " AND COALESCE(last_access_at, '') <= ? AND NOT EXISTS"
+                " (SELECT 1 FROM snapshot_blobs sb WHERE sb.digest = blobs.digest)",
+                [*part, unused_since],
+            )
+            gone.update((r[0], int(r[1])) for r in rows)
+        self.delete_blob_rows(gone)
+        return gone
 
     def delete_blob_rows(self, digests: Iterable[str]) -> None:
         for part, marks in _chunks(sorted(set(digests))):
@@ -632,8 +651,9 @@ class Catalog:
         with self.write_lock:
             try:
                 conn.execute("BEGIN IMMEDIATE")
+                tx = Transaction(self.db())
                 try:
-                    yield Transaction(self.db())
+                    yield tx
                     conn.execute("COMMIT")
                 finally:
                     if conn.in_transaction:  # an exception in the block, or in COMMIT
@@ -644,6 +664,8 @@ class Catalog:
                         f"the server's metadata disk is full ({exc}); nothing was changed"
                     ) from exc
                 raise
+            for action in tx.after_commit_actions:
+                action()
 
     @contextmanager
     def reading(self) -> Iterator[None]:

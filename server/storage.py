@@ -121,6 +121,7 @@ class GcPlan:
     blobs: tuple[str, ...]
     bytes_freed: int
     orphan_files: tuple[str, ...] = field(default=())
+    planned_at: str = ""  # blob rows used after this are kept by the execution
 
 
 class Storage:
@@ -134,10 +135,11 @@ class Storage:
 
     # -- blobs ------------------------------------------------------------------------
     def missing_blobs(self, digests: Iterable[str]) -> list[str]:
-        """Which of ``digests`` the server does not have, in the order given."""
+        """Which of ``digests`` the server does not have, in the order given: no row, or a
+        row whose bytes are gone (so a push uploads it again rather than skip it)."""
         wanted = list(dict.fromkeys(digests))
         present = self.catalog.blob_sizes(wanted)
-        return [d for d in wanted if d not in present]
+        return [d for d in wanted if d not in present or self.blobs.stat(d) is None]
 
     def blob(self, digest: str) -> StoredBlob | None:
         """The blob's sizes when both its row and its bytes are there."""
@@ -165,14 +167,19 @@ class Storage:
         """Store the uncompressed ``chunks`` as blob ``digest`` (hash-checked), then its row."""
         limited = limit_size(chunks, max_bytes=self.settings.max_blob_bytes, what="blob")
         result = self.blobs.put(limited, digest=digest)
-        stat = self.blobs.stat(digest)
-        if stat is None:  # deleted by a concurrent GC between put and here
-            raise ServerUnavailable(f"blob {digest} was collected while uploading; retry")
+        collected = ServerUnavailable(f"blob {digest} was collected while uploading; retry")
         size = result.size_bytes
         if not result.created:
             info = self.catalog.blob_info(digest)
-            size = info.size_bytes if info else _uncompressed_size(self.blobs, digest)
+            try:
+                size = info.size_bytes if info else _uncompressed_size(self.blobs, digest)
+            except BlobMissing as exc:
+                raise collected from exc
         with self.catalog.writing() as tx:
+            # GC deletes files only under this lock: the file seen here stays with its row.
+            stat = self.blobs.stat(digest)
+            if stat is None:
+                raise collected
             tx.record_blob(digest=digest, size_bytes=size, stored_bytes=stat.stored_bytes)
         return PutResult(digest, size, stat.stored_bytes, result.created)
 
@@ -426,6 +433,7 @@ class Storage:
         waiting for its publish survives).
         """
         target = self.settings.max_store_bytes if target_bytes is None else target_bytes
+        planned_at = utc_now()
         usage = self.catalog.blob_usage()
         refs = {u.digest: u.refs for u in usage}
         stored = {u.digest: u.stored_bytes for u in usage}
@@ -449,21 +457,44 @@ class Storage:
             s for s in self.blobs.scan() if s.digest not in stored and s.modified_at < too_new
         ]
         freed += sum(s.stored_bytes for s in orphans)
-        return GcPlan(tuple(evicted), tuple(sorted(dead)), freed, tuple(s.digest for s in orphans))
+        return GcPlan(
+            tuple(evicted),
+            tuple(sorted(dead)),
+            freed,
+            tuple(s.digest for s in orphans),
+            planned_at=planned_at,
+        )
 
     def execute_gc(self, plan: GcPlan) -> GcPlan:
-        """Delete what ``plan`` lists; rows first, files second; re-checks references."""
+        """Carry out ``plan``, re-validating each decision under the write lock; returns
+        what was done.
+
+        A snapshot is evicted only if it is still unpinned. A blob row goes only if nothing
+        references it and it was not used since ``plan.planned_at``; an orphan file only if
+        it still has no row and is still older than ``gc_grace_s``. Rows are committed
+        first; files are deleted after the commit, still under the lock, so an upload
+        cannot record a row for a file about to go (``put_blob`` checks its file under the
+        same lock).
+        """
+        evicted: list[str] = []
+        orphans: list[str] = []
+        too_new = time.time() - self.settings.gc_grace_s
         with self.catalog.writing() as tx:
             for snapshot_id in plan.snapshots_evicted:
-                tx.delete_snapshot(snapshot_id)
-                tx.add_event(kind="snapshot.evicted", subject=snapshot_id, detail=None)
-            doomed = [d for d in plan.blobs if not tx.is_referenced(d)]
-            tx.delete_blob_rows(doomed)
-            # Files go while the lock is held, so an upload cannot re-add a row meanwhile.
-            for digest in [*doomed, *plan.orphan_files]:
-                self.blobs.delete(digest)
-        self.evictions += len(plan.snapshots_evicted)
-        return plan
+                if tx.delete_snapshot(snapshot_id, only_unpinned=True):
+                    tx.add_event(kind="snapshot.evicted", subject=snapshot_id, detail=None)
+                    evicted.append(snapshot_id)
+            freed = tx.delete_unused_blob_rows(plan.blobs, unused_since=plan.planned_at)
+            for digest in plan.orphan_files:
+                stat = self.blobs.stat(digest)
+                if tx.blob_last_access(digest) is None and stat and stat.modified_at < too_new:
+                    orphans.append(digest)
+                    freed[digest] = stat.stored_bytes
+            doomed = [*freed]
+            tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
+        self.evictions += len(evicted)
+        rows = tuple(sorted(d for d in freed if d not in orphans))
+        return GcPlan(tuple(evicted), rows, sum(freed.values()), tuple(orphans), plan.planned_at)
 
 
 def _iso_ago(seconds: float) -> str:
