@@ -87,6 +87,7 @@ class Check:
     pattern: str | None = None
     max_length: int | None = None
     ge: float | None = None
+    le: float | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` breaks this check, or None."""
@@ -96,12 +97,14 @@ class Check:
             return f"is longer than {self.max_length}"
         if self.ge is not None and value < self.ge:
             return f"is less than {self.ge:g}"
+        if self.le is not None and value > self.le:
+            return f"is more than {self.le:g}"
         return None
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
         """pydantic's hook for annotation metadata: add these constraints to its schema."""
         schema = handler(source)
-        for key in ("pattern", "max_length", "ge"):
+        for key in ("pattern", "max_length", "ge", "le"):
             if getattr(self, key) is not None:
                 schema[key] = getattr(self, key)
         return schema
@@ -111,6 +114,7 @@ Digest = Annotated[str, Check(pattern=DIGEST_PATTERN)]
 DriverPolicy = Literal["newer", "exact", "any"]
 EventStatus = Literal["built", "skipped", "building", "cold_compile_broken", "failed"]
 PairStatus = Literal["warm", "building", "broken", "failed", "missing"]
+Count = Annotated[int, Check(ge=0, le=2**48)]  # a count or byte total (SQLite holds it)
 JobPhase = Literal["prejob", "postjob"]
 # prejob: restored, already_restored or cold; postjob: compiled (new entries) or clean.
 JobOutcome = Literal["restored", "already_restored", "cold", "compiled", "clean"]
@@ -386,11 +390,11 @@ class JobReport:
     )
     reason: Annotated[str, Check(max_length=2000)] | None = None
     reason_code: Annotated[str, Check(pattern=r"^[a-z_]{1,64}$")] | None = None
-    new_fxgraph: Annotated[int, Check(ge=0)] = 0
-    new_aotautograd: Annotated[int, Check(ge=0)] = 0
-    new_triton: Annotated[int, Check(ge=0)] = 0
-    new_other: Annotated[int, Check(ge=0)] = 0  # files of Inductor's code cache and the rest
-    new_bytes: Annotated[int, Check(ge=0)] = 0
+    new_fxgraph: Count = 0
+    new_aotautograd: Count = 0
+    new_triton: Count = 0
+    new_other: Count = 0  # files of Inductor's code cache and the rest
+    new_bytes: Count = 0
     started_at: Annotated[str, Check(max_length=64)] | None = None
     finished_at: Annotated[str, Check(max_length=64)] | None = None
 

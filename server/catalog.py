@@ -856,9 +856,10 @@ class Catalog:
             " SUM(phase = 'postjob' AND outcome = 'compiled') AS compiled,"
             " SUM(phase = 'postjob' AND outcome = 'compiled' AND snapshot_id IS NOT NULL)"
             " AS compiled_after_restore,"
-            " SUM(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
+            # TOTAL (a float), not SUM: sums of what clients report never overflow into a 500
+            " TOTAL(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
             " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
-            " SUM(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
+            " TOTAL(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
             f" MAX(at) AS last_report_at FROM job_reports {where}"
             " GROUP BY workload, fingerprint_digest ORDER BY workload, fingerprint_digest",
             params,

@@ -228,3 +228,16 @@ def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Pa
             assert trusted.outcome == "restored", trusted
             assert not (node_c / "fxgraph" / "zz" / "key-h").exists()
             assert trusted.deltas == () and len(trusted.delta_problems) == int(serve_harvested)
+
+
+def test_a_report_with_an_impossible_count_is_refused(live: LiveServer) -> None:
+    body = {
+        "phase": "postjob",
+        "outcome": "clean",
+        "workload": "wl",
+        "fingerprint_digest": "a" * 64,
+    }
+    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer read-token"}) as c:
+        too_big = c.post("/v1/reports", json={**body, "new_bytes": 10**30})
+        assert too_big.status_code == 422 and "new_bytes" in too_big.json()["detail"]
+        assert c.post("/v1/reports", json={**body, "new_bytes": 2**48}).status_code == 201
