@@ -35,16 +35,27 @@ import os
 import shlex
 import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
-from cachekeeper.errors import CachekeeperError, ServerUnavailable
+from cachekeeper.errors import (
+    CachekeeperError,
+    Forbidden,
+    NoMatchingSnapshot,
+    ServerUnavailable,
+    SignatureInvalid,
+    Unauthorized,
+)
+from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.fsutil import atomic_write_text
+from cachekeeper.restore import is_restored
+from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import JobReport, ResolveAnswer, from_dict
 
+from .api import CacheClient, Deadline  # httpx itself loads only when a client is built
 from .reporting import node_name, post_json, send_report, utc_now
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
@@ -111,18 +122,11 @@ def export_lines(exports: Mapping[str, str]) -> str:
 
 
 def write_env_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
+    """Write ``text`` to ``path`` atomically and durably (``cachekeeper.fsutil``'s rule),
+    creating its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, text)
 
 
 def cold_line(reason: str) -> str:
@@ -157,9 +161,6 @@ def _work(
     trust: Sequence[str | os.PathLike[str]],
 ) -> None:
     try:
-        from cachekeeper.restore import is_restored
-        from cachekeeper.signing import load_trusted_keys
-
         # A trust file that cannot be read refuses every snapshot (a cold start saying so).
         trusted_keys = load_trusted_keys(trust)
         key_ids = {k.key_id for k in trusted_keys}
@@ -183,8 +184,7 @@ def _work(
                 result.snapshot_id, result.outcome = quick.snapshot_id, "already_restored"
                 return
 
-        from .api import CacheClient  # not on the fast path: httpx alone costs ~130 ms
-        from .pull import pull  # the restore stack: only when a restore may be due
+        from .pull import pull  # pull and direct downloads (~10 ms): only when a restore may be due
 
         def resolved(snapshot_id: str) -> None:
             result.snapshot_id = snapshot_id
@@ -244,17 +244,11 @@ def prejob(
     start whose reason says why), and the no-op path accepts only a dir that a restore
     verified against one of them.
     """
-    from .api import Deadline
-
     started = time.monotonic()
     started_at = utc_now()
     env = os.environ if environ is None else environ
     if fingerprint is None:
-        from cachekeeper.fingerprint import collect
-
         fingerprint = collect(environ=env)
-    from cachekeeper.fingerprint import digest_of
-
     target = (
         Path(cache_dir)
         if cache_dir is not None
@@ -332,8 +326,6 @@ def prejob(
 
 
 def _reason(error: CachekeeperError) -> str:
-    from cachekeeper.errors import Forbidden, NoMatchingSnapshot, SignatureInvalid, Unauthorized
-
     if isinstance(error, ServerUnavailable):
         if error.detail.startswith("no server configured"):
             return error.detail
