@@ -137,6 +137,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True)
 
     data_dir: Path = Field(default_factory=default_data_dir)
+    # Where blob bytes live: None = ``<data_dir>/blobs`` (the default); ``s3://BUCKET/PREFIX``
+    # = S3-compatible object storage (endpoint, region, credentials from the AWS chain),
+    # which nodes then upload to and download from directly through presigned URLs.
+    blob_store: str | None = None
+    # How long a presigned URL (a node's archive GET, a push's blob PUT) stays valid.
+    presign_expires_s: int = 900
     host: str = "127.0.0.1"
     port: int = 8750
     tokens: Annotated[dict[str, Scope], NoDecode] = Field(default_factory=dict, repr=False)
@@ -183,7 +189,14 @@ class Settings(BaseSettings):
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
 
-    @field_validator("body_timeout_s", "upload_workers")
+    @field_validator("blob_store")
+    @classmethod
+    def _blob_store(cls, value: Any) -> Any:
+        if value is not None and not str(value).startswith("s3://"):
+            raise ValueError(f"{value!r} is not s3://BUCKET/PREFIX (leave it unset for <data>/blobs)")
+        return value
+
+    @field_validator("body_timeout_s", "upload_workers", "presign_expires_s")
     @classmethod
     def _positive(cls, value: Any) -> Any:
         if value <= 0:

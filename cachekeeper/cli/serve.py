@@ -26,6 +26,13 @@ __all__ = ["serve_cmd"]
     help="Data dir for metadata and blobs (default $CACHEKEEPER_HOME/server or ~/.cache/cachekeeper/server).",
 )
 @click.option(
+    "--blob-store",
+    default=None,
+    metavar="s3://BUCKET/PREFIX",
+    help="Keep blobs in S3-compatible object storage (AWS_* configuration chain) instead of"
+    " <data>/blobs; nodes then download and upload directly with presigned URLs.",
+)
+@click.option(
     "--config",
     "config_file",
     type=PathParam(dir_okay=False, exists=True, path_type=Path),
@@ -58,6 +65,7 @@ def serve_cmd(
     host: str | None,
     port: int | None,
     data_dir: Path | None,
+    blob_store: str | None,
     config_file: Path | None,
     tokens: tuple[str, ...],
     anonymous_read: bool | None,
@@ -100,6 +108,7 @@ def serve_cmd(
         host=host,
         port=port,
         data_dir=data_dir,
+        blob_store=blob_store,
         anonymous_read=anonymous_read,
         insecure_no_auth=insecure_no_auth,
         serve_harvested=serve_harvested,
@@ -117,6 +126,7 @@ def serve_cmd(
         raise ConfigInvalid(f"data dir {settings.data_dir} is not usable: {exc}") from exc
     click.echo(
         f"cachekeeper server on http://{settings.host}:{settings.port} (data {settings.data_dir},"
+        f" blobs {settings.blob_store or settings.data_dir / 'blobs'},"
         f" auth {'on' if settings.auth_enabled else 'off'})",
         err=True,
     )
