@@ -45,8 +45,9 @@ from . import (
 from .catalog import Catalog
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
+from .s3store import S3BlobStore
 from .settings import Settings
-from .storage import Storage
+from .storage import BlobBackend, Storage
 
 __all__ = ["create_app", "open_storage"]
 
@@ -105,12 +106,19 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def open_storage(settings: Settings) -> Storage:
-    """The embedded default: SQLite at ``<data>/meta.sqlite``, blobs at ``<data>/blobs``."""
+    """SQLite at ``<data>/meta.sqlite``; blobs at ``<data>/blobs`` (the default) or in the
+    S3-compatible object store ``settings.blob_store`` names (``s3://BUCKET/PREFIX``)."""
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     catalog = Catalog.create(data / "meta.sqlite")
-    blobs = LocalBlobStore(data / "blobs")
-    blobs.sweep_temp(older_than_s=0)  # nothing is uploading before we start
+    blobs: BlobBackend
+    if settings.blob_store is not None:
+        blobs = S3BlobStore.from_url(settings.blob_store)
+        blobs.check()  # an unreachable bucket fails at start-up, in one line
+    else:
+        local = LocalBlobStore(data / "blobs")
+        local.sweep_temp(older_than_s=0)  # nothing is uploading before we start
+        blobs = local
     storage = Storage(settings=settings, catalog=catalog, blobs=blobs)
     report = storage.check()
     if report.stale_blob_rows or report.completed or report.quarantined:

@@ -42,8 +42,9 @@ _END, _ABORT = object(), object()
 
 @router.post("/missing", response_model=MissingAnswer)
 def missing_blobs(body: MissingRequest, storage: StorageDep, _: ReadScope) -> dict[str, Any]:
-    """Which of ``digests`` the server does not have."""
-    return {"missing": storage.missing_blobs(body.digests)}
+    """Which of ``digests`` the server does not have (and, with an object store, where to PUT them)."""
+    missing = storage.missing_blobs(body.digests)
+    return {"missing": missing, "uploads": storage.upload_targets(missing)}
 
 
 class _Aborted(Exception):

@@ -193,7 +193,9 @@ class Settings(BaseSettings):
     @classmethod
     def _blob_store(cls, value: Any) -> Any:
         if value is not None and not str(value).startswith("s3://"):
-            raise ValueError(f"{value!r} is not s3://BUCKET/PREFIX (leave it unset for <data>/blobs)")
+            raise ValueError(
+                f"{value!r} is not s3://BUCKET/PREFIX (leave it unset for <data>/blobs)"
+            )
         return value
 
     @field_validator("body_timeout_s", "upload_workers", "presign_expires_s")

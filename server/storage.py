@@ -43,14 +43,17 @@ from cachekeeper.wire import (
     ResolveAnswer,
     StatusRow,
     Summary,
+    Upload,
     WorkloadInfo,
 )
 
 from .archive import archive_chunks
 from .catalog import Catalog, utc_now
 from .fleet import fleet_status
+from .packing import pack_snapshot
 from .records import Counts
 from .resolver import miss_reason, rank
+from .s3store import S3BlobStore, checksum_b64
 from .settings import Settings
 
 __all__ = ["BlobBackend", "CheckReport", "GcPlan", "Storage", "StoredBlob", "limit_size"]
@@ -122,6 +125,9 @@ class GcPlan:
     bytes_freed: int
     orphan_files: tuple[str, ...] = field(default=())
     planned_at: str = ""  # blob rows used after this are kept by the execution
+    # Archive objects (object store) whose snapshot is gone: evicted, deleted, or a
+    # publish refused after its archive was written. Named by snapshot id.
+    orphan_archives: tuple[str, ...] = field(default=())
 
 
 class Storage:
@@ -140,6 +146,30 @@ class Storage:
         wanted = list(dict.fromkeys(digests))
         present = self.catalog.blob_sizes(wanted)
         return [d for d in wanted if d not in present or self.blobs.stat(d) is None]
+
+    def upload_targets(self, digests: Iterable[str]) -> list[Upload]:
+        """Presigned PUTs for ``digests`` when blobs live in an object store; else none.
+
+        Each carries the blob's sha256 as ``x-amz-checksum-sha256`` (signed into the URL:
+        a store that checks it refuses other bytes); publish hashes them again regardless.
+        """
+        if not isinstance(self.blobs, S3BlobStore):
+            return []
+        expires = self.settings.presign_expires_s
+        return [
+            Upload(
+                digest=d,
+                url=self.blobs.presigned_url(d, method="PUT", expires_s=expires),
+                headers={"x-amz-checksum-sha256": checksum_b64(d)},
+            )
+            for d in digests
+        ]
+
+    def archive_url(self, snapshot_id: str) -> str | None:
+        """A presigned GET of the snapshot's archive object (object store only)."""
+        if not isinstance(self.blobs, S3BlobStore):
+            return None
+        return self.blobs.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
 
     def blob(self, digest: str) -> StoredBlob | None:
         """The blob's sizes when both its row and its bytes are there."""
@@ -225,6 +255,9 @@ class Storage:
             order = [d for d in order if d in chosen]
         with self.catalog.writing() as tx:
             tx.touch_snapshot(snapshot_id)
+        if isinstance(self.blobs, S3BlobStore) and len(order) == len(sizes):
+            # The whole snapshot: its archive object as written at publish (no recompression).
+            return _read_chunks(self.blobs.open_archive(snapshot_id))
         return archive_chunks(
             manifest_json=text.encode(),
             blobs=[(d, sizes[d]) for d in order],
@@ -252,11 +285,13 @@ class Storage:
             return replace(found, reason=reason)
         with self.catalog.writing() as tx:
             tx.touch_snapshot(found.snapshot.id)
+        hit = found.snapshot
+        url = self.archive_url(hit.id)
+        if url is not None:
+            found = replace(found, archive_url=url)
         if not self.settings.serve_harvested:
             return found
-        deltas = self.catalog.harvested_deltas(
-            found.snapshot.id, fingerprint_digest=found.snapshot.fingerprint_digest
-        )
+        deltas = self.catalog.harvested_deltas(hit.id, fingerprint_digest=hit.fingerprint_digest)
         return replace(found, deltas=tuple(deltas))
 
     def set_pinned(self, snapshot_id: str, *, pinned: bool) -> Summary:
@@ -280,7 +315,8 @@ class Storage:
         it did not have; it answers ``created`` False.
         """
         snapshot_id = manifest.id
-        sizes = self.catalog.blob_sizes(manifest.digests)
+        checked = self._pack(manifest)
+        sizes = checked if checked is not None else self.catalog.blob_sizes(manifest.digests)
         missing = sorted(manifest.digests - sizes.keys())
         if missing:
             raise BlobMissing(
@@ -294,6 +330,8 @@ class Storage:
                     f" {entry.digest[:12]} ({sizes[entry.digest]} bytes)"
                 )
         with self.catalog.writing() as tx:
+            if checked is not None:
+                self._record_checked(tx, checked)
             # A GC may have run since the check above: re-check inside the transaction.
             created = not tx.snapshot_exists(snapshot_id)
             absent = set(manifest.digests)
@@ -315,6 +353,49 @@ class Storage:
                     tx.add_references(snapshot_id, absent, at=utc_now())
                     tx.add_event(kind="snapshot.completed", subject=snapshot_id, detail=len(absent))
         return self.snapshot(snapshot_id), created
+
+    def _pack(self, manifest: Manifest) -> dict[str, int] | None:
+        """Object store: hash every blob there and write the archive object; None otherwise.
+
+        Skipped (None) for a snapshot published before whose archive object is there and
+        whose manifest does not change (a re-push); a newly added signature rewrites it.
+        """
+        if not isinstance(self.blobs, S3BlobStore):
+            return None
+        existing = self.catalog.summary(manifest.id)
+        if existing is not None and self.blobs.has_archive(manifest.id):
+            if manifest.signature is None or existing.signed:
+                return None
+        packed = pack_snapshot(
+            self.blobs,
+            manifest,
+            tmp_dir=self.settings.data_dir / "tmp",
+            level=self.settings.archive_level,
+        )
+        return packed.sizes
+
+    def _record_checked(self, tx: Any, sizes: dict[str, int]) -> None:
+        """Rows for blobs a node uploaded to the object store, checked by ``_pack``.
+
+        Under the catalog's write lock, each is looked up once more: GC deletes objects
+        under the same lock, so an object it took since the check refuses the publish
+        (BlobMissing: the push uploads it again) instead of being recorded.
+        """
+        gone = []
+        for digest in tx.missing_blob_rows(sizes):
+            found = self.blobs.stat(digest)
+            if found is None:
+                gone.append(digest)
+            else:
+                tx.record_blob(
+                    digest=digest, size_bytes=sizes[digest], stored_bytes=found.stored_bytes
+                )
+        if gone:
+            raise BlobMissing(
+                f"{len(gone)} blob(s) were collected from the object store while publishing;"
+                " upload them again",
+                extra={"missing": gone},
+            )
 
     def check(self) -> CheckReport:
         """The start-up check: make every row agree with what is stored.
@@ -457,12 +538,21 @@ class Storage:
             s for s in self.blobs.scan() if s.digest not in stored and s.modified_at < too_new
         ]
         freed += sum(s.stored_bytes for s in orphans)
+        archives: list[str] = []
+        if isinstance(self.blobs, S3BlobStore):
+            for found in self.blobs.archives():
+                if found.digest in evicted or (
+                    found.modified_at < too_new and not self.catalog.summary(found.digest)
+                ):
+                    archives.append(found.digest)
+                    freed += found.stored_bytes
         return GcPlan(
             tuple(evicted),
             tuple(sorted(dead)),
             freed,
             tuple(s.digest for s in orphans),
             planned_at=planned_at,
+            orphan_archives=tuple(archives),
         )
 
     def execute_gc(self, plan: GcPlan) -> GcPlan:
@@ -492,9 +582,21 @@ class Storage:
                     freed[digest] = stat.stored_bytes
             doomed = [*freed]
             tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
+            # Archive objects (object store) go with their snapshot, once no row names it.
+            archives = [a for a in plan.orphan_archives if not tx.snapshot_exists(a)]
+            if isinstance(self.blobs, S3BlobStore):
+                store = self.blobs
+                tx.after_commit(lambda: [store.delete_archive(a) for a in archives])
         self.evictions += len(evicted)
         rows = tuple(sorted(d for d in freed if d not in orphans))
-        return GcPlan(tuple(evicted), rows, sum(freed.values()), tuple(orphans), plan.planned_at)
+        return GcPlan(
+            tuple(evicted),
+            rows,
+            sum(freed.values()),
+            tuple(orphans),
+            plan.planned_at,
+            orphan_archives=tuple(archives),
+        )
 
 
 def _iso_ago(seconds: float) -> str:
@@ -507,3 +609,9 @@ def _uncompressed_size(blobs: BlobBackend, digest: str) -> int:
         while chunk := fh.read(1 << 20):
             total += len(chunk)
     return total
+
+
+def _read_chunks(fh: BinaryIO, chunk_bytes: int = 4 << 20) -> Iterator[bytes]:
+    with fh:
+        while chunk := fh.read(chunk_bytes):
+            yield chunk
