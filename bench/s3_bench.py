@@ -1,0 +1,214 @@
+"""The server's cost per node with blobs in a local dir vs in an object store (issue 13).
+
+    .venv/bin/python bench/s3_bench.py [--size-mb 350] [--nodes 3] [--herd 200]
+        [--herd-size-mb 8] [--herd-concurrency 16]
+
+One run, on loopback: a real S3 API server (moto, ``moto_server``), and for each backend a
+fresh ``cachekeeper serve`` process (``--data`` only, then ``--blob-store s3://...``).
+
+1. Per prejob: a synthetic Inductor-like cache (bench/synthetic_cache.py) is pushed as one
+   snapshot; then ``--nodes`` fresh ``cachekeeper prejob`` runs, one after another. For
+   each: bytes the server sent (``/metrics``, ``cachekeeper_http_response_bytes_total``)
+   and the server's CPU time (utime + stime of its process, ``/proc/<pid>/stat``), and the
+   prejob's wall time.
+2. A herd: ``--herd`` prejobs of a smaller snapshot (``--herd-size-mb``; the bench host
+   has 2 cores) into fresh dirs, ``--herd-concurrency`` at once: errors, p50/p99 wall time
+   per node, and the server's total CPU.
+
+Prints one JSON object; ratios are between the two backends of the same run. Nothing here
+asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
+from tests.helpers.moto_server import start_moto  # noqa: E402
+
+CK = str(REPO / ".venv" / "bin" / "cachekeeper")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` in seconds (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def served_bytes(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    pattern = r"^cachekeeper_http_response_bytes_total(?:{[^}]*})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, flags=re.MULTILINE))
+
+
+class Server:
+    def __init__(self, data: Path, env: dict[str, str], blob_store: str | None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [CK, "serve", "--data", str(data), "--port", str(self.port)]
+        if blob_store:
+            args += ["--blob-store", blob_store]
+        self.proc = subprocess.Popen(
+            args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not start: {self.proc.stderr.read()!r}")  # type: ignore[union-attr]
+
+    def cost(self) -> tuple[float, float]:
+        return cpu_s(self.proc.pid), served_bytes(self.url)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def ck(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CK, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def push(env: dict[str, str], cache: Path, workload: str) -> None:
+    proc = ck(env, "push", str(cache), "--workload", workload, "--allow-unregistered", "--json")
+    if proc.returncode != 0:
+        raise RuntimeError(f"push failed: {proc.stderr}")
+
+
+def prejob(env: dict[str, str], workload: str, dest: Path) -> tuple[float, bool]:
+    start = time.perf_counter()
+    proc = ck(env, "prejob", "--workload", workload, "--cache-dir", str(dest), "--strict")
+    return time.perf_counter() - start, proc.returncode == 0
+
+
+def per_node(server: Server, env: dict[str, str], workload: str, work: Path, nodes: int) -> dict:
+    rows = []
+    for i in range(nodes):
+        dest = work / f"node-{i}"
+        cpu0, sent0 = server.cost()
+        wall, ok = prejob(env, workload, dest)
+        cpu1, sent1 = server.cost()
+        if not ok:
+            raise RuntimeError(f"prejob {i} failed")
+        rows.append(
+            {"wall_s": wall, "server_cpu_s": cpu1 - cpu0, "server_sent_bytes": sent1 - sent0}
+        )
+        shutil.rmtree(dest)
+    return {
+        "nodes": nodes,
+        "wall_s": statistics.mean(r["wall_s"] for r in rows),
+        "server_cpu_s": statistics.mean(r["server_cpu_s"] for r in rows),
+        "server_sent_bytes": statistics.mean(r["server_sent_bytes"] for r in rows),
+    }
+
+
+def herd(server: Server, env: dict[str, str], workload: str, work: Path, n: int, conc: int) -> dict:
+    cpu0, sent0 = server.cost()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=conc) as pool:
+        results = list(pool.map(lambda i: prejob(env, workload, work / f"herd-{i}"), range(n)))
+    wall = time.perf_counter() - start
+    cpu1, sent1 = server.cost()
+    times = sorted(t for t, _ok in results)
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "nodes": n,
+        "concurrency": conc,
+        "errors": sum(1 for _t, ok in results if not ok),
+        "p50_s": times[len(times) // 2],
+        "p99_s": times[min(len(times) - 1, int(len(times) * 0.99))],
+        "wall_s": wall,
+        "server_cpu_s": cpu1 - cpu0,
+        "server_sent_bytes": sent1 - sent0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=350)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--herd", type=int, default=200)
+    parser.add_argument("--herd-size-mb", type=int, default=8)
+    parser.add_argument("--herd-concurrency", type=int, default=16)
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="ck-s3-bench-"))
+    big, small = work / "big", work / "small"
+    make_synthetic_cache(big, size_mb=args.size_mb, seed=1)
+    make_synthetic_cache(small, size_mb=args.herd_size_mb, seed=2)
+    moto = start_moto()
+    out: dict = {"size_mb": args.size_mb, "herd_size_mb": args.herd_size_mb}
+    try:
+        for name in ("local", "s3"):
+            store = moto.new_bucket() if name == "s3" else None
+            base = {k: v for k, v in os.environ.items() if not k.startswith("CACHEKEEPER_")}
+            env = {**base, **moto.env, "CACHEKEEPER_HOME": str(work / f"home-{name}")}
+            server = Server(work / f"data-{name}", env, store)
+            env["CACHEKEEPER_SERVER"] = server.url
+            try:
+                push(env, big, "big")
+                push(env, small, "small")
+                out[name] = {
+                    "per_node": per_node(server, env, "big", work / f"nodes-{name}", args.nodes),
+                    "herd": herd(
+                        server,
+                        env,
+                        "small",
+                        work / f"herd-{name}",
+                        args.herd,
+                        args.herd_concurrency,
+                    ),
+                }
+            finally:
+                server.stop()
+            print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
+    finally:
+        moto.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    local, s3 = out["local"], out["s3"]
+    out["ratios_s3_over_local"] = {
+        "per_node_server_sent_bytes": s3["per_node"]["server_sent_bytes"]
+        / local["per_node"]["server_sent_bytes"],
+        "per_node_server_cpu_s": s3["per_node"]["server_cpu_s"] / local["per_node"]["server_cpu_s"],
+        "per_node_wall_s": s3["per_node"]["wall_s"] / local["per_node"]["wall_s"],
+        "herd_server_cpu_s": s3["herd"]["server_cpu_s"] / local["herd"]["server_cpu_s"],
+        "herd_p50_s": s3["herd"]["p50_s"] / local["herd"]["p50_s"],
+        "herd_p99_s": s3["herd"]["p99_s"] / local["herd"]["p99_s"],
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
