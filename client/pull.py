@@ -33,6 +33,7 @@ from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import restore_snapshot
 from cachekeeper.restore_sources import Blobs, archive_blobs
 from cachekeeper.signing import TrustedKey
+from cachekeeper.wire import to_dict
 
 from .api import CacheClient, Deadline, Resolution
 from .direct import DirectUnavailable, ObjectStore
@@ -62,21 +63,7 @@ class PullReport:
     delta_problems: tuple[str, ...] = ()  # deltas not restored, one line each (why)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "snapshot_id": self.snapshot_id,
-            "workload": self.workload,
-            "cache_dir": self.cache_dir,
-            "outcome": self.outcome,
-            "exact": self.exact,
-            "verified": self.verified,
-            "blobs_fetched": self.blobs_fetched,
-            "attempts": self.attempts,
-            "conflicts": list(self.conflicts),
-            "archive_from": self.archive_from,
-            "fallback_reason": self.fallback_reason,
-            "deltas": list(self.deltas),
-            "delta_problems": list(self.delta_problems),
-        }
+        return to_dict(self)
 
 
 def resolve_snapshot(

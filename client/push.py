@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from cachekeeper.manifest import Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_workloads
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
+from cachekeeper.wire import to_dict
 
 from .api import CacheClient, Deadline
 from .direct import ObjectStore
@@ -50,7 +51,7 @@ class PushReport:
     unverified_reason: str | None = None  # why not, in one sentence; None when verified
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_dict(self)
 
 
 @dataclass(frozen=True)
