@@ -85,6 +85,7 @@ from typing import Any, BinaryIO
 
 import zstandard
 
+from cachekeeper.archive import TarFormatError
 from cachekeeper.errors import (
     BlobMissing,
     CacheDirUnusable,
@@ -396,7 +397,7 @@ def _feed(source: SnapshotSource, plan: _Plan, writer: Writer) -> None:
                 continue  # already present in the target
             try:
                 writer.write_blob(digest, stream, entries)
-            except zstandard.ZstdError as exc:
+            except (zstandard.ZstdError, TarFormatError) as exc:  # corrupt or cut off
                 raise DigestMismatch(
                     f"blob {digest} for {entries[0].path} is corrupt: {exc}"
                 ) from exc

@@ -525,3 +525,25 @@ def test_restore_from_tar_reads_a_non_seekable_stream(
     report = restore_from_tar(manifest, _PipeLike(plain), dst)  # type: ignore[arg-type]
     assert report.written == 5
     assert tree(dst) == tree(sample)
+
+
+def test_stream_ending_inside_a_member_is_a_digest_mismatch(tmp_path: Path) -> None:
+    """A well-formed zstd stream whose tar stops mid-blob (a cut-off download that ended
+    cleanly) is a retryable DigestMismatch naming the file, never a raw ValueError."""
+    data = b"z" * 4096
+    files = {"a/cut": data}
+    manifest_json = _ok_manifest_json(files)
+    info = tarfile.TarInfo("manifest.json")
+    info.size = len(manifest_json)
+    head = info.tobuf(format=tarfile.PAX_FORMAT) + manifest_json
+    head += b"\0" * ((-len(manifest_json)) % 512)
+    blob_info = tarfile.TarInfo(f"blobs/{sha(data)}")
+    blob_info.size = len(data)
+    cut = head + blob_info.tobuf(format=tarfile.PAX_FORMAT) + data[:1000]
+    archive = tmp_path / "cut.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor().compress(cut))
+    dst = tmp_path / "dst"
+    with pytest.raises(DigestMismatch, match="a/cut"):
+        restore_archive(archive, dst)
+    assert tree(dst) == {}
+    assert staging_leftovers(dst) == []
