@@ -226,3 +226,12 @@ def test_an_unusable_data_dir_is_one_line_naming_the_path(tmp_path: Path) -> Non
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert f"data dir {data} is not usable" in lines[0] and cause in lines[0], lines[0]
+
+
+def test_blob_store_must_be_an_s3_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEKEEPER_BLOB_STORE", "/data/blobs")
+    with pytest.raises(ConfigInvalid, match="CACHEKEEPER_BLOB_STORE.*s3://BUCKET/PREFIX"):
+        load_settings()
+    monkeypatch.setenv("CACHEKEEPER_BLOB_STORE", "s3://bucket/prefix")
+    assert load_settings().blob_store == "s3://bucket/prefix"
+    assert load_settings(blob_store="s3://other/p").blob_store == "s3://other/p"
