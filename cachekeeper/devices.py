@@ -116,7 +116,7 @@ def requested_devices(spec: str | None) -> list[str] | None:
 
 def visible_gpus() -> list[int]:
     """The CUDA indices this process can see, from the fingerprint (no torch import)."""
-    from cachekeeper.fingerprint import collect  # cycle: fingerprint -> wire -> devices
+    from cachekeeper.fingerprint import collect  # cycle: fingerprint words its device advice here
 
     return [int(gpu["index"]) for gpu in collect().get("gpus") or []]
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cachekeeper import config, cpu
+from cachekeeper.devices import coverage_advice
 from cachekeeper.wire import Mismatch
 
 __all__ = [
@@ -357,6 +358,24 @@ def is_compatible(
     )
 
 
+def describe_mismatch(mismatch: Mismatch) -> str:
+    """One mismatch in words: ``torch 2.11.0+cu130 != 2.11.0+cu128``, or the device and CPU
+    advice for those two fields."""
+    if mismatch.field == "devices":  # node: the devices asked for; snapshot: those it covers
+        return coverage_advice(covered=mismatch.snapshot, wanted=mismatch.node)
+    if mismatch.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
+        return "cpu: " + "; ".join(cpu.differences(mismatch.node, mismatch.snapshot))
+    return f"{mismatch.field} {_short(mismatch.node)} != {_short(mismatch.snapshot)}"
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def format_mismatches(mismatches: list[Mismatch]) -> str:
     """One line: ``torch 2.11.0+cu130 != 2.11.0+cu128; driver 570.1 != 580.2``."""
-    return "; ".join(m.describe() for m in mismatches)
+    return "; ".join(describe_mismatch(m) for m in mismatches)

@@ -22,15 +22,11 @@ when the server builds its validators, enforces and documents them in the OpenAP
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
-
-from cachekeeper import cpu
-from cachekeeper.devices import coverage_advice
 
 __all__ = [
     "WireError",
@@ -150,23 +146,8 @@ class Mismatch:
     node: Any = None
     snapshot: Any = None
 
-    def describe(self) -> str:
-        if self.field == "devices":  # node: the devices asked for; snapshot: those it covers
-            return coverage_advice(covered=self.snapshot, wanted=self.node)
-        if self.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
-            return "cpu: " + "; ".join(cpu.differences(self.node, self.snapshot))
-        return f"{self.field} {_short(self.node)} != {_short(self.snapshot)}"
-
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
-
-
-def _short(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,14 @@ from cachekeeper.cli._common import device_option, emit_json, handle_errors, jso
 from cachekeeper.cli.snapshot import load_manifest
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
-from cachekeeper.fingerprint import SCHEMA, collect, compare, digest_of, unchecked
+from cachekeeper.fingerprint import (
+    SCHEMA,
+    collect,
+    compare,
+    describe_mismatch,
+    digest_of,
+    unchecked,
+)
 
 __all__ = ["fingerprint_cmd", "explain_cmd"]
 
@@ -102,7 +109,7 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
             {
                 "snapshot_id": manifest.id,
                 "compatible": not mismatches,
-                "mismatches": [{**m.to_dict(), "reason": m.describe()} for m in mismatches],
+                "mismatches": [{**m.to_dict(), "reason": describe_mismatch(m)} for m in mismatches],
                 "unchecked": notes,
             }
         )
@@ -110,7 +117,7 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
         click.echo(f"snapshot {manifest.id[:12]} does NOT suit this node:")
         for m in mismatches:
             if m.field in ("devices", "cpu"):
-                click.echo(f"  {m.field:<12} {m.describe().removeprefix('cpu: ')}")
+                click.echo(f"  {m.field:<12} {describe_mismatch(m).removeprefix('cpu: ')}")
             else:
                 click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
     else:

@@ -19,6 +19,7 @@ from cachekeeper.errors import (
     ServerUnavailable,
     Unauthorized,
 )
+from cachekeeper.fingerprint import describe_mismatch
 
 SERVER = "http://cache.test"
 FP = {"torch": "2.13.0+cpu"}
@@ -192,7 +193,9 @@ def test_a_miss_is_a_value_with_near_misses():
     with client_for(handler) as client:
         resolution = client.resolve(FP, workload="w")
     assert resolution.snapshot is None
-    assert resolution.near_misses[0].mismatches[0].describe() == "torch 2.13.0+cpu != 2.11.0"
+    assert (
+        describe_mismatch(resolution.near_misses[0].mismatches[0]) == "torch 2.13.0+cpu != 2.11.0"
+    )
 
 
 def test_resolve_snapshot_raises_no_match_naming_fields():

@@ -6,7 +6,14 @@ import json
 import subprocess
 import sys
 
-from cachekeeper.fingerprint import collect, compare, digest_of, format_mismatches, is_compatible
+from cachekeeper.fingerprint import (
+    collect,
+    compare,
+    describe_mismatch,
+    digest_of,
+    format_mismatches,
+    is_compatible,
+)
 
 BASE = {
     "schema": 1,
@@ -86,15 +93,16 @@ def test_a_node_with_more_gpus_than_the_builder_is_told_which_indices_and_what_t
     builder = {**BASE, "gpus": node["gpus"][:2]}
     (mismatch,) = compare(node, builder, devices=["cuda:0", "cuda:1"])
     assert mismatch.field == "devices"
-    assert mismatch.describe() == (
+    assert describe_mismatch(mismatch) == (
         "snapshot covers cuda:0,1; this node asks for cuda:0-7: cuda:2-7 never built (the"
         " device index is in Inductor's key): build cuda:2-7 on a builder with >= 8 GPUs"
         " (prewarm --device cuda:2-7), or run one visible GPU per rank (then only cuda:0 is"
         " needed)"
     )
-    assert format_mismatches([mismatch]) == mismatch.describe()
+    assert format_mismatches([mismatch]) == describe_mismatch(mismatch)
     # one visible GPU per rank: each rank asks for cuda:0 only, which the snapshot covers
     assert compare(node, builder, devices=["cuda:0", "cuda:1"], node_devices=["cuda:0"]) == []
     # a cache of index 0 alone, on a node that uses index 1
     (alone,) = compare(node, builder, devices=["cuda:0"], node_devices=["cuda:1"])
-    assert "cuda:1 never built" in alone.describe() and ">= 2 GPUs" in alone.describe()
+    advice = describe_mismatch(alone)
+    assert "cuda:1 never built" in advice and ">= 2 GPUs" in advice
