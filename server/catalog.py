@@ -1,47 +1,35 @@
 """The server's metadata, and ALL of its SQL: one SQLite file (WAL mode) through sqlite-utils.
 
-Tables::
+This module is the catalog layer's one import point (``Catalog``, ``Transaction``,
+``agent_id_for``, ``utc_now``); the layer is four modules, and no other module of the
+server holds SQL:
 
-    snapshots       id (manifest sha256), workload, fingerprint_digest, fingerprint (JSON),
-                    devices (JSON), verified, signed, stats (JSON), size_bytes, file_count,
-                    created_at, last_used_at, pinned, manifest (JSON text, signature included),
-                    source ("harvest" or NULL), parent (a harvested delta's parent id)
-    blobs           digest, size_bytes (uncompressed), stored_bytes (zstd at rest),
-                    created_at, last_access_at
-    snapshot_blobs  (snapshot_id, digest): which blobs each snapshot references
-    workloads       name, toml, digest (sha256 of the TOML text), updated_at
-    agents          id, name, fingerprint_digest, fingerprint (JSON), devices (JSON),
-                    registered_at, last_seen_at, info (JSON: gpus, version)
-    events          an audit log (snapshot.published, snapshot.evicted, ...)
-    job_reports     what training jobs report (POST /v1/reports): phase (prejob, postjob),
-                    outcome, workload, fingerprint_digest, snapshot_id, node, devices
-                    (JSON), reason_code, reason, new_fxgraph, new_aotautograd, new_triton,
-                    new_other, new_bytes, started_at, finished_at, at (received)
-    quarantine      id, at, reason, manifest: snapshots the start-up check took out of
-                    service because blobs they reference are gone (re-push to restore)
-    agent_events    what agents report per (workload, fingerprint_digest): building, built,
-                    skipped, cold_compile_broken, failed (see server/fleet.py)
+    server/catalog.py        Catalog (connections, transactions) and the snapshot, blob,
+                             workload and start-up check queries
+    server/catalog_fleet.py  agents, their build events, job reports, the fleet's facts
+                             (mixed into Catalog and Transaction)
+    server/catalog_base.py   times as text, ``IN (...)`` batches, the Reads/Writes bases
+    server/schema.py         the tables (drawn there), indexes and in-place migrations
 
-Every query the server makes is a method here; callers get frozen dataclasses, never row
-dicts. Each thread gets its own connection (``check_same_thread=False``, opened lazily);
-WAL is enabled once by ``Catalog.create``. Every write goes through ``Catalog.writing()``:
-one real transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, ``ROLLBACK`` on any exception)
-under ``write_lock``, so writes are serialized in-process, never wait on SQLite's busy
-timeout, and a multi-statement operation (publish, delete, pin, GC) is all or nothing.
+Every query the server makes is a method of ``Catalog`` (reads) or ``Transaction``
+(inside a write); callers get frozen dataclasses, never row dicts. Each thread gets its
+own connection (``check_same_thread=False``, opened lazily); WAL is enabled once by
+``Catalog.create``. Every write goes through ``Catalog.writing()``: one real transaction
+(``BEGIN IMMEDIATE`` ... ``COMMIT``, ``ROLLBACK`` on any exception) under ``write_lock``,
+so writes are serialized in-process, never wait on SQLite's busy timeout, and a
+multi-statement operation (publish, delete, pin, GC) is all or nothing.
 
-Adding a table: add its ``create`` call to ``_SCHEMA_STEPS`` (idempotent,
-``if_not_exists=True``) and its queries as methods of ``Catalog``, returning dataclasses.
+Adding a table: an idempotent step in ``server/schema.py``, and its queries as methods
+here (or in ``catalog_fleet.py`` for the fleet), returning dataclasses.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,190 +37,14 @@ import sqlite_utils
 
 from cachekeeper.errors import InsufficientStorage
 from cachekeeper.manifest import Manifest
-from cachekeeper.wire import (
-    AgentInfo,
-    EventOut,
-    EventStatus,
-    JobReport,
-    JobStats,
-    Summary,
-    WorkloadInfo,
-)
+from cachekeeper.wire import Summary, WorkloadInfo
 
-from .records import BlobInfo, BlobUsage, Candidate, Counts, StatusFacts
+from .catalog_base import BATCH, chunks, utc_now
+from .catalog_fleet import FleetReads, FleetWrites, agent_id_for
+from .records import BlobInfo, BlobUsage, Candidate, Counts
+from .schema import ensure_schema
 
 __all__ = ["Catalog", "Transaction", "agent_id_for", "utc_now"]
-
-_BATCH = 500
-
-
-def utc_now() -> str:
-    """The current UTC time as ISO 8601 with microseconds (sorts as text)."""
-    return datetime.now(UTC).isoformat(timespec="microseconds")
-
-
-def agent_id_for(name: str, fingerprint_digest: str) -> str:
-    """The id an agent of ``name`` gets for an environment (stable across registrations)."""
-    return hashlib.sha256(f"{name}\n{fingerprint_digest}".encode()).hexdigest()[:16]
-
-
-# -- schema -----------------------------------------------------------------------------------
-
-
-def _create_snapshots(db: sqlite_utils.Database) -> None:
-    db.table("snapshots").create(
-        {
-            "id": str,
-            "workload": str,
-            "fingerprint_digest": str,
-            "fingerprint": str,
-            "devices": str,
-            "verified": int,
-            "signed": int,
-            "stats": str,
-            "size_bytes": int,
-            "file_count": int,
-            "created_at": str,
-            "last_used_at": str,
-            "pinned": int,
-            "manifest": str,
-        },
-        pk="id",
-        not_null=["fingerprint_digest", "fingerprint", "created_at", "manifest"],
-        if_not_exists=True,
-    )
-    db.table("snapshots").create_index(["workload", "created_at"], if_not_exists=True)
-    db.table("snapshots").create_index(["fingerprint_digest"], if_not_exists=True)
-    db.table("snapshots").create_index(["last_used_at"], if_not_exists=True)
-
-
-def _create_blobs(db: sqlite_utils.Database) -> None:
-    db.table("blobs").create(
-        {
-            "digest": str,
-            "size_bytes": int,
-            "stored_bytes": int,
-            "created_at": str,
-            "last_access_at": str,
-        },
-        pk="digest",
-        if_not_exists=True,
-    )
-    db.table("snapshot_blobs").create(
-        {"snapshot_id": str, "digest": str}, pk=("snapshot_id", "digest"), if_not_exists=True
-    )
-    db.table("snapshot_blobs").create_index(["digest"], if_not_exists=True)
-
-
-def _create_workloads(db: sqlite_utils.Database) -> None:
-    db.table("workloads").create(
-        {"name": str, "toml": str, "digest": str, "updated_at": str},
-        pk="name",
-        if_not_exists=True,
-    )
-
-
-def _create_agents_events(db: sqlite_utils.Database) -> None:
-    db.table("agents").create(
-        {
-            "id": str,
-            "name": str,
-            "fingerprint_digest": str,
-            "fingerprint": str,
-            "devices": str,
-            "registered_at": str,
-            "last_seen_at": str,
-            "info": str,
-        },
-        pk="id",
-        if_not_exists=True,
-    )
-    db.table("events").create(
-        {"id": int, "at": str, "kind": str, "subject": str, "detail": str},
-        pk="id",
-        if_not_exists=True,
-    )
-    db.table("events").create_index(["at"], if_not_exists=True)
-
-
-def _create_agent_events(db: sqlite_utils.Database) -> None:
-    db.table("agent_events").create(
-        {
-            "id": int,
-            "at": str,
-            "agent_id": str,
-            "workload": str,
-            "fingerprint_digest": str,
-            "status": str,
-            "detail": str,
-            "traceback_tail": str,
-            "snapshot_id": str,
-            "seconds": float,
-        },
-        pk="id",
-        not_null=["at", "agent_id", "workload", "fingerprint_digest", "status"],
-        if_not_exists=True,
-    )
-    db.table("agent_events").create_index(
-        ["workload", "fingerprint_digest", "id"], if_not_exists=True
-    )
-
-
-def _create_job_reports(db: sqlite_utils.Database) -> None:
-    db.table("job_reports").create(
-        {
-            "id": int,
-            "at": str,
-            "phase": str,
-            "outcome": str,
-            "workload": str,
-            "fingerprint_digest": str,
-            "snapshot_id": str,
-            "node": str,
-            "devices": str,
-            "reason_code": str,
-            "reason": str,
-            "new_fxgraph": int,
-            "new_aotautograd": int,
-            "new_triton": int,
-            "new_other": int,
-            "new_bytes": int,
-            "started_at": str,
-            "finished_at": str,
-        },
-        pk="id",
-        not_null=["at", "phase", "outcome", "workload", "fingerprint_digest"],
-        if_not_exists=True,
-    )
-    db.table("job_reports").create_index(["workload", "fingerprint_digest"], if_not_exists=True)
-
-
-def _add_harvest_columns(db: sqlite_utils.Database) -> None:
-    """``source`` and ``parent`` (harvested deltas), added to older databases in place."""
-    table = db.table("snapshots")
-    for name in ("source", "parent"):
-        if name not in table.columns_dict:
-            table.add_column(name, str)
-    table.create_index(["parent"], if_not_exists=True)
-
-
-def _create_quarantine(db: sqlite_utils.Database) -> None:
-    db.table("quarantine").create(
-        {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
-    )
-
-
-_SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
-    _create_snapshots,
-    _create_blobs,
-    _create_workloads,
-    _create_agents_events,
-    _create_agent_events,
-    _create_job_reports,
-    _add_harvest_columns,
-    _create_quarantine,
-]
-
 
 _SUMMARY_COLUMNS = (
     "id, workload, fingerprint_digest, devices, verified, signed, size_bytes, file_count, "
@@ -256,70 +68,20 @@ def _summary(row: dict[str, Any]) -> Summary:
     )
 
 
-def _agent(row: dict[str, Any]) -> AgentInfo:
-    info = json.loads(row["info"] or "{}")
-    return AgentInfo(
-        id=row["id"],
-        name=row["name"],
-        fingerprint_digest=row["fingerprint_digest"],
-        fingerprint=json.loads(row["fingerprint"]),
-        devices=tuple(json.loads(row["devices"] or "[]")),
-        gpus=tuple(info.get("gpus") or ()),
-        version=info.get("version") or "",
-        registered_at=row["registered_at"],
-        last_seen_at=row["last_seen_at"],
-    )
-
-
-def _event(row: dict[str, Any]) -> EventOut:
-    return EventOut(
-        id=row["id"],
-        at=row["at"],
-        agent_id=row["agent_id"],
-        workload=row["workload"],
-        fingerprint_digest=row["fingerprint_digest"],
-        status=row["status"],
-        detail=row["detail"] or "",
-        traceback_tail=json.loads(row["traceback_tail"] or "[]"),
-        snapshot_id=row["snapshot_id"],
-        seconds=row["seconds"],
-    )
-
-
 def _disk_full(exc: sqlite3.OperationalError) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
 
 
-def _chunks(items: list[str]) -> Iterator[tuple[list[str], str]]:
-    """``items`` in batches with their ``?,?,...`` placeholder text."""
-    for start in range(0, len(items), _BATCH):
-        part = items[start : start + _BATCH]
-        yield part, ",".join("?" * len(part))
-
-
-class Transaction:
+class Transaction(FleetWrites):
     """The queries that run inside one ``Catalog.writing()`` block (reads see its writes)."""
-
-    def __init__(self, db: sqlite_utils.Database) -> None:
-        self.db = db
-        self.after_commit_actions: list[Callable[[], object]] = []
-
-    def after_commit(self, action: Callable[[], object]) -> None:
-        """Run ``action`` once this transaction committed, still under the write lock
-        (deleting files whose rows it deleted: pointers before blobs)."""
-        self.after_commit_actions.append(action)
-
-    def _one(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        row = self.db.execute(sql, list(params)).fetchone()
-        return None if row is None else row[0]
 
     # -- blobs ------------------------------------------------------------------------
     def missing_blob_rows(self, digests: Iterable[str]) -> list[str]:
         """The ``digests`` that have no blob row, sorted."""
         wanted = sorted(set(digests))
         present: set[str] = set()
-        for part, marks in _chunks(wanted):
+        for part, marks in chunks(wanted):
             sql = f"SELECT digest FROM blobs WHERE digest IN ({marks})"
             present.update(r[0] for r in self.db.execute(sql, part))
         return [d for d in wanted if d not in present]
@@ -345,7 +107,7 @@ class Transaction:
         """Delete the rows of ``digests`` that nothing references and nobody used after
         ``unused_since``; {digest: stored bytes} of those deleted."""
         gone: dict[str, int] = {}
-        for part, marks in _chunks(sorted(set(digests))):
+        for part, marks in chunks(sorted(set(digests))):
             rows = self.db.execute(
                 f"SELECT digest, stored_bytes FROM blobs WHERE digest IN ({marks})"
                 " AND COALESCE(last_access_at, '') <= ? AND NOT EXISTS"
@@ -357,7 +119,7 @@ class Transaction:
         return gone
 
     def delete_blob_rows(self, digests: Iterable[str]) -> None:
-        for part, marks in _chunks(sorted(set(digests))):
+        for part, marks in chunks(sorted(set(digests))):
             self.db.execute(f"DELETE FROM blobs WHERE digest IN ({marks})", part)
 
     # -- snapshots --------------------------------------------------------------------
@@ -397,7 +159,7 @@ class Transaction:
         """Reference ``digests`` from the snapshot (idempotent) and mark them used ``at``."""
         self.db.table("snapshot_blobs").insert_all(
             ({"snapshot_id": snapshot_id, "digest": d} for d in sorted(set(digests))),
-            batch_size=_BATCH,
+            batch_size=BATCH,
             ignore=True,
         )
         self.db.execute(
@@ -480,119 +242,6 @@ class Transaction:
     def delete_workload(self, name: str) -> bool:
         return self.db.execute("DELETE FROM workloads WHERE name = ?", [name]).rowcount > 0
 
-    # -- agents -----------------------------------------------------------------------
-    def register_agent(
-        self,
-        *,
-        name: str,
-        fingerprint: dict[str, Any],
-        fingerprint_digest: str,
-        devices: list[str],
-        gpus: list[dict[str, Any]],
-        version: str,
-    ) -> tuple[str, bool]:
-        """(agent id, created): insert the agent, or refresh devices, GPUs, version, seen."""
-        agent_id = agent_id_for(name, fingerprint_digest)
-        now = utc_now()
-        created = self._one("SELECT 1 FROM agents WHERE id = ?", [agent_id]) is None
-        self.db.execute(
-            "INSERT INTO agents (id, name, fingerprint_digest, fingerprint, devices,"
-            " registered_at, last_seen_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT(id) DO UPDATE SET devices = excluded.devices,"
-            " last_seen_at = excluded.last_seen_at, info = excluded.info",
-            [
-                agent_id,
-                name,
-                fingerprint_digest,
-                json.dumps(fingerprint, sort_keys=True),
-                json.dumps(devices),
-                now,
-                now,
-                json.dumps({"gpus": gpus, "version": version}, sort_keys=True),
-            ],
-        )
-        return agent_id, created
-
-    def agent_seen(self, agent_id: str, *, at: str | None = None) -> bool:
-        """Set the agent's ``last_seen_at``; False when no such agent."""
-        sql = "UPDATE agents SET last_seen_at = ? WHERE id = ?"
-        return self.db.execute(sql, [at or utc_now(), agent_id]).rowcount > 0
-
-    def add_agent_event(
-        self,
-        agent_id: str,
-        *,
-        workload: str,
-        fingerprint_digest: str,
-        status: EventStatus,
-        detail: str,
-        traceback_tail: list[str],
-        snapshot_id: str | None,
-        seconds: float | None,
-    ) -> EventOut | None:
-        """Record one report (also a heartbeat); None when the agent is not registered."""
-        now = utc_now()
-        if not self.agent_seen(agent_id, at=now):
-            return None
-        cursor = self.db.execute(
-            "INSERT INTO agent_events (at, agent_id, workload, fingerprint_digest, status,"
-            " detail, traceback_tail, snapshot_id, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                now,
-                agent_id,
-                workload,
-                fingerprint_digest,
-                status,
-                detail,
-                json.dumps(traceback_tail),
-                snapshot_id,
-                seconds,
-            ],
-        )
-        return EventOut(
-            id=int(cursor.lastrowid or 0),
-            at=now,
-            agent_id=agent_id,
-            workload=workload,
-            fingerprint_digest=fingerprint_digest,
-            status=status,
-            detail=detail,
-            traceback_tail=list(traceback_tail),
-            snapshot_id=snapshot_id,
-            seconds=seconds,
-        )
-
-    # -- job reports ------------------------------------------------------------------
-    def add_job_report(self, report: JobReport) -> tuple[int, str]:
-        """Store one job report; returns its (id, received at)."""
-        now = utc_now()
-        cursor = self.db.execute(
-            "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
-            " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
-            " new_triton, new_other, new_bytes, started_at, finished_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                now,
-                report.phase,
-                report.outcome,
-                report.workload,
-                report.fingerprint_digest,
-                report.snapshot_id,
-                report.node,
-                json.dumps(list(report.devices)),
-                report.reason_code,
-                report.reason,
-                report.new_fxgraph,
-                report.new_aotautograd,
-                report.new_triton,
-                report.new_other,
-                report.new_bytes,
-                report.started_at,
-                report.finished_at,
-            ],
-        )
-        return int(cursor.lastrowid or 0), now
-
     # -- events -----------------------------------------------------------------------
     def add_event(self, *, kind: str, subject: str, detail: Any) -> None:
         self.db.execute(
@@ -601,7 +250,7 @@ class Transaction:
         )
 
 
-class Catalog:
+class Catalog(FleetReads):
     """Connections to the metadata database; reads here, writes in ``writing()``."""
 
     def __init__(self, path: Path) -> None:
@@ -616,8 +265,7 @@ class Catalog:
         catalog = cls(path)
         catalog.db().enable_wal()
         with catalog.writing() as tx:
-            for step in _SCHEMA_STEPS:
-                step(tx.db)
+            ensure_schema(tx.db)
         return catalog
 
     def db(self) -> sqlite_utils.Database:
@@ -667,22 +315,6 @@ class Catalog:
             for action in tx.after_commit_actions:
                 action()
 
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        """Several reads that see one consistent state (a deferred read transaction)."""
-        conn = self.db().conn
-        if conn.in_transaction:  # already inside writing(): its view is consistent
-            yield
-            return
-        conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            conn.execute("COMMIT")
-
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        return list(self.db().query(sql, list(params)))
-
     # -- blobs ------------------------------------------------------------------------
     def blob_info(self, digest: str) -> BlobInfo | None:
         found = self._rows("SELECT * FROM blobs WHERE digest = ?", [digest])
@@ -700,7 +332,7 @@ class Catalog:
     def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
         """{digest: uncompressed size} for the digests that have a row."""
         out: dict[str, int] = {}
-        for part, marks in _chunks(list(dict.fromkeys(digests))):
+        for part, marks in chunks(list(dict.fromkeys(digests))):
             sql = f"SELECT digest, size_bytes FROM blobs WHERE digest IN ({marks})"
             out.update((r["digest"], r["size_bytes"]) for r in self._rows(sql, part))
         return out
@@ -806,16 +438,6 @@ class Catalog:
         )
         return json.loads(found[0]["fingerprint"]) if found else None
 
-    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
-        """(UTC day, prejob restores that day) for the last ``days`` days with any, oldest first."""
-        found = self._rows(
-            "SELECT substr(at, 1, 10) AS day, COUNT(*) AS n FROM job_reports"
-            " WHERE phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
-            " GROUP BY day ORDER BY day DESC LIMIT ?",
-            [days],
-        )
-        return [(row["day"], int(row["n"])) for row in reversed(found)]
-
     def lru_unpinned(self) -> list[str]:
         """Unpinned snapshot ids, least recently used first (never used: by creation)."""
         rows = self._rows(
@@ -835,102 +457,3 @@ class Catalog:
             WorkloadInfo(name=r["name"], digest=r["digest"], updated_at=r["updated_at"])
             for r in rows
         ]
-
-    # -- agents -----------------------------------------------------------------------
-    def agent(self, agent_id: str) -> AgentInfo | None:
-        found = self._rows("SELECT * FROM agents WHERE id = ?", [agent_id])
-        return _agent(found[0]) if found else None
-
-    def list_agents(self) -> list[AgentInfo]:
-        rows = self._rows("SELECT * FROM agents ORDER BY last_seen_at DESC, id")
-        return [_agent(r) for r in rows]
-
-    def job_stats(self, *, workload: str | None = None) -> list[JobStats]:
-        """The job reports added up per (workload, fingerprint digest), sorted by both."""
-        where, params = ("WHERE workload = ?", [workload]) if workload is not None else ("", [])
-        totals = self._rows(
-            "SELECT workload, fingerprint_digest,"
-            " SUM(phase = 'prejob' AND outcome IN ('restored', 'already_restored')) AS restores,"
-            " SUM(phase = 'prejob' AND outcome = 'cold') AS cold,"
-            " SUM(phase = 'postjob') AS postjobs,"
-            " SUM(phase = 'postjob' AND outcome = 'compiled') AS compiled,"
-            " SUM(phase = 'postjob' AND outcome = 'compiled' AND snapshot_id IS NOT NULL)"
-            " AS compiled_after_restore,"
-            # TOTAL (a float), not SUM: sums of what clients report never overflow into a 500
-            " TOTAL(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
-            " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
-            " TOTAL(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
-            f" MAX(at) AS last_report_at FROM job_reports {where}"
-            " GROUP BY workload, fingerprint_digest ORDER BY workload, fingerprint_digest",
-            params,
-        )
-        reasons: dict[tuple[str, str], dict[str, int]] = {}
-        for row in self._rows(
-            "SELECT workload, fingerprint_digest, COALESCE(reason_code, 'unknown') AS code,"
-            " COUNT(*) AS n FROM job_reports"
-            f" {where + ' AND' if where else 'WHERE'} phase = 'prejob' AND outcome = 'cold'"
-            " GROUP BY workload, fingerprint_digest, code",
-            params,
-        ):
-            key = (row["workload"], row["fingerprint_digest"])
-            reasons.setdefault(key, {})[row["code"]] = int(row["n"])
-        return [
-            JobStats(
-                workload=row["workload"],
-                fingerprint_digest=row["fingerprint_digest"],
-                restores=int(row["restores"]),
-                cold=int(row["cold"]),
-                cold_reasons=reasons.get((row["workload"], row["fingerprint_digest"]), {}),
-                postjobs=int(row["postjobs"]),
-                compiled=int(row["compiled"]),
-                compiled_after_restore=int(row["compiled_after_restore"]),
-                new_graphs=int(row["new_graphs"]),
-                new_bytes=int(row["new_bytes"]),
-                last_report_at=row["last_report_at"],
-            )
-            for row in totals
-        ]
-
-    def status_facts(self) -> StatusFacts:
-        """What ``server.fleet`` decides each (workload, fingerprint digest)'s status from."""
-        with self.reading():
-            return self._status_facts()
-
-    def _status_facts(self) -> StatusFacts:
-        workloads = tuple(w.name for w in self.list_workloads())
-        agents = tuple(
-            (r["name"], r["fingerprint_digest"])
-            for r in self._rows("SELECT name, fingerprint_digest FROM agents ORDER BY name, id")
-        )
-        latest = [
-            _event(r)
-            for r in self._rows(
-                "SELECT e.* FROM agent_events e JOIN (SELECT MAX(id) AS id FROM agent_events"
-                " GROUP BY workload, fingerprint_digest) m ON e.id = m.id"
-            )
-        ]
-        verified: dict[tuple[str, str], tuple[str, str]] = {}
-        covers: dict[str, tuple[str, ...]] = {}
-        for snap in self._rows(
-            "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
-            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
-        ):
-            key = (snap["workload"], snap["fingerprint_digest"])
-            verified[key] = (snap["id"], snap["created_at"])  # newest wins
-            covers[snap["id"]] = tuple(json.loads(snap["devices"] or "[]"))
-        named = sorted({e.snapshot_id for e in latest if e.snapshot_id})
-        stored: set[str] = set()
-        for part, marks in _chunks(named):
-            sql = f"SELECT id, devices FROM snapshots WHERE id IN ({marks})"
-            for r in self._rows(sql, part):
-                stored.add(r["id"])
-                covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
-        return StatusFacts(
-            workloads=workloads,
-            agents=agents,
-            latest={(e.workload, e.fingerprint_digest): e for e in latest},
-            verified=verified,
-            stored=frozenset(stored),
-            covers=covers,
-            jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
-        )

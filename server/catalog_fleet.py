@@ -1,0 +1,282 @@
+"""The catalog's fleet queries: agents (registrations, heartbeats, build events), job
+reports, and the facts the fleet status is decided from (``server/fleet.py``).
+
+The rest of the catalog (snapshots, blobs, workloads, the start-up check) is in
+``server/catalog.py``, whose ``Catalog`` and ``Transaction`` mix these classes in: callers
+import only ``server.catalog``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats
+
+from .catalog_base import Reads, Writes, chunks, utc_now
+from .records import StatusFacts
+
+__all__ = ["FleetReads", "FleetWrites", "agent_id_for"]
+
+
+def agent_id_for(name: str, fingerprint_digest: str) -> str:
+    """The id an agent of ``name`` gets for an environment (stable across registrations)."""
+    return hashlib.sha256(f"{name}\n{fingerprint_digest}".encode()).hexdigest()[:16]
+
+
+def _agent(row: dict[str, Any]) -> AgentInfo:
+    info = json.loads(row["info"] or "{}")
+    return AgentInfo(
+        id=row["id"],
+        name=row["name"],
+        fingerprint_digest=row["fingerprint_digest"],
+        fingerprint=json.loads(row["fingerprint"]),
+        devices=tuple(json.loads(row["devices"] or "[]")),
+        gpus=tuple(info.get("gpus") or ()),
+        version=info.get("version") or "",
+        registered_at=row["registered_at"],
+        last_seen_at=row["last_seen_at"],
+    )
+
+
+def _event(row: dict[str, Any]) -> EventOut:
+    return EventOut(
+        id=row["id"],
+        at=row["at"],
+        agent_id=row["agent_id"],
+        workload=row["workload"],
+        fingerprint_digest=row["fingerprint_digest"],
+        status=row["status"],
+        detail=row["detail"] or "",
+        traceback_tail=json.loads(row["traceback_tail"] or "[]"),
+        snapshot_id=row["snapshot_id"],
+        seconds=row["seconds"],
+    )
+
+
+class FleetWrites(Writes):
+    """Agents and job reports: the writes (mixed into ``catalog.Transaction``)."""
+
+    def register_agent(
+        self,
+        *,
+        name: str,
+        fingerprint: dict[str, Any],
+        fingerprint_digest: str,
+        devices: list[str],
+        gpus: list[dict[str, Any]],
+        version: str,
+    ) -> tuple[str, bool]:
+        """(agent id, created): insert the agent, or refresh devices, GPUs, version, seen."""
+        agent_id = agent_id_for(name, fingerprint_digest)
+        now = utc_now()
+        created = self._one("SELECT 1 FROM agents WHERE id = ?", [agent_id]) is None
+        self.db.execute(
+            "INSERT INTO agents (id, name, fingerprint_digest, fingerprint, devices,"
+            " registered_at, last_seen_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(id) DO UPDATE SET devices = excluded.devices,"
+            " last_seen_at = excluded.last_seen_at, info = excluded.info",
+            [
+                agent_id,
+                name,
+                fingerprint_digest,
+                json.dumps(fingerprint, sort_keys=True),
+                json.dumps(devices),
+                now,
+                now,
+                json.dumps({"gpus": gpus, "version": version}, sort_keys=True),
+            ],
+        )
+        return agent_id, created
+
+    def agent_seen(self, agent_id: str, *, at: str | None = None) -> bool:
+        """Set the agent's ``last_seen_at``; False when no such agent."""
+        sql = "UPDATE agents SET last_seen_at = ? WHERE id = ?"
+        return self.db.execute(sql, [at or utc_now(), agent_id]).rowcount > 0
+
+    def add_agent_event(
+        self,
+        agent_id: str,
+        *,
+        workload: str,
+        fingerprint_digest: str,
+        status: EventStatus,
+        detail: str,
+        traceback_tail: list[str],
+        snapshot_id: str | None,
+        seconds: float | None,
+    ) -> EventOut | None:
+        """Record one report (also a heartbeat); None when the agent is not registered."""
+        now = utc_now()
+        if not self.agent_seen(agent_id, at=now):
+            return None
+        cursor = self.db.execute(
+            "INSERT INTO agent_events (at, agent_id, workload, fingerprint_digest, status,"
+            " detail, traceback_tail, snapshot_id, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                now,
+                agent_id,
+                workload,
+                fingerprint_digest,
+                status,
+                detail,
+                json.dumps(traceback_tail),
+                snapshot_id,
+                seconds,
+            ],
+        )
+        return EventOut(
+            id=int(cursor.lastrowid or 0),
+            at=now,
+            agent_id=agent_id,
+            workload=workload,
+            fingerprint_digest=fingerprint_digest,
+            status=status,
+            detail=detail,
+            traceback_tail=list(traceback_tail),
+            snapshot_id=snapshot_id,
+            seconds=seconds,
+        )
+
+    def add_job_report(self, report: JobReport) -> tuple[int, str]:
+        """Store one job report; returns its (id, received at)."""
+        now = utc_now()
+        cursor = self.db.execute(
+            "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
+            " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
+            " new_triton, new_other, new_bytes, started_at, finished_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                now,
+                report.phase,
+                report.outcome,
+                report.workload,
+                report.fingerprint_digest,
+                report.snapshot_id,
+                report.node,
+                json.dumps(list(report.devices)),
+                report.reason_code,
+                report.reason,
+                report.new_fxgraph,
+                report.new_aotautograd,
+                report.new_triton,
+                report.new_other,
+                report.new_bytes,
+                report.started_at,
+                report.finished_at,
+            ],
+        )
+        return int(cursor.lastrowid or 0), now
+
+
+class FleetReads(Reads):
+    """Agents, job reports, fleet facts: the reads (mixed into ``catalog.Catalog``)."""
+
+    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
+        """(UTC day, prejob restores that day) for the last ``days`` days with any, oldest first."""
+        found = self._rows(
+            "SELECT substr(at, 1, 10) AS day, COUNT(*) AS n FROM job_reports"
+            " WHERE phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
+            " GROUP BY day ORDER BY day DESC LIMIT ?",
+            [days],
+        )
+        return [(row["day"], int(row["n"])) for row in reversed(found)]
+
+    def agent(self, agent_id: str) -> AgentInfo | None:
+        found = self._rows("SELECT * FROM agents WHERE id = ?", [agent_id])
+        return _agent(found[0]) if found else None
+
+    def list_agents(self) -> list[AgentInfo]:
+        rows = self._rows("SELECT * FROM agents ORDER BY last_seen_at DESC, id")
+        return [_agent(r) for r in rows]
+
+    def job_stats(self, *, workload: str | None = None) -> list[JobStats]:
+        """The job reports added up per (workload, fingerprint digest), sorted by both."""
+        where, params = ("WHERE workload = ?", [workload]) if workload is not None else ("", [])
+        totals = self._rows(
+            "SELECT workload, fingerprint_digest,"
+            " SUM(phase = 'prejob' AND outcome IN ('restored', 'already_restored')) AS restores,"
+            " SUM(phase = 'prejob' AND outcome = 'cold') AS cold,"
+            " SUM(phase = 'postjob') AS postjobs,"
+            " SUM(phase = 'postjob' AND outcome = 'compiled') AS compiled,"
+            " SUM(phase = 'postjob' AND outcome = 'compiled' AND snapshot_id IS NOT NULL)"
+            " AS compiled_after_restore,"
+            # TOTAL (a float), not SUM: sums of what clients report never overflow into a 500
+            " TOTAL(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
+            " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
+            " TOTAL(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
+            f" MAX(at) AS last_report_at FROM job_reports {where}"
+            " GROUP BY workload, fingerprint_digest ORDER BY workload, fingerprint_digest",
+            params,
+        )
+        reasons: dict[tuple[str, str], dict[str, int]] = {}
+        for row in self._rows(
+            "SELECT workload, fingerprint_digest, COALESCE(reason_code, 'unknown') AS code,"
+            " COUNT(*) AS n FROM job_reports"
+            f" {where + ' AND' if where else 'WHERE'} phase = 'prejob' AND outcome = 'cold'"
+            " GROUP BY workload, fingerprint_digest, code",
+            params,
+        ):
+            key = (row["workload"], row["fingerprint_digest"])
+            reasons.setdefault(key, {})[row["code"]] = int(row["n"])
+        return [
+            JobStats(
+                workload=row["workload"],
+                fingerprint_digest=row["fingerprint_digest"],
+                restores=int(row["restores"]),
+                cold=int(row["cold"]),
+                cold_reasons=reasons.get((row["workload"], row["fingerprint_digest"]), {}),
+                postjobs=int(row["postjobs"]),
+                compiled=int(row["compiled"]),
+                compiled_after_restore=int(row["compiled_after_restore"]),
+                new_graphs=int(row["new_graphs"]),
+                new_bytes=int(row["new_bytes"]),
+                last_report_at=row["last_report_at"],
+            )
+            for row in totals
+        ]
+
+    def status_facts(self) -> StatusFacts:
+        """What ``server.fleet`` decides each (workload, fingerprint digest)'s status from."""
+        with self.reading():
+            return self._status_facts()
+
+    def _status_facts(self) -> StatusFacts:
+        workloads = tuple(r["name"] for r in self._rows("SELECT name FROM workloads ORDER BY name"))
+        agents = tuple(
+            (r["name"], r["fingerprint_digest"])
+            for r in self._rows("SELECT name, fingerprint_digest FROM agents ORDER BY name, id")
+        )
+        latest = [
+            _event(r)
+            for r in self._rows(
+                "SELECT e.* FROM agent_events e JOIN (SELECT MAX(id) AS id FROM agent_events"
+                " GROUP BY workload, fingerprint_digest) m ON e.id = m.id"
+            )
+        ]
+        verified: dict[tuple[str, str], tuple[str, str]] = {}
+        covers: dict[str, tuple[str, ...]] = {}
+        for snap in self._rows(
+            "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
+            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
+        ):
+            key = (snap["workload"], snap["fingerprint_digest"])
+            verified[key] = (snap["id"], snap["created_at"])  # newest wins
+            covers[snap["id"]] = tuple(json.loads(snap["devices"] or "[]"))
+        named = sorted({e.snapshot_id for e in latest if e.snapshot_id})
+        stored: set[str] = set()
+        for part, marks in chunks(named):
+            sql = f"SELECT id, devices FROM snapshots WHERE id IN ({marks})"
+            for r in self._rows(sql, part):
+                stored.add(r["id"])
+                covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+        return StatusFacts(
+            workloads=workloads,
+            agents=agents,
+            latest={(e.workload, e.fingerprint_digest): e for e in latest},
+            verified=verified,
+            stored=frozenset(stored),
+            covers=covers,
+            jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
+        )
