@@ -41,11 +41,11 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 STEP = REPO / "bench" / "ttfs_step.py"
+sys.path.insert(0, str(REPO))
+
+from bench._server import serve  # noqa: E402  (after the path insert)
 
 
 class Driver:
@@ -136,32 +139,16 @@ def dir_stats(root: Path) -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
-    """``cachekeeper serve`` on loopback for the driver's steps."""
+    """``cachekeeper serve`` on loopback for the driver's steps (log: ``server-NAME.log``)."""
 
     def __init__(self, driver: Driver, name: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(driver.raw / f"server-{name}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachekeeper", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--data", str(driver.work / f"server-{name}")],
-            env=driver.env, cwd=driver.work, stdout=self.log, stderr=subprocess.STDOUT,
+        self._stack = ExitStack()
+        served = self._stack.enter_context(
+            serve(driver.work / f"server-{name}", env=driver.env, cwd=driver.work,
+                  log=driver.raw / f"server-{name}.log", start_timeout_s=30)
         )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError(f"server {name} did not come up; see server-{name}.log")
+        self.url = served.url
 
     def register(self, workload: Path, name: str) -> None:
         httpx.put(
@@ -182,9 +169,7 @@ class Server:
         return 0.0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
+        self._stack.close()
 
 
 def workload_name(path: Path) -> str:

@@ -3,8 +3,8 @@ and postjob on the same dir (a fresh process each time, on loopback).
 
     .venv/bin/python bench/postjob_bench.py [--size-mb 50] [--repeat 15]
 
-A synthetic cache (bench/synthetic_cache.py) is pushed to a real server in this process
-(tests/helpers/live_server.py) and restored by ``cachekeeper prejob``. Then, alternating
+A synthetic cache (bench/synthetic_cache.py) is pushed to ``cachekeeper serve`` on loopback
+(bench/_server.py) and restored by ``cachekeeper prejob``. Then, alternating
 so that machine load hits every case alike, it times: ``prejob --no-report`` (the no-op
 path as it was), ``prejob`` (the no-op path plus its report), and ``postjob`` (diff plus
 report; the first run records what it counted, so the later ones count nothing new, as on
@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.prejob_bench import CK_ARGS, timed  # noqa: E402  (after the path insert)
+from bench._server import CK_ARGS, serve  # noqa: E402  (after the path insert)
+from bench.prejob_bench import timed  # noqa: E402
 
 
 def main() -> None:
@@ -37,16 +38,13 @@ def main() -> None:
 
     from cachekeeper.client.api import CacheClient
     from cachekeeper.client.push import push
-    from cachekeeper.server.settings import Settings
 
     from bench.synthetic_cache import make_synthetic_cache
-    from tests.helpers.live_server import start_server
 
     work = Path(tempfile.mkdtemp(prefix="ck-postjob-bench-"))
     src, cache = work / "src", work / "cache"
     make_synthetic_cache(src, size_mb=args.size_mb, seed=0)
-    server = start_server(Settings(data_dir=work / "server"))
-    try:
+    with serve(work / "server") as server:
         with CacheClient(base_url=server.url) as client:
             push(src, client=client, workload="bench")
         env = {**os.environ, "CACHEKEEPER_SERVER": server.url, "CACHEKEEPER_HOME": str(work)}
@@ -65,8 +63,6 @@ def main() -> None:
             for name, cmd in cases.items():
                 times[name].append(timed(cmd, env=env))
         medians = {name: statistics.median(t) for name, t in times.items()}
-    finally:
-        server.stop()
     base = medians["prejob --no-report (no-op)"]
     if args.json:
         print(json.dumps({"median_s": medians, "repeat": args.repeat}, indent=2))

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/prejob_bench.py [--size-mb 350] [--repeat 3] [--noop-repeat 10]
 
-1. Build the synthetic cache (bench/synthetic_cache.py), start a real server on 127.0.0.1
-   (tests/helpers/live_server.py, in a thread of this process) and push the cache to it.
+1. Build the synthetic cache (bench/synthetic_cache.py), start ``cachekeeper serve`` on
+   127.0.0.1 in its own process (bench/_server.py) and push the cache to it.
 2. Download the snapshot's whole archive once to a local file (the same bytes the hook
    streams): the baseline is ``zstd -d -c ARCHIVE | tar -x -C DIR`` into an empty dir.
 3. ``cachekeeper prejob`` (a fresh process each time) into an empty dir. Target: at most
@@ -35,10 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-_SCRIPT = Path(sys.executable).parent / "cachekeeper"
-# The venv's console script when there is one, else the same entry point through -m.
-CK = str(_SCRIPT) if _SCRIPT.exists() else shutil.which("cachekeeper")
-CK_ARGS = [CK] if CK else [sys.executable, "-m", "cachekeeper"]
+from bench._server import CK_ARGS, serve  # noqa: E402  (after the path insert)
 
 
 def timed(cmd: list[str] | str, *, env: dict[str, str] | None = None, shell: bool = False) -> float:
@@ -66,20 +63,17 @@ def main() -> None:
     import httpx
     from cachekeeper.client.api import CacheClient
     from cachekeeper.client.push import push
-    from cachekeeper.server.settings import Settings
 
     from bench.synthetic_cache import make_synthetic_cache
     from cachekeeper.restore import is_restored
     from cachekeeper.store import LocalStore
-    from tests.helpers.live_server import start_server
 
     work = Path(tempfile.mkdtemp(prefix="ck-prejob-bench-"))
     try:
         src = work / "src"
         make_synthetic_cache(src, size_mb=args.size_mb, seed=0)
         file_count, total_bytes = dir_bytes(src)
-        server = start_server(Settings(data_dir=work / "server"))
-        try:
+        with serve(work / "server") as server:
             with CacheClient(base_url=server.url) as client:
                 pushed = push(
                     src, client=client, workload="bench", store=LocalStore(home=work / "home")
@@ -140,8 +134,6 @@ def main() -> None:
                     )
                 )
                 bare.append(timed([sys.executable, "-c", "pass"]))
-        finally:
-            server.stop()
         result = {
             "size_mb": args.size_mb,
             "files": file_count,

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,17 +39,12 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench._server import BenchServer, serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from tests.helpers.moto_server import start_moto  # noqa: E402
 
 CK = str(REPO / ".venv" / "bin" / "cachekeeper")
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def cpu_s(pid: int) -> float:
@@ -65,36 +59,8 @@ def served_bytes(url: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(pattern, text, flags=re.MULTILINE))
 
 
-class Server:
-    def __init__(self, data: Path, env: dict[str, str], blob_store: str | None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [CK, "serve", "--data", str(data), "--port", str(self.port)]
-        if blob_store:
-            args += ["--blob-store", blob_store]
-        self.proc = subprocess.Popen(
-            args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"server did not start: {self.proc.stderr.read()!r}")  # type: ignore[union-attr]
-
-    def cost(self) -> tuple[float, float]:
-        return cpu_s(self.proc.pid), served_bytes(self.url)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def cost(server: BenchServer) -> tuple[float, float]:
+    return cpu_s(server.proc.pid), served_bytes(server.url)
 
 
 def ck(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -113,13 +79,15 @@ def prejob(env: dict[str, str], workload: str, dest: Path) -> tuple[float, bool]
     return time.perf_counter() - start, proc.returncode == 0
 
 
-def per_node(server: Server, env: dict[str, str], workload: str, work: Path, nodes: int) -> dict:
+def per_node(
+    server: BenchServer, env: dict[str, str], workload: str, work: Path, nodes: int
+) -> dict:
     rows = []
     for i in range(nodes):
         dest = work / f"node-{i}"
-        cpu0, sent0 = server.cost()
+        cpu0, sent0 = cost(server)
         wall, ok = prejob(env, workload, dest)
-        cpu1, sent1 = server.cost()
+        cpu1, sent1 = cost(server)
         if not ok:
             raise RuntimeError(f"prejob {i} failed")
         rows.append(
@@ -134,13 +102,15 @@ def per_node(server: Server, env: dict[str, str], workload: str, work: Path, nod
     }
 
 
-def herd(server: Server, env: dict[str, str], workload: str, work: Path, n: int, conc: int) -> dict:
-    cpu0, sent0 = server.cost()
+def herd(
+    server: BenchServer, env: dict[str, str], workload: str, work: Path, n: int, conc: int
+) -> dict:
+    cpu0, sent0 = cost(server)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=conc) as pool:
         results = list(pool.map(lambda i: prejob(env, workload, work / f"herd-{i}"), range(n)))
     wall = time.perf_counter() - start
-    cpu1, sent1 = server.cost()
+    cpu1, sent1 = cost(server)
     times = sorted(t for t, _ok in results)
     shutil.rmtree(work, ignore_errors=True)
     return {
@@ -175,9 +145,9 @@ def main() -> None:
             store = moto.new_bucket() if name == "s3" else None
             base = {k: v for k, v in os.environ.items() if not k.startswith("CACHEKEEPER_")}
             env = {**base, **moto.env, "CACHEKEEPER_HOME": str(work / f"home-{name}")}
-            server = Server(work / f"data-{name}", env, store)
-            env["CACHEKEEPER_SERVER"] = server.url
-            try:
+            blob_store = ["--blob-store", store] if store else []
+            with serve(work / f"data-{name}", args=blob_store, env=env) as server:
+                env["CACHEKEEPER_SERVER"] = server.url
                 push(env, big, "big")
                 push(env, small, "small")
                 out[name] = {
@@ -191,8 +161,6 @@ def main() -> None:
                         args.herd_concurrency,
                     ),
                 }
-            finally:
-                server.stop()
             print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
     finally:
         moto.stop()

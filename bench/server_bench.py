@@ -21,7 +21,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from cachekeeper.server.app import open_storage  # noqa: E402
 from cachekeeper.server.settings import Settings  # noqa: E402
 
+from bench._server import serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from cachekeeper.manifest import FileEntry, Manifest  # noqa: E402
 
@@ -63,29 +63,6 @@ def build_store(cache: Path, data: Path) -> tuple[str, int, int]:
     )
     summary, _ = storage.publish(manifest)
     return summary.id, manifest.size_bytes, len(entries)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(data: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [str(REPO / ".venv/bin/cachekeeper"), "serve", "--data", str(data), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
 
 
 def pipeline(source: str, dest: Path) -> subprocess.Popen[bytes]:
@@ -170,55 +147,52 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="ck-server-bench-"))
-    proc = None
     try:
         make_synthetic_cache(work / "cache", size_mb=args.size_mb, seed=0)
         snapshot_id, size_bytes, files = build_store(work / "cache", work / "data")
         mb = size_bytes / 1e6
-        port = free_port()
-        proc = start_server(work / "data", port)
-        url = f"http://127.0.0.1:{port}/v1/snapshots/{snapshot_id}/archive"
-        archive = work / "snapshot.tar.zst"
-        subprocess.run(["curl", "-sSf", "-o", str(archive), url], check=True)
+        with serve(work / "data") as server:
+            url = f"{server.url}/v1/snapshots/{snapshot_id}/archive"
+            archive = work / "snapshot.tar.zst"
+            subprocess.run(["curl", "-sSf", "-o", str(archive), url], check=True)
 
-        base_s = one_s = float("inf")
-        for _ in range(2):  # best of two, alternating, so page-cache state favours neither
-            base_s = min(base_s, timed_pulls([(f"cat {archive}", work / "out-local")])[0])
-            one_s = min(one_s, timed_pulls([(f"curl -sSf {url}", work / "out-one")])[0])
-            shutil.rmtree(work / "out-local")
-            shutil.rmtree(work / "out-one")
-        py_s = python_pull(url, work / "out-py")
-        shutil.rmtree(work / "out-py")
-        many_wall, many_each = timed_pulls(
-            [(f"curl -sSf {url}", work / f"out-{i}") for i in range(args.clients)]
-        )
-        for i in range(args.clients):
-            shutil.rmtree(work / f"out-{i}")
-        lat = resolve_latency(
-            f"http://127.0.0.1:{port}", clients=args.resolvers, per_client=args.resolves_per_client
-        )
-        result = {
-            "snapshot_mb": round(mb, 1),
-            "files": files,
-            "archive_mb": round(archive.stat().st_size / 1e6, 1),
-            "cpus": os.cpu_count(),
-            "baseline_local_zstd_tar_mb_s": round(mb / base_s, 1),
-            "one_client_mb_s": round(mb / one_s, 1),
-            "one_client_vs_baseline": round(base_s / one_s, 2),
-            "python_client_mb_s": round(mb / py_s, 1),
-            f"{args.clients}_clients_total_mb_s": round(mb * args.clients / many_wall, 1),
-            f"{args.clients}_clients_per_client_mb_s_median": round(
-                mb / statistics.median(many_each), 1
-            ),
-            f"{args.clients}_clients_errors": 0,
-            f"resolve_p50_ms_at_{args.resolvers}": round(lat[len(lat) // 2] * 1000, 2),
-            f"resolve_p99_ms_at_{args.resolvers}": round(lat[int(len(lat) * 0.99) - 1] * 1000, 2),
-        }
-        print(json.dumps(result, indent=2))
+            base_s = one_s = float("inf")
+            for _ in range(2):  # best of two, alternating, so page-cache state favours neither
+                base_s = min(base_s, timed_pulls([(f"cat {archive}", work / "out-local")])[0])
+                one_s = min(one_s, timed_pulls([(f"curl -sSf {url}", work / "out-one")])[0])
+                shutil.rmtree(work / "out-local")
+                shutil.rmtree(work / "out-one")
+            py_s = python_pull(url, work / "out-py")
+            shutil.rmtree(work / "out-py")
+            many_wall, many_each = timed_pulls(
+                [(f"curl -sSf {url}", work / f"out-{i}") for i in range(args.clients)]
+            )
+            for i in range(args.clients):
+                shutil.rmtree(work / f"out-{i}")
+            lat = resolve_latency(
+                server.url, clients=args.resolvers, per_client=args.resolves_per_client
+            )
+            result = {
+                "snapshot_mb": round(mb, 1),
+                "files": files,
+                "archive_mb": round(archive.stat().st_size / 1e6, 1),
+                "cpus": os.cpu_count(),
+                "baseline_local_zstd_tar_mb_s": round(mb / base_s, 1),
+                "one_client_mb_s": round(mb / one_s, 1),
+                "one_client_vs_baseline": round(base_s / one_s, 2),
+                "python_client_mb_s": round(mb / py_s, 1),
+                f"{args.clients}_clients_total_mb_s": round(mb * args.clients / many_wall, 1),
+                f"{args.clients}_clients_per_client_mb_s_median": round(
+                    mb / statistics.median(many_each), 1
+                ),
+                f"{args.clients}_clients_errors": 0,
+                f"resolve_p50_ms_at_{args.resolvers}": round(lat[len(lat) // 2] * 1000, 2),
+                f"resolve_p99_ms_at_{args.resolvers}": round(
+                    lat[int(len(lat) * 0.99) - 1] * 1000, 2
+                ),
+            }
+            print(json.dumps(result, indent=2))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,36 +26,12 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench._server import serve  # noqa: E402
+
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
 PROBE_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(data: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEKEEPER_")}
-    env.update(
-        PYTHONPATH=str(REPO), CACHEKEEPER_LOG_LEVEL="warning", CACHEKEEPER_BODY_TIMEOUT_S="600"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cachekeeper", "serve", "--data", str(data), "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("cachekeeper serve did not start")
 
 
 def _publish(c: httpx.Client) -> None:
@@ -107,16 +81,18 @@ def main() -> None:
     parser.add_argument("--stalls", type=int, default=100)
     parser.add_argument("--probes", type=int, default=50)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="ck-stalls-") as tmp:
-        port = _free_port()
-        proc = _start(Path(tmp) / "data", port)
+    env = {"CACHEKEEPER_LOG_LEVEL": "warning", "CACHEKEEPER_BODY_TIMEOUT_S": "600"}
+    with (
+        tempfile.TemporaryDirectory(prefix="ck-stalls-") as tmp,
+        serve(Path(tmp) / "data", env=env) as server,
+    ):
         stalled: list[socket.socket] = []
         try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=PROBE_TIMEOUT_S) as c:
+            with httpx.Client(base_url=server.url, timeout=PROBE_TIMEOUT_S) as c:
                 _publish(c)
                 quiet = _probe(c, args.probes)
                 for i in range(args.stalls):
-                    sock = socket.create_connection(("127.0.0.1", port))
+                    sock = socket.create_connection(("127.0.0.1", server.port))
                     sock.sendall(
                         f"PUT /v1/blobs/{i:064x} HTTP/1.1\r\nHost: b\r\n"
                         f"Content-Length: 1000000\r\n\r\n0123456789".encode()
@@ -127,8 +103,6 @@ def main() -> None:
         finally:
             for sock in stalled:
                 sock.close()
-            proc.kill()
-            proc.wait(10)
     report = {"stalls": args.stalls, "probes": args.probes, "quiet": quiet, "stalled": loaded}
     print(json.dumps(report, indent=2))
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STEP = REPO / "bench" / "ttfs_step.py"
+sys.path.insert(0, str(REPO))
+
+from bench._server import serve  # noqa: E402  (after the path insert)
+
 CASES = ("cold", "service", "local", "megacache")
 
 
@@ -62,12 +65,6 @@ def _step(
     if result["status"] != "ok":
         raise RuntimeError(f"step failed: {result['error']}\n{proc.stderr[-2000:]}")
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _dir_bytes(root: Path) -> tuple[int, int]:
@@ -116,16 +113,8 @@ def bench(
         prewarm_report = json.loads(proc.stdout)
     cache_bytes, cache_files = _dir_bytes(prewarmed)
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server_log = open(work / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "cachekeeper", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--data", str(work / "server")],
-        env=env, stdout=server_log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        _wait_healthy(url)
+    with serve(work / "server", env=env, log=work / "server.log", start_timeout_s=30) as server:
+        url = server.url
         _register(url, name, workload)
         proc = _ck("push", str(prewarmed), "--workload", name, "--server", url, "--json", env=env)
         if proc.returncode != 0:
@@ -164,10 +153,6 @@ def bench(
                 results["megacache"].append(
                     _step(workload, device, scratch / "mega", env, "--load-mega", str(mega))
                 )
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        server_log.close()
 
     med = {case: statistics.median(r["ttfs_s"] for r in rs) for case, rs in results.items()}
     return {
@@ -221,20 +206,6 @@ def _register(url: str, name: str, workload: Path) -> None:
     import httpx
 
     httpx.put(f"{url}/v1/workloads/{name}", content=workload.read_text()).raise_for_status()
-
-
-def _wait_healthy(url: str, timeout_s: float = 30) -> None:
-    import httpx
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"server at {url} did not come up")
 
 
 def _versions() -> dict[str, Any]:
