@@ -19,6 +19,7 @@ from cachekeeper.wire import (
     from_dict,
     to_dict,
 )
+from cachekeeper.wire._core import _hints
 
 DIGEST = "a" * 64
 
@@ -138,7 +139,7 @@ def test_every_shape_resolves_its_annotations():
     shapes = [s for s in shapes if dataclasses.is_dataclass(s) and s is not wire.Check]
     assert len(shapes) >= 25
     for shape in shapes:
-        wire._hints(shape)  # a typo in an annotation fails here, not on a live answer
+        _hints(shape)  # a typo in an annotation fails here, not on a live answer
 
 
 def test_import_is_stdlib_only():

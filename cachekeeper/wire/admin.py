@@ -1,0 +1,54 @@
+"""Health, errors, workloads and GC: the operator routes' shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- health and errors ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Health:
+    """``GET /healthz``."""
+
+    status: str
+    version: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorBody:
+    """Every error answer; some codes add fields (``missing``, ``expected``, ``actual``)."""
+
+    error: str
+    detail: str
+
+
+# -- workloads --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadInfo:
+    name: str
+    digest: str
+    updated_at: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadList:
+    workloads: tuple[WorkloadInfo, ...]
+
+
+# -- gc ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcRequest:
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcAnswer:
+    snapshots_evicted: tuple[str, ...]
+    blobs_deleted: int
+    bytes_freed: int
+    dry_run: bool

@@ -1,0 +1,74 @@
+"""Job reports (``POST /v1/reports``, DESIGN section 7) and their totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from ._core import NAME_PATTERN, Check, Count, Digest, JobOutcome, JobPhase
+
+# -- job reports (DESIGN section 7) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobReport:
+    """``POST /v1/reports``: what one end of a training job saw on one node.
+
+    ``prejob``: the restore (``restored``, ``already_restored``) or a ``cold`` start with
+    its ``reason`` (text) and ``reason_code`` (the error code). ``postjob``: what the job
+    compiled on top of the restored snapshot (``compiled``, with the ``new_*`` counts and
+    bytes) or nothing (``clean``).
+    """
+
+    phase: JobPhase
+    outcome: JobOutcome
+    workload: Annotated[str, Check(pattern=NAME_PATTERN)]
+    fingerprint_digest: Digest
+    snapshot_id: Digest | None = None
+    node: Annotated[str, Check(max_length=256)] = ""
+    devices: Annotated[list[Annotated[str, Check(max_length=32)]], Check(max_length=1024)] = field(
+        default_factory=list
+    )
+    reason: Annotated[str, Check(max_length=2000)] | None = None
+    reason_code: Annotated[str, Check(pattern=r"^[a-z_]{1,64}$")] | None = None
+    new_fxgraph: Count = 0
+    new_aotautograd: Count = 0
+    new_triton: Count = 0
+    new_other: Count = 0  # files of Inductor's code cache and the rest
+    new_bytes: Count = 0
+    started_at: Annotated[str, Check(max_length=64)] | None = None
+    finished_at: Annotated[str, Check(max_length=64)] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobReportAnswer:
+    id: int
+    at: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStats:
+    """The job reports of one (workload, fingerprint digest), added up (a status row's ``jobs``)."""
+
+    workload: str
+    fingerprint_digest: str
+    restores: int  # prejob restored a snapshot (or found it already there)
+    cold: int  # prejob started cold
+    cold_reasons: dict[str, int]  # reason_code -> count
+    postjobs: int  # postjob reports
+    compiled: int  # postjob reports with new entries
+    compiled_after_restore: int  # of those, jobs that had a snapshot restored
+    new_graphs: int  # FX-graph + AOTAutograd entries those jobs compiled
+    new_bytes: int
+    last_report_at: str
+
+    @property
+    def mismatch_note(self) -> str | None:
+        """What a restored-but-compiled-anyway count means, or None."""
+        if not self.compiled_after_restore:
+            return None
+        return (
+            f"restored, but {self.compiled_after_restore} job(s) compiled {self.new_graphs}"
+            " graph(s) anyway: the workload file does not match training; run `cachekeeper"
+            " explain` and see docs/workloads.md"
+        )

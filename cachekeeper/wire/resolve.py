@@ -1,0 +1,83 @@
+"""``POST /v1/resolve``: what a node sends, and the answer it restores from (the hook's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from ._core import Check, Digest, DriverPolicy, to_dict
+
+# -- resolve ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mismatch:
+    """One field on which a node and a snapshot's builder differ."""
+
+    field: str
+    node: Any = None
+    snapshot: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """A stored snapshot as the API lists it (SUMMARY in docs/api.md)."""
+
+    id: Digest
+    workload: str | None
+    fingerprint_digest: str
+    devices: tuple[str, ...]
+    verified: bool
+    signed: bool
+    size_bytes: int
+    file_count: int
+    created_at: str
+    last_used_at: str | None
+    pinned: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolveRequest:
+    """``POST /v1/resolve``."""
+
+    fingerprint: dict[str, Any]
+    workload: str | None = None
+    driver_policy: DriverPolicy = "newer"
+    devices: Annotated[list[str], Check(max_length=1024)] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NearMiss:
+    """A snapshot of the workload this node cannot use, and why."""
+
+    snapshot: Summary
+    mismatches: tuple[Mismatch, ...]
+
+    @property
+    def snapshot_id(self) -> str:
+        return self.snapshot.id
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolveAnswer:
+    """The best snapshot for a node, or ``snapshot: None`` (a miss is a value)."""
+
+    snapshot: Summary | None
+    verified: bool
+    exact: bool
+    near_misses: tuple[NearMiss, ...]
+    reason: str | None = None  # on a miss, why (one sentence); None on a hit and from old servers
+    # On a hit from a server whose blobs are in an object store: a short-lived presigned GET
+    # URL of the snapshot's archive (the format of GET /v1/snapshots/{id}/archive). None
+    # from a local-dir server and from old servers: the node uses the archive route.
+    archive_url: str | None = None
+    # Harvested deltas of ``snapshot`` for this environment (oldest first), restored after
+    # it; only from a server run with --serve-harvested, else empty.
+    deltas: tuple[Summary, ...] = ()
+
+    @property
+    def snapshot_id(self) -> str | None:
+        return None if self.snapshot is None else self.snapshot.id
