@@ -61,13 +61,10 @@ Layout of what this module writes into a cache dir (snapshots exclude dot-names)
                                  # by the next restore when that process is dead
       restored/<snapshot id>     # marker written after a complete, conflict-free restore
 
-**Fast no-op check (``is_restored``)**: ``restore_snapshot(..., reuse_marker=True)``
-(pull, and through it the pre-job hook, which also calls it right after its one quick
-resolve) stops here when the dir already holds the snapshot.
-It reads the marker (JSON listing each path and size) and ``stat``-s every path,
-checking existence and size (existence only for rewritten group files); no hashing. It
-takes a few milliseconds for thousands of files. A file changed in place with the same
-size is not detected by it; a full ``restore`` hashes and reports it as a conflict.
+**Fast no-op check (``is_restored``, in ``cachekeeper.marker`` with the marker itself)**:
+``restore_snapshot(..., reuse_marker=True)`` (pull, and through it the pre-job hook, which
+also calls it right after its one resolve) stops here when the dir already holds the
+snapshot.
 """
 
 from __future__ import annotations
@@ -75,10 +72,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import stat
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -93,8 +89,8 @@ from cachekeeper.errors import (
     InvalidManifest,
     UnsafePath,
 )
-from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.manifest import FileEntry, Manifest, is_digest
+from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.marker import STATE_DIR, is_restored, write_marker
 from cachekeeper.restore_sources import (
     ArchiveFileSource,
     BlobSource,
@@ -103,10 +99,9 @@ from cachekeeper.restore_sources import (
     StoreSource,
     TarSource,
 )
-from cachekeeper.restore_writer import STATE_DIR, Progress, Writer, is_present, links_above
+from cachekeeper.restore_writer import Progress, Writer, is_present, links_above
 from cachekeeper.signing import TrustedKey, verify_manifest
 from cachekeeper.snapshot import hash_file, scan_dir
-from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
     "BlobSource",  # defined in restore_sources, where every source lives
@@ -232,41 +227,6 @@ def needed_digests(manifest: Manifest, cache_dir: Path) -> set[str]:
     return {e.digest for e in manifest.files if not os.path.lexists(root / e.path)}
 
 
-def _write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) -> None:
-    folder = cache_dir / STATE_DIR / "restored"
-    folder.mkdir(parents=True, exist_ok=True)
-    files = [[e.path, -1 if is_group_path(e.path) else e.size_bytes] for e in manifest.files]
-    body = {"id": manifest.id, "files": files, "key_id": key_id}
-    atomic_write_text(folder / manifest.id, json.dumps(body))
-
-
-def is_restored(
-    manifest_id: str, cache_dir: Path, *, trusted_key_ids: Collection[str] | None = None
-) -> bool:
-    """The already-restored check: marker present and every file there with its size.
-
-    With ``trusted_key_ids`` (non-empty), the marker must also say that a restore which
-    verified the signature of one of those keys wrote it.
-    """
-    if not is_digest(manifest_id):
-        return False
-    root = os.fspath(cache_dir)
-    try:
-        with open(os.path.join(root, STATE_DIR, "restored", manifest_id), "rb") as fh:
-            marker = json.loads(fh.read())
-        if trusted_key_ids and marker.get("key_id") not in trusted_key_ids:
-            return False
-        files = marker["files"]
-        stat = os.stat
-        for path, size in files:
-            st = stat(f"{root}/{path}")
-            if size >= 0 and st.st_size != size:
-                return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
-
-
 # -- the one restore ---------------------------------------------------------------------
 def _accept(
     source: SnapshotSource, trusted_keys: Sequence[TrustedKey] | None
@@ -320,7 +280,7 @@ def restore_snapshot(
         plan = _plan(manifest, cache_dir, exact=key_id is not None)
         if not plan.todo:
             if not plan.conflicts:
-                _write_marker(manifest, cache_dir, key_id=key_id)
+                write_marker(manifest, cache_dir, key_id=key_id)
             return _report(manifest, plan, None, dry_run=False)
         # Signed: all-or-nothing (nothing appears until every blob verified), and only the
         # bytes this restore verified count as present.
@@ -339,7 +299,7 @@ def restore_snapshot(
             writer.close()
         report = _report(manifest, plan, writer, dry_run=False)
         if not report.conflicts:
-            _write_marker(manifest, cache_dir, key_id=key_id)
+            write_marker(manifest, cache_dir, key_id=key_id)
         return report
 
 

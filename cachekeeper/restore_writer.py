@@ -39,12 +39,12 @@ from cachekeeper._proc import pid_alive
 from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.errors import BlobTooLarge, DigestMismatch
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.marker import STATE_DIR
 from cachekeeper.snapshot import hash_file
 from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
 
-__all__ = ["Writer", "is_present", "links_above", "STATE_DIR"]
+__all__ = ["Writer", "is_present", "links_above"]
 
-STATE_DIR = ".cachekeeper"
 _BATCH_BYTES = 128 << 20
 _BATCH_FILES = 1024
 _POOLED_BYTES = 4 << 20  # blobs up to this size are hashed and written by a thread pool

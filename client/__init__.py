@@ -22,7 +22,7 @@ __all__ = [
 
 _HOME = {
     "CacheClient": "api",
-    "Deadline": "api",
+    "Deadline": "calls",
     "Resolution": "api",
     "NearMiss": "api",
     "PushReport": "push",

@@ -61,6 +61,8 @@ from cachekeeper.wire import (
     to_dict,
 )
 
+from .calls import Deadline, server_root  # public here since 0.1
+
 if TYPE_CHECKING:
     import httpx
 
@@ -91,32 +93,6 @@ def _import_httpx() -> Any:
         if blocked and sys.modules.get("httpx._main") is None:
             del sys.modules["httpx._main"]
     return httpx
-
-
-class Deadline:
-    """A point in monotonic time that every call of one operation must finish by."""
-
-    def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
-        self._at = None if seconds is None else time.monotonic() + seconds
-
-    def remaining(self) -> float | None:
-        """Seconds left (never negative), or None for no deadline."""
-        return None if self._at is None else max(0.0, self._at - time.monotonic())
-
-    @property
-    def expired(self) -> bool:
-        left = self.remaining()
-        return left is not None and left <= 0.0
-
-    def bound(self, timeout_s: float) -> float:
-        """``timeout_s`` shortened to what is left; raises ServerUnavailable when nothing is."""
-        left = self.remaining()
-        if left is None:
-            return timeout_s
-        if left <= 0.0:
-            raise ServerUnavailable(f"gave up after the {self.seconds:g} s deadline")
-        return min(timeout_s, left)
 
 
 class CacheClient:
@@ -506,18 +482,6 @@ class _ResponseReader(io.RawIOBase):
 def _describe(exc: Exception) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
-
-
-def server_root(url: str) -> str:
-    """The server URL the client's paths go under: no trailing ``/`` and no ``/v1``.
-
-    Every route path already starts with ``/v1``, so a URL copied from the API docs
-    (``http://cache:8750/v1``) would otherwise ask for ``/v1/v1/...``.
-    """
-    root = url.strip().rstrip("/")
-    if root.lower().endswith("/v1"):
-        root = root[: -len("/v1")].rstrip("/")
-    return root
 
 
 _TOKEN_SOURCE = "--token or CACHEKEEPER_TOKEN"

@@ -34,6 +34,7 @@ from typing import Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fsutil import atomic_write_text
+from cachekeeper.marker import STATE_DIR
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
@@ -51,7 +52,6 @@ __all__ = [
 
 KINDS = ("fxgraph", "aotautograd", "triton", "other")
 _ENTRY_DEPTH = {"fxgraph": 3, "aotautograd": 2, "triton": 3}  # path parts naming one entry
-_STATE_DIR = ".cachekeeper"  # restore_writer.STATE_DIR, without importing the restore stack
 SEEN_FILE = "postjob.json"
 REPORT_TIMEOUT_S = 5.0
 
@@ -113,7 +113,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     """
     root = Path(cache_dir)
     present = {rel: path for rel, path, _mode in scan_dir(root)}
-    state = root / _STATE_DIR
+    state = root / STATE_DIR
     baseline: set[str] = set()
     snapshot_id = None
     markers = _markers(state)
@@ -151,7 +151,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
 
 def _record_seen(cache_dir: Path, diff: CacheDiff) -> None:
     """Remember what this post-job counted, so the next one counts only its own job's."""
-    state = Path(cache_dir) / _STATE_DIR
+    state = Path(cache_dir) / STATE_DIR
     path = state / SEEN_FILE
     try:
         files = set(json.loads(path.read_bytes())["files"])
@@ -316,7 +316,7 @@ def postjob(
         try:
             _record_seen(target, diff)
         except OSError as exc:  # a read-only cache dir: the count still stands
-            warning = f"cannot record the count in {target / _STATE_DIR}: {exc}"
+            warning = f"cannot record the count in {target / STATE_DIR}: {exc}"
     return PostjobReport(
         workload=workload,
         cache_dir=str(target),

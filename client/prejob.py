@@ -12,14 +12,16 @@
    (not ``/tmp``, which many hosts wipe on reboot; one dir per fingerprint, so a new torch
    build never writes into another build's cache).
 2. Resolve the workload with the fingerprint. If the dir already holds that snapshot
-   (the restore's own check, ``cachekeeper.restore.is_restored``: a marker and a stat),
+   (the restore's own check, ``cachekeeper.marker.is_restored``: a marker and a stat),
    stop: this is the common, fast path. It asks with one plain ``http.client`` request,
-   because importing httpx alone costs about 130 ms of the 300 ms budget; any trouble on
-   it (an error, a miss, a restore due) falls through to ``pull``.
-3. Otherwise ``cachekeeper.client.pull.pull``: resolve with ``CacheClient`` (which
-   retries, maps errors and explains), then the one restore, which takes the dir's lock
-   (other ranks of this node wait on it), checks again, and fetches only the blobs the
-   dir lacks, in one archive stream.
+   because importing httpx alone costs about 130 ms of the 300 ms budget, and it loads
+   neither the HTTP client nor the restore stack.
+3. Otherwise ``cachekeeper.client.pull.pull`` with that answer (a miss, or a restore
+   due: the server is asked once per job start), or, when the quick request failed,
+   with none, so that ``CacheClient`` resolves again (it retries, maps errors and
+   explains). Then the one restore, which takes the dir's lock (other ranks of this node
+   wait on it), checks again, and fetches only the blobs the dir lacks, in one archive
+   stream.
 
 Every call runs under one deadline (``timeout_s``); the work also runs in a daemon thread
 that the hook stops waiting for at the deadline, so a stuck filesystem or server cannot
@@ -51,11 +53,11 @@ from cachekeeper.errors import (
 )
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.restore import is_restored
+from cachekeeper.marker import is_restored
 from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import JobReport, ResolveAnswer, from_dict
 
-from .api import CacheClient, Deadline  # httpx itself loads only when a client is built
+from .calls import Deadline
 from .reporting import node_name, post_json, send_report, utc_now
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
@@ -184,7 +186,10 @@ def _work(
                 result.snapshot_id, result.outcome = quick.snapshot_id, "already_restored"
                 return
 
-        from .pull import pull  # pull and direct downloads (~10 ms): only when a restore may be due
+        # Hook start-up: the HTTP client (httpx, every wire shape) and the restore stack
+        # load only when a restore may be due, not on the no-op path.
+        from .api import CacheClient
+        from .pull import pull
 
         def resolved(snapshot_id: str) -> None:
             result.snapshot_id = snapshot_id
@@ -200,6 +205,7 @@ def _work(
                 deadline=deadline,
                 trusted_keys=trusted_keys,
                 on_resolved=resolved,
+                resolution=quick,  # asked once: a miss or a restore due is answered already
             )
         result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
         result.deltas, result.delta_problems = done.deltas, done.delta_problems

@@ -38,7 +38,7 @@ from cachekeeper.wire import to_dict
 from .api import CacheClient, Deadline, Resolution
 from .direct import DirectUnavailable, ObjectStore
 
-__all__ = ["PullReport", "pull", "resolve_snapshot"]
+__all__ = ["PullReport", "pull", "require_snapshot", "resolve_snapshot"]
 
 # Errors a rerun of the download can cure: a broken stream, a flaky server.
 _RETRYABLE = (ServerUnavailable, ServerError, DigestMismatch, BlobMissing)
@@ -83,21 +83,26 @@ def resolve_snapshot(
         devices=devices,
         deadline=deadline,
     )
-    if resolution.snapshot is None:
-        detail = resolution.reason or f"no snapshot of workload {workload!r} matches this node"
-        nearest = next((n for n in resolution.near_misses if n.mismatches), None)
-        if nearest is not None:
-            detail += f"; nearest differs: {format_mismatches(list(nearest.mismatches))}"
-        raise NoMatchingSnapshot(
-            detail,
-            extra={
-                "near_misses": [
-                    {"snapshot": n.snapshot_id, "mismatches": [m.to_dict() for m in n.mismatches]}
-                    for n in resolution.near_misses
-                ]
-            },
-        )
-    return resolution
+    return require_snapshot(resolution, workload=workload)
+
+
+def require_snapshot(resolution: Resolution, *, workload: str) -> Resolution:
+    """``resolution`` when it names a snapshot; else NoMatchingSnapshot with the nearest diff."""
+    if resolution.snapshot is not None:
+        return resolution
+    detail = resolution.reason or f"no snapshot of workload {workload!r} matches this node"
+    nearest = next((n for n in resolution.near_misses if n.mismatches), None)
+    if nearest is not None:
+        detail += f"; nearest differs: {format_mismatches(list(nearest.mismatches))}"
+    raise NoMatchingSnapshot(
+        detail,
+        extra={
+            "near_misses": [
+                {"snapshot": n.snapshot_id, "mismatches": [m.to_dict() for m in n.mismatches]}
+                for n in resolution.near_misses
+            ]
+        },
+    )
 
 
 class _ServerSnapshot:
@@ -203,6 +208,7 @@ def pull(
     trusted_keys: Sequence[TrustedKey] | None = None,
     on_resolved: Callable[[str], None] | None = None,
     objects: ObjectStore | None = None,
+    resolution: Resolution | None = None,
 ) -> PullReport:
     """Resolve this node's snapshot of ``workload`` and restore it into ``cache_dir``.
 
@@ -214,16 +220,20 @@ def pull(
     id as soon as it is known (the hook reports it even when the restore then fails).
     When the server offers a presigned archive URL, the bytes come from the object store
     through ``objects`` (one is made when not given; the test seam), else from the server.
+    ``resolution``: the server's answer to this node's resolve when the caller already has
+    it (the pre-job hook asks once, for its no-op check); None: resolve here.
     """
-    fp = fingerprint if fingerprint is not None else collect()
-    resolution = resolve_snapshot(
-        client,
-        workload=workload,
-        fingerprint=fp,
-        driver_policy=driver_policy,
-        devices=devices,
-        deadline=deadline,
-    )
+    if resolution is not None:
+        resolution = require_snapshot(resolution, workload=workload)
+    else:
+        resolution = resolve_snapshot(
+            client,
+            workload=workload,
+            fingerprint=fingerprint if fingerprint is not None else collect(),
+            driver_policy=driver_policy,
+            devices=devices,
+            deadline=deadline,
+        )
     snapshot_id = resolution.snapshot_id
     assert snapshot_id is not None
     if on_resolved is not None:

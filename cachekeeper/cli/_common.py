@@ -64,8 +64,8 @@ def _server_url(ctx: click.Context, param: click.Parameter, value: str | None) -
         return None
     if not value.strip():
         return None  # an empty CACHEKEEPER_SERVER is no server, as if unset
-    # local import: cachekeeper.client.api is not needed by commands without --server
-    from cachekeeper.client.api import server_root
+    # local import: the client package is not needed by commands without --server
+    from cachekeeper.client.calls import server_root
 
     return server_root(value)
 

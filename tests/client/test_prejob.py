@@ -195,11 +195,42 @@ def test_restores_into_empty_dir_then_noop(tiny, snapshot, tmp_path):
     assert len(files_match(manifest, cache, store)) == len(manifest.files)
     archives = [r for r in tiny.requests if r.endswith("/archive")]
     assert len(archives) == 1
+    assert tiny.requests.count("POST /v1/resolve") == 1  # the no-op check's answer is reused
 
     proc = run_prejob("--server", tiny.url, "--cache-dir", str(cache), "--json")
     report = json.loads(proc.stdout)
     assert report["outcome"] == "already_restored"
     assert len([r for r in tiny.requests if r.endswith("/archive")]) == 1
+    assert tiny.requests.count("POST /v1/resolve") == 2
+
+
+NOOP_MODULES = """
+import sys
+from cachekeeper.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+heavy = ("httpx", "zstandard", "cachekeeper.restore", "cachekeeper.client.api",
+         "cachekeeper.client.pull", "cachekeeper.wire.fleet", "cachekeeper.wire.snapshots")
+print("LOADED=" + ",".join(m for m in heavy if m in sys.modules), file=sys.stderr)
+"""
+
+
+def test_the_no_op_path_loads_neither_the_http_client_nor_the_restore_stack(
+    tiny, snapshot, tmp_path
+):
+    """The hook's start-up budget: what every job start pays must stay small."""
+    manifest, _ = snapshot
+    cache = tmp_path / "cache"
+    assert run_prejob("--server", tiny.url, "--cache-dir", str(cache)).returncode == 0
+    args = ["prejob", "--workload", "w", "--server", tiny.url, "--cache-dir", str(cache)]
+    proc = subprocess.run(
+        [sys.executable, "-c", NOOP_MODULES, *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "LOADED=", proc.stderr
+    assert is_restored(manifest.id, cache)
 
 
 def test_server_down_exits_zero_fast_with_one_line(tmp_path):

@@ -1,0 +1,51 @@
+"""What every call to the server shares: the server's root URL, and one deadline per operation.
+
+Stdlib only: the pre-job hook uses both before it knows whether it needs the HTTP client
+(``cachekeeper.client.api``, which re-exports them).
+"""
+
+from __future__ import annotations
+
+import time
+
+from cachekeeper.errors import ServerUnavailable
+
+__all__ = ["Deadline", "server_root"]
+
+
+class Deadline:
+    """A point in monotonic time that every call of one operation must finish by."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._at = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        """Seconds left (never negative), or None for no deadline."""
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= 0.0
+
+    def bound(self, timeout_s: float) -> float:
+        """``timeout_s`` shortened to what is left; raises ServerUnavailable when nothing is."""
+        left = self.remaining()
+        if left is None:
+            return timeout_s
+        if left <= 0.0:
+            raise ServerUnavailable(f"gave up after the {self.seconds:g} s deadline")
+        return min(timeout_s, left)
+
+
+def server_root(url: str) -> str:
+    """The server URL the client's paths go under: no trailing ``/`` and no ``/v1``.
+
+    Every route path already starts with ``/v1``, so a URL copied from the API docs
+    (``http://cache:8750/v1``) would otherwise ask for ``/v1/v1/...``.
+    """
+    root = url.strip().rstrip("/")
+    if root.lower().endswith("/v1"):
+        root = root[: -len("/v1")].rstrip("/")
+    return root
