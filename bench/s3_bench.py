@@ -39,11 +39,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._server import BenchServer, serve  # noqa: E402
+from bench._server import CK_ARGS, BenchServer, serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from tests.helpers.moto_server import start_moto  # noqa: E402
 
-CK = str(REPO / ".venv" / "bin" / "cachekeeper")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -64,7 +63,7 @@ def cost(server: BenchServer) -> tuple[float, float]:
 
 
 def ck(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CK, *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([*CK_ARGS, *args], env=env, capture_output=True, text=True, timeout=600)
 
 
 def push(env: dict[str, str], cache: Path, workload: str) -> None:
@@ -79,26 +78,38 @@ def prejob(env: dict[str, str], workload: str, dest: Path) -> tuple[float, bool]
     return time.perf_counter() - start, proc.returncode == 0
 
 
+def probe(server: BenchServer, *, times: int = 5) -> tuple[float, float]:
+    """The server CPU and bytes of one ``cost()`` probe itself (its GET /metrics), averaged."""
+    cpu0, sent0 = cost(server)
+    for _ in range(times - 1):
+        cost(server)
+    cpu1, sent1 = cost(server)
+    return (cpu1 - cpu0) / times, (sent1 - sent0) / times
+
+
 def per_node(
     server: BenchServer, env: dict[str, str], workload: str, work: Path, nodes: int
 ) -> dict:
-    rows = []
+    """``nodes`` prejobs one after another into fresh dirs, measured as one interval (the
+    server's CPU counts in 10 ms ticks), less the probe's own cost, per node."""
+    probe_cpu, probe_sent = probe(server)
+    walls = []
+    cpu0, sent0 = cost(server)
     for i in range(nodes):
-        dest = work / f"node-{i}"
-        cpu0, sent0 = cost(server)
-        wall, ok = prejob(env, workload, dest)
-        cpu1, sent1 = cost(server)
+        wall, ok = prejob(env, workload, work / f"node-{i}")
         if not ok:
             raise RuntimeError(f"prejob {i} failed")
-        rows.append(
-            {"wall_s": wall, "server_cpu_s": cpu1 - cpu0, "server_sent_bytes": sent1 - sent0}
-        )
-        shutil.rmtree(dest)
+        walls.append(wall)
+    cpu1, sent1 = cost(server)
+    for i in range(nodes):
+        shutil.rmtree(work / f"node-{i}")
     return {
         "nodes": nodes,
-        "wall_s": statistics.mean(r["wall_s"] for r in rows),
-        "server_cpu_s": statistics.mean(r["server_cpu_s"] for r in rows),
-        "server_sent_bytes": statistics.mean(r["server_sent_bytes"] for r in rows),
+        "wall_s": statistics.mean(walls),
+        "server_cpu_s": max(0.0, cpu1 - cpu0 - probe_cpu) / nodes,
+        "server_sent_bytes": max(0.0, sent1 - sent0 - probe_sent) / nodes,
+        "probe_cpu_s": probe_cpu,
+        "probe_sent_bytes": probe_sent,
     }
 
 
