@@ -23,6 +23,8 @@ import base64
 import hashlib
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +93,9 @@ class S3BlobStore:
                 ),
             )
         )
+        # snapshot id -> (presigned archive GET, when signed): a herd shares one signature.
+        self._archive_urls: dict[str, tuple[str, float]] = {}
+        self._archive_urls_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str) -> S3BlobStore:
@@ -245,14 +250,31 @@ class S3BlobStore:
         return body
 
     def archive_url(self, snapshot_id: str, *, expires_s: int = 900) -> str:
+        """A presigned GET of the snapshot's archive, valid for at least 2/3 of ``expires_s``.
+
+        Signing costs the server a few milliseconds of CPU, as much as the rest of a
+        resolve, and every node of a job start asks for the same snapshot: a URL is reused
+        for the first third of its life, so a node never gets one that expires sooner.
+        """
+        now = time.monotonic()
+        with self._archive_urls_lock:
+            cached = self._archive_urls.get(snapshot_id)
+        if cached is not None and now - cached[1] < expires_s / 3:
+            return cached[0]
         url: str = self.client.generate_presigned_url(
             "get_object",
             Params={"Bucket": self.location.bucket, "Key": self.archive_key(snapshot_id)},
             ExpiresIn=expires_s,
         )
+        with self._archive_urls_lock:
+            if len(self._archive_urls) >= 4096:  # bounded: old entries are only an optimization
+                self._archive_urls.clear()
+            self._archive_urls[snapshot_id] = (url, now)
         return url
 
     def delete_archive(self, snapshot_id: str) -> bool:
+        with self._archive_urls_lock:
+            self._archive_urls.pop(snapshot_id, None)
         return self._delete(self.archive_key(snapshot_id))
 
     def archives(self) -> Iterator[BlobStat]:

@@ -72,3 +72,23 @@ def test_archive_object(s3_bucket: str, tmp_path: Path) -> None:
     assert httpx.get(store.archive_url(snapshot_id, expires_s=60)).content == b"archive bytes"
     assert [a.digest for a in store.archives()] == [snapshot_id]
     assert store.delete_archive(snapshot_id) and not store.has_archive(snapshot_id)
+
+
+def test_archive_url_is_shared_for_a_third_of_its_life(s3_bucket: str, tmp_path: Path) -> None:
+    """A herd resolving one snapshot costs one signature, and no node gets a URL that
+    expires sooner than 2/3 of the configured life (the reuse window is a third)."""
+    store = S3BlobStore.from_url(s3_bucket)
+    snapshot_id = _digest(b"shared")
+    path = tmp_path / "a.tar.zst"
+    path.write_bytes(b"archive bytes")
+    store.put_archive(snapshot_id, path)
+    first = store.archive_url(snapshot_id, expires_s=600)
+    assert store.archive_url(snapshot_id, expires_s=600) == first
+    assert "X-Amz-Expires=600" in first
+    assert httpx.get(first).content == b"archive bytes"
+    signed_at = store._archive_urls[snapshot_id][1]
+    store._archive_urls[snapshot_id] = (first, signed_at - 201)  # a third of 600 s ago
+    assert "X-Amz-Expires=600" in store.archive_url(snapshot_id, expires_s=600)
+    assert store._archive_urls[snapshot_id][1] > signed_at - 201  # signed again
+    store.delete_archive(snapshot_id)
+    assert snapshot_id not in store._archive_urls
