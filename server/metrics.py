@@ -25,6 +25,10 @@ _HELP = {
     "cachekeeper_archive_blobs_total": ("counter", "Blobs sent inside archive streams."),
     "cachekeeper_snapshots_published_total": ("counter", "Snapshots newly published."),
     "cachekeeper_evictions_total": ("counter", "Snapshots evicted by GC."),
+    "cachekeeper_archive_packs_total": (
+        "counter",
+        "Archive objects packed at publish (object store); a retried publish packs none.",
+    ),
     "cachekeeper_job_reports_total": (
         "counter",
         "Job reports (POST /v1/reports) by phase, outcome and workload.",

@@ -7,8 +7,27 @@ publish, before any row names the snapshot: ``pack_snapshot`` builds the snapsho
 (the one format, ``cachekeeper.archive``, through ``server.archive.archive_chunks``) from the
 blobs as the store holds them, hashing each one on the way, into a temp file, and uploads
 it as ``archives/<id>.tar.zst``. A blob that is absent, of another size or of other bytes
-refuses the publish (``BlobMissing`` naming it, so ``push`` uploads it again); nothing is
-recorded. The caller records the rows afterwards, in one catalog transaction.
+refuses the publish (``BlobMissing`` naming every such blob, so ``push`` uploads them
+again); nothing is recorded. The caller records the rows afterwards, in one catalog
+transaction.
+
+Speed. A snapshot is thousands of blobs, mostly small, and each costs the store a request
+(tens of ms of latency), so the blobs are read by a small bounded thread pool
+(``PACK_WORKERS``) at most ``PREFETCH_BYTES`` ahead of the writer, which still takes them in
+manifest order: the archive's members and their order are those of
+``cachekeeper.archive.layout``, unchanged. A worker reads one whole blob (up to
+``INLINE_MAX_BYTES``), hashes it and, when the archive splices it as its own zstd frame,
+compresses that frame too (hashlib and zstandard release the GIL, so this runs in
+parallel). A larger blob is streamed by the writer itself, hashed as read, and compressed
+by zstandard's multi-threaded compressor: its output is one ordinary zstd frame, read by
+the same decoder. Each blob costs one GET; only a publish that fails looks every blob up
+(HEAD) to name all the absent ones at once.
+
+Concurrency. ``Storage.publish`` holds ``SnapshotLocks`` for the snapshot's id, so a
+client that timed out and published again waits for the pack in progress and then finds
+the snapshot published, instead of packing it a second time. Without that lock (several
+server processes) two packs are still harmless: each writes its own temp file
+(``mkstemp``) and the store replaces the archive object whole on each upload.
 """
 
 from __future__ import annotations
@@ -17,22 +36,43 @@ import hashlib
 import io
 import os
 import tempfile
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import zstandard
 
+from cachekeeper.blobstore import BlobStat
 from cachekeeper.errors import BlobMissing, DigestMismatch
 from cachekeeper.manifest import Manifest
 
-from .archive import archive_chunks
+from .archive import SPLICE_MIN_BYTES, archive_chunks
+from .catalog import Transaction
 from .s3store import S3BlobStore
 
-__all__ = ["Packed", "pack_snapshot"]
+__all__ = [
+    "INLINE_MAX_BYTES",
+    "PACK_WORKERS",
+    "PREFETCH_BYTES",
+    "Packed",
+    "SnapshotLocks",
+    "pack_snapshot",
+    "record_checked",
+]
 
-_READ_BYTES = 1 << 20
+PACK_WORKERS = 8  # blob reads in flight per publish (I/O bound: the store's latency)
+PREFETCH_BYTES = 64 << 20  # blob bytes read ahead of the archive writer, at most
+PREFETCH_BLOBS = 256  # and at most this many blobs
+INLINE_MAX_BYTES = 16 << 20  # larger blobs are streamed by the writer, not held in memory
+FRAME_LEVEL = 1  # a spliced blob's zstd frame (as ``S3BlobStore.open_raw``)
+FRAME_THREADS = 4  # zstd workers for one streamed large blob
+CLOCK_MARGIN_S = 60.0  # record_checked: how far the server's clock may step back
 
 
 @dataclass(frozen=True)
@@ -42,6 +82,31 @@ class Packed:
     snapshot_id: str
     archive_bytes: int
     sizes: dict[str, int]  # digest -> uncompressed size, as hashed from the store
+    modified_at: dict[str, float]  # digest -> its object's last-modified time, as read
+
+
+class SnapshotLocks:
+    """One lock per snapshot id, held while that snapshot is published (see module doc)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._held: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def hold(self, snapshot_id: str) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._held.get(snapshot_id, (threading.Lock(), 0))
+            self._held[snapshot_id] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._held[snapshot_id]
+                if users == 1:
+                    del self._held[snapshot_id]
+                else:
+                    self._held[snapshot_id] = (lock, users - 1)
 
 
 class _Hashing(io.RawIOBase):
@@ -60,6 +125,8 @@ class _Hashing(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         data = self._body.read(len(buffer))
         n = len(data)
+        if not n and len(buffer) and self._seen < self._size_bytes:
+            raise _corrupt(self._digest, f"it is {self._seen} bytes, not {self._size_bytes}")
         buffer[:n] = data
         self._hasher.update(data)
         self._seen += n
@@ -86,42 +153,89 @@ def _corrupt(digest: str, why: str) -> BlobMissing:
     )
 
 
-class _VerifyingSource:
-    """The blob source ``archive_chunks`` reads, checking every blob it hands out."""
+def _fetch(store: S3BlobStore, digest: str, size_bytes: int) -> tuple[bytes, float]:
+    """One whole blob from the store, checked (as its zstd frame when the archive splices
+    it), and its object's last-modified time."""
+    body, modified_at = store.open_dated(digest)
+    with _Hashing(body, digest, size_bytes) as reader:
+        data = reader.read(size_bytes + 1)  # one byte more: an overlong object fails check
+        reader.check()
+    if size_bytes >= SPLICE_MIN_BYTES:
+        data = zstandard.ZstdCompressor(level=FRAME_LEVEL).compress(data)
+    return data, modified_at
 
-    def __init__(self, store: S3BlobStore, sizes: dict[str, int]) -> None:
+
+class _PrefetchingSource:
+    """The blob source ``archive_chunks`` reads, in manifest order, checking every blob.
+
+    Blobs up to ``INLINE_MAX_BYTES`` are fetched by ``pool`` ahead of the writer (at most
+    ``PREFETCH_BYTES`` of them unread); larger ones are streamed when the writer gets there.
+    """
+
+    def __init__(self, store: S3BlobStore, sizes: dict[str, int], pool: ThreadPoolExecutor) -> None:
         self._store = store
         self._sizes = sizes
-        self._open: dict[str, _Hashing] = {}
+        self._pool = pool
+        self._order = deque(d for d, n in sizes.items() if n <= INLINE_MAX_BYTES)
+        self._fetched: dict[str, Future[tuple[bytes, float]]] = {}
+        self.modified_at: dict[str, float] = {}
+        self._ahead_bytes = 0
+        self._streaming: dict[str, _Hashing] = {}
+        self._fill()
 
-    def _hashing(self, digest: str) -> _Hashing:
-        reader = _Hashing(self._store.open(digest), digest, self._sizes[digest])
-        self._open[digest] = reader
-        return reader
+    def _fill(self) -> None:
+        while self._order and (
+            not self._fetched
+            or (self._ahead_bytes < PREFETCH_BYTES and len(self._fetched) < PREFETCH_BLOBS)
+        ):
+            digest = self._order.popleft()
+            size = self._sizes[digest]
+            self._fetched[digest] = self._pool.submit(_fetch, self._store, digest, size)
+            self._ahead_bytes += size
+
+    def _take(self, digest: str) -> bytes:
+        future = self._fetched.pop(digest)
+        self._ahead_bytes -= self._sizes[digest]
+        self._fill()
+        data, self.modified_at[digest] = future.result()
+        return data
 
     def open(self, digest: str) -> BinaryIO:
         """The whole (small) blob, already checked."""
-        with self._hashing(digest) as reader:
-            data = reader.read()
-            reader.check()
-        return io.BytesIO(data)
+        return io.BytesIO(self._take(digest))
 
     def open_raw(self, digest: str) -> BinaryIO:
-        """The blob as one zstd frame, compressed while read; checked in ``on_blob``."""
-        reader = self._hashing(digest)
-        frame = zstandard.ZstdCompressor(level=1).stream_reader(
+        """The blob as one zstd frame; a large one is compressed while read, checked in
+        ``done``."""
+        if digest in self._fetched:
+            return io.BytesIO(self._take(digest))
+        body, self.modified_at[digest] = self._store.open_dated(digest)
+        reader = _Hashing(body, digest, self._sizes[digest])
+        self._streaming[digest] = reader
+        frame = zstandard.ZstdCompressor(level=FRAME_LEVEL, threads=FRAME_THREADS).stream_reader(
             cast(BinaryIO, reader), size=self._sizes[digest], closefd=True
         )
         return frame  # type: ignore[return-value]
 
     def done(self, digest: str) -> None:
-        reader = self._open.pop(digest, None)
+        if digest in self._fetched:  # an empty blob: the archive writer reads no bytes of it
+            self._take(digest)
+        reader = self._streaming.pop(digest, None)
         if reader is not None:
             reader.check()
 
+    def cancel(self) -> None:
+        for future in self._fetched.values():
+            future.cancel()
+
 
 def pack_snapshot(
-    store: S3BlobStore, manifest: Manifest, *, tmp_dir: Path, level: int = 1
+    store: S3BlobStore,
+    manifest: Manifest,
+    *,
+    tmp_dir: Path,
+    level: int = 1,
+    workers: int = PACK_WORKERS,
 ) -> Packed:
     """Check every blob of ``manifest`` in ``store`` and upload the snapshot's archive object.
 
@@ -131,33 +245,79 @@ def pack_snapshot(
     sizes: dict[str, int] = {}
     for entry in manifest.files:
         sizes.setdefault(entry.digest, entry.size_bytes)
-    absent = []
-    for digest, size in sizes.items():
-        found = store.stat(digest)
-        if found is None or found.stored_bytes != size:
-            absent.append(digest)
-    if absent:
-        raise BlobMissing(
-            f"{len(absent)} blob(s) of snapshot {manifest.id[:12]} are absent from the object"
-            " store or of the wrong size; upload them again",
-            extra={"missing": sorted(absent)},
-        )
-    source = _VerifyingSource(store, sizes)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix=f"{manifest.id[:16]}.", suffix=".tar.zst", dir=tmp_dir)
     path = Path(name)
     try:
-        with os.fdopen(handle, "wb") as out:
-            for chunk in _chunks(manifest, sizes, source, level):
-                out.write(chunk)
+        with (
+            os.fdopen(handle, "wb") as out,
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ck-pack") as pool,
+        ):
+            source = _PrefetchingSource(store, sizes, pool)
+            try:
+                for chunk in _chunks(manifest, sizes, source, level):
+                    out.write(chunk)
+            except BlobMissing as exc:
+                source.cancel()
+                raise _all_missing(store, sizes, manifest, exc) from exc
+            except BaseException:
+                source.cancel()
+                raise
         archive_bytes = store.put_archive(manifest.id, path)
     finally:
         path.unlink(missing_ok=True)
-    return Packed(manifest.id, archive_bytes, sizes)
+    return Packed(manifest.id, archive_bytes, sizes, source.modified_at)
+
+
+def record_checked(tx: Transaction, store: S3BlobStore, packed: Packed, *, grace_s: float) -> None:
+    """Rows for blobs a node uploaded to the object store, checked by ``pack_snapshot``.
+
+    Called under the catalog's write lock (``tx``). GC deletes an object that has no row
+    only when, looked up under the same lock, it is older than ``grace_s``: an object
+    modified less than ``grace_s`` (minus ``CLOCK_MARGIN_S``) before now was not taken since
+    ``pack_snapshot`` read it, and is recorded as read. An older one is looked up once more
+    (HEAD), so an object GC took since the check refuses the publish (BlobMissing: the push
+    uploads it again) instead of being recorded. (A push publishes what it just uploaded,
+    so a publish usually looks nothing up while it holds the lock.)
+    """
+    new = tx.missing_blob_rows(packed.sizes)
+    fresh_after = time.time() - grace_s + CLOCK_MARGIN_S
+    found = store.stat_many(d for d in new if packed.modified_at.get(d, 0.0) < fresh_after)
+    gone = []
+    for digest in new:
+        stat = found.get(digest, BlobStat(digest, packed.sizes[digest], 0.0))
+        if stat is None:
+            gone.append(digest)
+        else:
+            tx.record_blob(
+                digest=digest, size_bytes=packed.sizes[digest], stored_bytes=stat.stored_bytes
+            )
+    if gone:
+        raise BlobMissing(
+            f"{len(gone)} blob(s) were collected from the object store while publishing;"
+            " upload them again",
+            extra={"missing": gone},
+        )
+
+
+def _all_missing(
+    store: S3BlobStore, sizes: dict[str, int], manifest: Manifest, first: BlobMissing
+) -> BlobMissing:
+    """``first`` (a blob that failed) with every other blob absent or of the wrong size."""
+    found = store.stat_many(sizes)
+    absent = {d for d, stat in found.items() if stat is None or stat.stored_bytes != sizes[d]}
+    named = set(first.extra.get("missing", []))
+    if absent <= named:
+        return first
+    return BlobMissing(
+        f"{len(absent | named)} blob(s) of snapshot {manifest.id[:12]} are absent from the"
+        " object store, of the wrong size or of other bytes; upload them again",
+        extra={"missing": sorted(absent | named)},
+    )
 
 
 def _chunks(
-    manifest: Manifest, sizes: dict[str, int], source: _VerifyingSource, level: int
+    manifest: Manifest, sizes: dict[str, int], source: _PrefetchingSource, level: int
 ) -> Iterator[bytes]:
     try:
         yield from archive_chunks(

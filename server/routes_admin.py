@@ -34,6 +34,9 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
     evicted = storage.evictions - registry.value("cachekeeper_evictions_total")
     if evicted:
         registry.inc("cachekeeper_evictions_total", evicted)
+    packed = storage.packs - registry.value("cachekeeper_archive_packs_total")
+    if packed:
+        registry.inc("cachekeeper_archive_packs_total", packed)
     return PlainTextResponse(
         registry.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8"
     )

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -49,6 +50,7 @@ from cachekeeper.manifest import is_digest
 __all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
 
 _SPOOL_BYTES = 8 << 20  # a put keeps up to this much in memory before spilling to disk
+STAT_WORKERS = 8  # HEADs in flight in ``stat_many`` (each waits on the store's latency)
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 
 
@@ -134,6 +136,12 @@ class S3BlobStore:
             modified_at=head["LastModified"].timestamp(),
         )
 
+    def stat_many(self, digests: Iterable[str]) -> dict[str, BlobStat | None]:
+        """``stat`` of each of ``digests`` (one HEAD each, ``STAT_WORKERS`` at once)."""
+        wanted = list(dict.fromkeys(digests))
+        with ThreadPoolExecutor(max_workers=STAT_WORKERS, thread_name_prefix="ck-stat") as pool:
+            return dict(zip(wanted, pool.map(self.stat, wanted), strict=True))
+
     def has(self, digest: str) -> bool:
         return self.stat(digest) is not None
 
@@ -143,6 +151,10 @@ class S3BlobStore:
 
     def open(self, digest: str) -> BinaryIO:
         """The blob's bytes as stored (uncompressed); raises BlobMissing."""
+        return self.open_dated(digest)[0]
+
+    def open_dated(self, digest: str) -> tuple[BinaryIO, float]:
+        """The blob's bytes and the object's last-modified time (one GET); raises BlobMissing."""
         try:
             answer = self.client.get_object(Bucket=self.location.bucket, Key=self.key_for(digest))
         except ClientError as exc:
@@ -152,7 +164,8 @@ class S3BlobStore:
                 ) from exc
             raise
         body: BinaryIO = answer["Body"]
-        return body
+        modified_at: float = answer["LastModified"].timestamp()
+        return body, modified_at
 
     def open_raw(self, digest: str) -> BinaryIO:
         """The blob as one zstd frame (compressed while read, content size in the header)."""

@@ -50,7 +50,7 @@ from cachekeeper.wire import (
 from .archive import archive_chunks
 from .catalog import Catalog, utc_now
 from .fleet import fleet_status
-from .packing import pack_snapshot
+from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts
 from .resolver import miss_reason, rank
 from .s3store import S3BlobStore, checksum_b64
@@ -138,6 +138,8 @@ class Storage:
         self.catalog = catalog
         self.blobs = blobs
         self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
+        self.packs = 0  # archive objects packed by publish since start (for /metrics)
+        self._publishing = SnapshotLocks()  # one publish of a snapshot at a time (packing.py)
 
     # -- blobs ------------------------------------------------------------------------
     def missing_blobs(self, digests: Iterable[str]) -> list[str]:
@@ -312,11 +314,16 @@ class Storage:
         One transaction: the snapshot row, every blob reference and the event appear
         together or not at all. Publishing a snapshot that exists completes it if it lacks
         references (a half-published row left by an older server) and keeps a signature
-        it did not have; it answers ``created`` False.
+        it did not have; it answers ``created`` False. A publish of a snapshot being
+        published waits for that one (a client retrying a slow publish packs nothing twice).
         """
+        with self._publishing.hold(manifest.id):
+            return self._publish(manifest)
+
+    def _publish(self, manifest: Manifest) -> tuple[Summary, bool]:
         snapshot_id = manifest.id
         checked = self._pack(manifest)
-        sizes = checked if checked is not None else self.catalog.blob_sizes(manifest.digests)
+        sizes = checked.sizes if checked is not None else self.catalog.blob_sizes(manifest.digests)
         missing = sorted(manifest.digests - sizes.keys())
         if missing:
             raise BlobMissing(
@@ -330,8 +337,8 @@ class Storage:
                     f" {entry.digest[:12]} ({sizes[entry.digest]} bytes)"
                 )
         with self.catalog.writing() as tx:
-            if checked is not None:
-                self._record_checked(tx, checked)
+            if checked is not None and isinstance(self.blobs, S3BlobStore):
+                record_checked(tx, self.blobs, checked, grace_s=self.settings.gc_grace_s)
             # A GC may have run since the check above: re-check inside the transaction.
             created = not tx.snapshot_exists(snapshot_id)
             absent = set(manifest.digests)
@@ -354,7 +361,7 @@ class Storage:
                     tx.add_event(kind="snapshot.completed", subject=snapshot_id, detail=len(absent))
         return self.snapshot(snapshot_id), created
 
-    def _pack(self, manifest: Manifest) -> dict[str, int] | None:
+    def _pack(self, manifest: Manifest) -> Packed | None:
         """Object store: hash every blob there and write the archive object; None otherwise.
 
         Skipped (None) for a snapshot published before whose archive object is there and
@@ -372,30 +379,8 @@ class Storage:
             tmp_dir=self.settings.data_dir / "tmp",
             level=self.settings.archive_level,
         )
-        return packed.sizes
-
-    def _record_checked(self, tx: Any, sizes: dict[str, int]) -> None:
-        """Rows for blobs a node uploaded to the object store, checked by ``_pack``.
-
-        Under the catalog's write lock, each is looked up once more: GC deletes objects
-        under the same lock, so an object it took since the check refuses the publish
-        (BlobMissing: the push uploads it again) instead of being recorded.
-        """
-        gone = []
-        for digest in tx.missing_blob_rows(sizes):
-            found = self.blobs.stat(digest)
-            if found is None:
-                gone.append(digest)
-            else:
-                tx.record_blob(
-                    digest=digest, size_bytes=sizes[digest], stored_bytes=found.stored_bytes
-                )
-        if gone:
-            raise BlobMissing(
-                f"{len(gone)} blob(s) were collected from the object store while publishing;"
-                " upload them again",
-                extra={"missing": gone},
-            )
+        self.packs += 1
+        return packed
 
     def check(self) -> CheckReport:
         """The start-up check: make every row agree with what is stored.

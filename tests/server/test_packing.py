@@ -1,19 +1,29 @@
-"""pack_snapshot: publish-time checks of blobs in a real S3 API server (moto), and the archive."""
+"""pack_snapshot: publish-time checks of blobs in a real S3 API server (moto), the archive,
+and concurrent publishes of one snapshot (a real server on loopback)."""
 
 from __future__ import annotations
 
+import io
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import zstandard
+from cachekeeper.server import packing
 from cachekeeper.server.packing import pack_snapshot
 from cachekeeper.server.s3store import S3BlobStore, checksum_b64
+from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import BlobMissing
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import restore_archive
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
+from tests.helpers.live_server import start_server
+from tests.server.conftest import make_snapshot
 
 
 def _snapshot(tmp_path: Path) -> tuple[Manifest, LocalStore]:
@@ -69,3 +79,67 @@ def test_pack_refuses_a_bad_object(s3_bucket: str, tmp_path: Path, kind: str) ->
     assert refused.value.extra["missing"] == [bad]
     assert bad in str(refused.value) or "1 blob(s)" in str(refused.value)
     assert not s3.has_archive(manifest.id)
+
+
+def _tar(archive: bytes) -> bytes:
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        io.BytesIO(archive), read_across_frames=True
+    )
+    return reader.read()
+
+
+def test_the_parallel_pack_writes_the_one_file_archives_tar(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blobs read by the pool (small ones, and framed ones) and a blob streamed through the
+    multi-threaded compressor: the same tar, member for member, as ``snapshot`` writes."""
+    monkeypatch.setattr(packing, "INLINE_MAX_BYTES", 256 << 10)  # big.so (512 KiB) streams
+    monkeypatch.setattr(packing, "PREFETCH_BLOBS", 1)  # the writer waits on the pool
+    manifest, store = _snapshot(tmp_path)
+    s3 = S3BlobStore.from_url(s3_bucket)
+    for digest in manifest.digests:
+        _upload(s3, store, digest)
+    pack_snapshot(s3, manifest, tmp_dir=tmp_path / "tmp", workers=2)
+    packed = httpx.get(s3.archive_url(manifest.id, expires_s=60)).content
+    one_file = tmp_path / "one.tar.zst"
+    write_archive(manifest, store.blobs, one_file)
+    assert _tar(packed) == _tar(one_file.read_bytes())
+
+
+def test_concurrent_publishes_of_one_snapshot_pack_it_once(s3_bucket: str, tmp_path: Path) -> None:
+    """A client that timed out and published again while the first publish still packs:
+    the second waits for the first (one pack, one archive object, no temp file left), and
+    exactly one answer says ``created``."""
+    rng = random.Random(13)
+    files = {f"fxgraph/{i:03d}": rng.randbytes(rng.randint(1_000, 90_000)) for i in range(150)}
+    manifest, blobs = make_snapshot(files)
+    s3 = S3BlobStore.from_url(s3_bucket)
+    data = tmp_path / "server"
+    with start_server(Settings(data_dir=data, blob_store=s3_bucket)) as live:
+        with httpx.Client(base_url=live.url, timeout=300) as client:
+            answer = client.post("/v1/blobs/missing", json={"digests": sorted(blobs)}).json()
+            for upload in answer["uploads"]:
+                put = httpx.put(
+                    upload["url"], content=blobs[upload["digest"]], headers=upload["headers"]
+                )
+                assert put.status_code == 200, put.text
+            together = threading.Barrier(3)
+
+            def publish(_: int) -> httpx.Response:
+                together.wait(timeout=60)
+                return client.post("/v1/snapshots", content=manifest.to_json())
+
+            with ThreadPoolExecutor(max_workers=3) as pool:
+                answers = list(pool.map(publish, range(3)))
+            metrics = client.get("/metrics").text
+        assert sorted(a.status_code for a in answers) == [200, 200, 201], [a.text for a in answers]
+        assert [a.json()["created"] for a in answers].count(True) == 1
+        assert "cachekeeper_archive_packs_total 1\n" in metrics
+    assert list((data / "tmp").iterdir()) == []
+    pending = s3.client.list_multipart_uploads(Bucket=s3.location.bucket)
+    assert not pending.get("Uploads"), pending
+    archive = tmp_path / "got.tar.zst"
+    archive.write_bytes(httpx.get(s3.archive_url(manifest.id, expires_s=60)).content)
+    restore_archive(archive, tmp_path / "out")
+    for path, content in files.items():
+        assert (tmp_path / "out" / path).read_bytes() == content
