@@ -199,10 +199,25 @@ class CacheClient:
         )
         return _answer(response, PutAnswer, "blob upload")
 
-    def publish(self, manifest: Manifest, *, deadline: Deadline | None = None) -> PublishAnswer:
-        """Publish a manifest whose blobs are all uploaded; answers its summary + ``created``."""
+    def publish(
+        self,
+        manifest: Manifest,
+        *,
+        deadline: Deadline | None = None,
+        timeout_s: float | None = None,
+    ) -> PublishAnswer:
+        """Publish a manifest whose blobs are all uploaded; answers its summary + ``created``.
+
+        ``timeout_s`` replaces the client's per-request timeout for this call: a server
+        whose blobs are in an object store reads every blob back and packs the archive
+        before it answers (``cachekeeper.client.push.publish_timeout_s`` scales it).
+        """
         response = self._send(
-            "POST", "/v1/snapshots", json_body=manifest.to_dict(), deadline=deadline
+            "POST",
+            "/v1/snapshots",
+            json_body=manifest.to_dict(),
+            deadline=deadline,
+            timeout_s=timeout_s,
         )
         return _answer(response, PublishAnswer, "publish")
 
@@ -390,14 +405,18 @@ class CacheClient:
         headers: dict[str, str] | None = None,
         stream: bool = False,
         deadline: Deadline | None = None,
+        timeout_s: float | None = None,
     ) -> httpx.Response:
-        """One request with retries; returns a 2xx response or raises a CachekeeperError."""
+        """One request with retries; returns a 2xx response or raises a CachekeeperError.
+
+        Each attempt waits ``timeout_s`` (default: the client's) at most, bounded by
+        ``deadline``."""
         httpx = _import_httpx()
         deadline = deadline or Deadline(None)
         url = f"{self.base_url}{path}"
         attempt = 0
         while True:
-            timeout = deadline.bound(self.timeout_s)
+            timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
             body = open_body() if open_body is not None else None
             try:
                 request = self._http.build_request(

@@ -4,6 +4,11 @@ The local store already holds every blob as a zstd frame, so an upload sends tha
 as is (``Content-Encoding: zstd``) and the server decompresses and hashes it before
 storing. Pushing the same dir twice asks the server what it lacks, uploads nothing and
 publishes the identical manifest again (the server answers ``created: false``).
+
+The publish waits longer than other requests (``publish_timeout_for``): a server whose
+blobs are in an object store reads every blob back, hashes it and packs the snapshot's
+archive before it answers. A publish that times out is retried (``CacheClient``); the
+server lets the retry wait for the pack in progress, so nothing is packed twice.
 """
 
 from __future__ import annotations
@@ -27,12 +32,39 @@ from cachekeeper.wire import to_dict
 from .api import CacheClient, Deadline
 from .direct import ObjectStore
 
-__all__ = ["PushReport", "push", "upload_missing", "check_registered", "unverified_reason"]
+__all__ = [
+    "PUBLISH_BYTES_PER_S",
+    "PUBLISH_S_PER_BLOB",
+    "PushReport",
+    "push",
+    "publish_timeout_for",
+    "upload_missing",
+    "check_registered",
+    "unverified_reason",
+]
 
 _MISSING_BATCH = 1000  # digests per blobs/missing request
+PUBLISH_BYTES_PER_S = 2 << 20  # the publish rule's conservative check-and-pack rate
+PUBLISH_S_PER_BLOB = 0.02  # and its time per blob (the server reads each one back)
 
 # (wire bytes sent so far, wire bytes to send in all), called from the upload threads.
 Progress = Callable[[int, int], None]
+# (blob bytes the server checks, blobs, seconds the push waits), once before the publish.
+PublishStart = Callable[[int, int, float], None]
+
+
+def publish_timeout_for(*, blob_bytes: int, blob_count: int, floor_s: float = 30.0) -> float:
+    """How long a push waits for its publish: ``floor_s`` (the client's request timeout)
+    plus 1 s per 2 MiB and 20 ms per blob of the snapshot (all its distinct blobs).
+
+    At publish, a server whose blobs are in an object store reads every blob back (one
+    GET each), hashes it, packs the archive and uploads it before it answers, so its time
+    grows with both. The rates are about half what a loaded 2-core host with a
+    single-process S3 server (moto) measured before the pack read blobs in parallel
+    (docs/benchmarks.md), so only a stuck server times out; a local-dir server answers a
+    publish in well under the floor.
+    """
+    return floor_s + blob_bytes / PUBLISH_BYTES_PER_S + blob_count * PUBLISH_S_PER_BLOB
 
 
 @dataclass(frozen=True)
@@ -141,8 +173,14 @@ def push(
     require_registered: bool = False,
     only: Collection[str] | None = None,
     parent: str | None = None,
+    publish_timeout_s: float | None = None,
+    on_publish: PublishStart | None = None,
 ) -> PushReport:
     """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish.
+
+    The publish waits ``publish_timeout_s`` (default: ``publish_timeout_for`` the
+    snapshot); ``on_publish`` is told what the server checks, and for how long the push
+    waits, just before.
 
     With ``only`` and ``parent``: a harvested delta of only those paths, parented on the
     snapshot ``parent`` (``cachekeeper postjob --push``; see ``snapshot_dir``).
@@ -167,6 +205,8 @@ def push(
             require_registered=require_registered,
             only=only,
             parent=parent,
+            publish_timeout_s=publish_timeout_s,
+            on_publish=on_publish,
         )
     except (Unauthorized, Forbidden) as exc:
         if exc.extra.get("scope") == "write":
@@ -220,6 +260,8 @@ def _push(
     require_registered: bool,
     only: Collection[str] | None = None,
     parent: str | None = None,
+    publish_timeout_s: float | None = None,
+    on_publish: PublishStart | None = None,
 ) -> PushReport:
     if require_registered:
         check_registered(client, workload)
@@ -234,8 +276,15 @@ def _push(
         parent=parent,
     )
     done = upload_missing(manifest, client=client, store=store, workers=workers, progress=progress)
+    sizes = {f.digest: f.size_bytes for f in manifest.files}
+    waits_s = publish_timeout_s
+    if waits_s is None:
+        blob_bytes, floor_s = sum(sizes.values()), client.timeout_s
+        waits_s = publish_timeout_for(blob_bytes=blob_bytes, blob_count=len(sizes), floor_s=floor_s)
+    if on_publish is not None:
+        on_publish(sum(sizes.values()), len(sizes), waits_s)
     try:
-        summary = client.publish(manifest)
+        summary = client.publish(manifest, timeout_s=waits_s)
     except BlobMissing as exc:
         # A blob vanished server-side between the check and the publish (a gc): send it again.
         again = {d for d in exc.extra.get("missing", []) if d in manifest.digests}
@@ -245,8 +294,7 @@ def _push(
         done = _Uploaded(
             done.blobs + more.blobs, done.bytes + more.bytes, done.wire_bytes + more.wire_bytes
         )
-        summary = client.publish(manifest)
-    sizes = {f.digest: f.size_bytes for f in manifest.files}
+        summary = client.publish(manifest, timeout_s=waits_s)
     return PushReport(
         snapshot_id=manifest.id,
         workload=workload,

@@ -10,6 +10,7 @@ code and rich (for push's progress bar) are imported inside the commands that us
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,15 @@ def _require_server(server: str | None) -> str:
     is_flag=True,
     help="Publish even if the server has no workload of that name registered.",
 )
+@click.option(
+    "--publish-timeout",
+    "publish_timeout_s",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    metavar="SECONDS",
+    help="How long to wait for the server to check and pack the snapshot at publish "
+    "(default: 30 s plus 1 s per 2 MiB and 20 ms per blob).",
+)
 @sign_key_option
 @json_option
 @handle_errors
@@ -95,6 +105,7 @@ def push_cmd(
     token: str | None,
     workers: int,
     allow_unregistered: bool,
+    publish_timeout_s: float | None,
     sign_key: Path | None,
     as_json: bool,
 ) -> None:
@@ -107,10 +118,15 @@ def push_cmd(
     --allow-unregistered. The snapshot is verified only when a `cachekeeper prewarm` of
     that same workload verified CACHE_DIR; otherwise it is published unverified, and a
     warning on stderr says why.
+
+    A server whose blobs are in an object store checks every blob and packs the
+    snapshot's archive before it answers the publish; for a large snapshot a line on
+    stderr says so, and how long the push waits (--publish-timeout).
     """
     from cachekeeper.client.api import CacheClient  # hook start-up: prejob shares this module
     from cachekeeper.client.push import push  # hook start-up: snapshot code, not for prejob
 
+    publishing = _PublishNote()
     with CacheClient(base_url=_require_server(server), token=token) as client:
         with _progress_bar(enabled=not as_json and sys.stderr.isatty()) as progress:
             report = push(
@@ -121,7 +137,10 @@ def push_cmd(
                 progress=progress,
                 sign_key=sign_key,
                 require_registered=not allow_unregistered,
+                publish_timeout_s=publish_timeout_s,
+                on_publish=publishing.start,
             )
+    publishing.done()
     if report.unverified_reason is not None:
         echo_err(
             f"warning: snapshot {report.snapshot_id[:12]} is published unverified: "
@@ -140,6 +159,29 @@ def push_cmd(
         f"({mb(report.uploaded_wire_bytes)} compressed)"
     )
     click.echo(f"  deduplicated {report.deduplicated_blobs} blobs, {mb(report.deduplicated_bytes)}")
+
+
+class _PublishNote:
+    """A line on stderr before a long publish, and one saying how long it took."""
+
+    LONG_BYTES = 64 << 20  # snapshots this big get the lines
+
+    def __init__(self) -> None:
+        self._started_at: float | None = None
+
+    def start(self, blob_bytes: int, blob_count: int, waits_s: float) -> None:
+        if blob_bytes < self.LONG_BYTES:
+            return
+        self._started_at = time.monotonic()
+        echo_err(
+            f"cachekeeper: publishing: the server checks {mb(blob_bytes)} in {blob_count} "
+            f"blobs and packs the snapshot (waiting up to {waits_s:.0f} s)"
+        )
+
+    def done(self) -> None:
+        if self._started_at is not None:
+            elapsed = time.monotonic() - self._started_at
+            echo_err(f"cachekeeper: publishing: done in {elapsed:.1f} s")
 
 
 class _progress_bar:
