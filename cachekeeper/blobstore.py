@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -30,7 +30,7 @@ import zstandard
 from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
 from cachekeeper.manifest import is_digest
 
-__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES"]
+__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES", "copy_verified"]
 
 CHUNK_BYTES = 1 << 20
 
@@ -48,6 +48,39 @@ class BlobStat:
     digest: str
     stored_bytes: int  # as stored (zstd)
     modified_at: float  # UTC, seconds since the epoch
+
+
+def copy_verified(
+    chunks: Iterable[bytes],
+    write: Callable[[bytes], object],
+    *,
+    digest: str,
+    size_bytes: int | None = None,
+) -> int:
+    """Pass ``chunks`` to ``write`` while hashing them; their length, once they are exactly
+    the blob ``digest`` names (and ``size_bytes`` long, when declared).
+
+    The one check every blob backend makes before a blob becomes visible. Raises
+    BlobTooLarge as soon as more than ``size_bytes`` arrive, DigestMismatch when the bytes
+    hash to another digest or are shorter than declared; the caller then stores nothing.
+    """
+    hasher = hashlib.sha256()
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+        if size_bytes is not None and total > size_bytes:
+            raise BlobTooLarge(f"blob {digest} is larger than its declared {size_bytes} bytes")
+        hasher.update(chunk)
+        write(chunk)
+    actual = hasher.hexdigest()
+    if actual != digest:
+        raise DigestMismatch(
+            f"blob content hashes to {actual}, not {digest}",
+            extra={"expected": digest, "actual": actual},
+        )
+    if size_bytes is not None and total != size_bytes:
+        raise DigestMismatch(f"blob {digest} is {total} bytes, declared {size_bytes}")
+    return total
 
 
 class BlobStore(Protocol):
@@ -145,32 +178,15 @@ class LocalBlobStore:
         tmp_dir = self.root / ".tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         tmp = tmp_dir / f"{digest}.{uuid.uuid4().hex}"
-        hasher = hashlib.sha256()
-        total = 0
         try:
             with open(tmp, "wb") as out:
                 writer = zstandard.ZstdCompressor(level=self.level).stream_writer(
                     out, closefd=False
                 )
-                for chunk in chunks:
-                    total += len(chunk)
-                    if size_bytes is not None and total > size_bytes:
-                        raise BlobTooLarge(
-                            f"blob {digest} is larger than its declared {size_bytes} bytes"
-                        )
-                    hasher.update(chunk)
-                    writer.write(chunk)
+                total = copy_verified(chunks, writer.write, digest=digest, size_bytes=size_bytes)
                 writer.flush(zstandard.FLUSH_FRAME)
                 out.flush()
                 os.fsync(out.fileno())
-            actual = hasher.hexdigest()
-            if actual != digest:
-                raise DigestMismatch(
-                    f"blob content hashes to {actual}, not {digest}",
-                    extra={"expected": digest, "actual": actual},
-                )
-            if size_bytes is not None and total != size_bytes:
-                raise DigestMismatch(f"blob {digest} is {total} bytes, declared {size_bytes}")
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
             return PutResult(digest, total, final.stat().st_size, created=True)

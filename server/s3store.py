@@ -20,7 +20,6 @@ splices. Nodes download the compressed archive object, never the blobs.
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import tempfile
 import threading
@@ -37,10 +36,9 @@ import zstandard
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from cachekeeper.blobstore import BlobStat, PutResult
+from cachekeeper.blobstore import BlobStat, PutResult, copy_verified
 from cachekeeper.errors import (
     BlobMissing,
-    BlobTooLarge,
     ConfigInvalid,
     DigestMismatch,
     SnapshotNotFound,
@@ -187,23 +185,8 @@ class S3BlobStore:
             for _ in chunks:  # drain the body so the connection stays usable
                 pass
             return PutResult(digest, found.stored_bytes, found.stored_bytes, created=False)
-        hasher = hashlib.sha256()
-        total = 0
         with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as spool:
-            for chunk in chunks:
-                total += len(chunk)
-                if size_bytes is not None and total > size_bytes:
-                    raise BlobTooLarge(
-                        f"blob {digest} is larger than its declared {size_bytes} bytes"
-                    )
-                hasher.update(chunk)
-                spool.write(chunk)
-            actual = hasher.hexdigest()
-            if actual != digest:
-                raise DigestMismatch(
-                    f"blob content hashes to {actual}, not {digest}",
-                    extra={"expected": digest, "actual": actual},
-                )
+            total = copy_verified(chunks, spool.write, digest=digest, size_bytes=size_bytes)
             spool.seek(0)
             self.client.put_object(
                 Bucket=self.location.bucket,

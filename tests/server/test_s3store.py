@@ -10,7 +10,8 @@ import pytest
 import zstandard
 from cachekeeper.server.s3store import S3BlobStore, checksum_b64, parse_s3_url
 
-from cachekeeper.errors import BlobMissing, ConfigInvalid, DigestMismatch
+from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.errors import BlobMissing, BlobTooLarge, ConfigInvalid, DigestMismatch
 
 
 def _digest(data: bytes) -> str:
@@ -92,3 +93,33 @@ def test_archive_url_is_shared_for_a_third_of_its_life(s3_bucket: str, tmp_path:
     assert store._archive_urls[snapshot_id][1] > signed_at - 201  # signed again
     store.delete_archive(snapshot_id)
     assert snapshot_id not in store._archive_urls
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize(
+    ("chunks", "declared", "error"),
+    [
+        ([b"these ", b"bytes", b"!"], 11, BlobTooLarge),  # more than declared: stops early
+        ([b"these ", b"byte"], 11, DigestMismatch),  # fewer (and so other) bytes
+        ([b"these bytes"], 12, DigestMismatch),  # the right bytes, but not the declared size
+    ],
+)
+def test_both_backends_refuse_the_same_puts(
+    backend: str,
+    chunks: list[bytes],
+    declared: int,
+    error: type[Exception],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
+    """One check (blobstore.copy_verified) for the local dir and the object store: a body
+    over or under its declared size, or hashing to another digest, stores nothing."""
+    store: LocalBlobStore | S3BlobStore = (
+        S3BlobStore.from_url(request.getfixturevalue("s3_bucket"))
+        if backend == "s3"
+        else LocalBlobStore(tmp_path / "blobs")
+    )
+    digest = _digest(b"these bytes")
+    with pytest.raises(error):
+        store.put(iter(chunks), digest=digest, size_bytes=declared)
+    assert store.stat(digest) is None and list(store.scan()) == []
