@@ -3,6 +3,10 @@
 Cold CPU compiles of flex_attention take ~25 s on the 2-core CI machine, so the suite
 compiles as few distinct workloads as it can and shares them: ``compiled_cache`` is one
 real Inductor cache dir, compiled once per session in a fresh process.
+
+The real servers (uvicorn on loopback, tests/helpers/live_server.py) that tests in several
+packages share: ``open_server`` (per test, no auth), ``authed_server`` (per module, with
+``TOKENS``) and ``tiny_server`` (per module, with the cpu-tiny workload registered).
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from cachekeeper.server.settings import Settings
 
+from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer, start_moto
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "flex_probe.py"
+TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"
 
 
 def run_probe(cache_dir: Path, *, extra_env: dict[str, str] | None = None) -> dict:
@@ -85,3 +93,29 @@ def moto_s3() -> Iterator[MotoServer]:
 def s3_bucket(moto_s3: MotoServer) -> str:
     """A fresh bucket on the session's moto server: its ``s3://BUCKET/PREFIX`` URL."""
     return moto_s3.new_bucket()
+
+
+@pytest.fixture
+def open_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A real server (uvicorn on loopback, no auth) on this test's own data dir."""
+    with start_server(Settings(data_dir=tmp_path / "data")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def authed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One real server per test module with auth on: ``live_server.TOKENS`` (write-token,
+    read-token)."""
+    data = tmp_path_factory.mktemp("server")
+    with start_server(Settings(data_dir=data, tokens=TOKENS)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One real server per test module (no auth) with examples/workloads/cpu-tiny.toml
+    registered as ``cpu-tiny``."""
+    with start_server(Settings(data_dir=tmp_path_factory.mktemp("server"))) as handle:
+        answer = httpx.put(f"{handle.url}/v1/workloads/cpu-tiny", content=TINY.read_bytes())
+        assert answer.status_code == 200, answer.text
+        yield handle

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -57,24 +56,6 @@ def unwritable(tmp_path: Path) -> Path:
         return
     probe.unlink()
     pytest.skip("no unwritable directory available to root here")
-
-
-@pytest.fixture
-def cache(tmp_path: Path) -> Path:
-    root = tmp_path / "cache"
-    (root / "fxgraph" / "ab").mkdir(parents=True)
-    (root / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
-    (root / "ab.py").write_bytes(b"print(1)")
-    return root
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server")))
-    r = httpx.put(f"{server.url}/v1/workloads/cpu-tiny", content=TINY.read_bytes())
-    assert r.status_code == 200, r.text
-    yield server
-    server.stop()
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -123,21 +104,23 @@ def test_restore_into_an_unwritable_dir_is_one_line(
 
 
 def test_push_with_an_unwritable_local_store_is_one_line(
-    tmp_path: Path, unwritable: Path, cache: Path, live: LiveServer
+    tmp_path: Path, unwritable: Path, cache: Path, tiny_server: LiveServer
 ) -> None:
-    proc = ck("push", str(cache), "--workload", "cpu-tiny", "--server", live.url,
+    proc = ck("push", str(cache), "--workload", "cpu-tiny", "--server", tiny_server.url,
               cwd=tmp_path, home=unwritable / "ck-home")  # fmt: skip
     assert proc.returncode == 1
     one_error_line(proc, "error: ", str(unwritable / "ck-home"))
 
 
 def test_pull_into_an_unwritable_dir_is_one_line(
-    tmp_path: Path, unwritable: Path, cache: Path, live: LiveServer
+    tmp_path: Path, unwritable: Path, cache: Path, tiny_server: LiveServer
 ) -> None:
-    pushed = ck("push", str(cache), "--workload", "cpu-tiny", "--server", live.url, cwd=tmp_path)
+    pushed = ck(
+        "push", str(cache), "--workload", "cpu-tiny", "--server", tiny_server.url, cwd=tmp_path
+    )
     assert pushed.returncode == 0, pushed.stderr
     proc = ck("pull", "--workload", "cpu-tiny", "--cache-dir", str(unwritable / "c"),
-              "--server", live.url, cwd=tmp_path)  # fmt: skip
+              "--server", tiny_server.url, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 1
     one_error_line(proc, "error: ", str(unwritable / "c"))
 
@@ -168,28 +151,30 @@ def test_an_empty_path_is_a_usage_error(tmp_path: Path, args: list[str]) -> None
 
 # -- 17.6: push names what it publishes ------------------------------------------------
 def test_push_of_an_unregistered_workload_is_refused_unless_allowed(
-    tmp_path: Path, cache: Path, live: LiveServer
+    tmp_path: Path, cache: Path, tiny_server: LiveServer
 ) -> None:
-    proc = ck("push", str(cache), "--workload", "typo", "--server", live.url, cwd=tmp_path)
+    proc = ck("push", str(cache), "--workload", "typo", "--server", tiny_server.url, cwd=tmp_path)
     assert proc.returncode == 1
     one_error_line(proc, "no workload 'typo' is registered", "--allow-unregistered",
                    "[workload_not_found]")  # fmt: skip
-    listed = httpx.get(f"{live.url}/v1/snapshots", params={"workload": "typo"}).json()
+    listed = httpx.get(f"{tiny_server.url}/v1/snapshots", params={"workload": "typo"}).json()
     assert listed["snapshots"] == []
     proc = ck("push", str(cache), "--workload", "typo", "--allow-unregistered",
-              "--server", live.url, "--json", cwd=tmp_path)  # fmt: skip
+              "--server", tiny_server.url, "--json", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["verified"] is False
 
 
 def test_push_says_the_snapshot_is_unverified_and_why(
-    tmp_path: Path, cache: Path, live: LiveServer
+    tmp_path: Path, cache: Path, tiny_server: LiveServer
 ) -> None:
     # A prewarm record for another workload, as `cachekeeper prewarm` leaves it.
     record = cache / ".cachekeeper" / "prewarm" / "other.json"
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps({"workload": "other", "stats": {"verify": {"effective": True}}}))
-    proc = ck("push", str(cache), "--workload", "cpu-tiny", "--server", live.url, cwd=tmp_path)
+    proc = ck(
+        "push", str(cache), "--workload", "cpu-tiny", "--server", tiny_server.url, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     warning = proc.stderr.strip().splitlines()[-1]
     assert warning.startswith("warning: snapshot ")

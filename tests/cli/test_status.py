@@ -5,35 +5,22 @@ The GPUs exist only in the fingerprints sent (no GPU is needed for what status s
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import digest_of
 from tests.cli.conftest import run
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import LiveServer
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
 GPUS = [{"index": i, "name": "NVIDIA H200", "capability": "9.0"} for i in range(2)]
 BUILDER = dict(FINGERPRINT, gpus=GPUS)  # a 2-GPU builder
 
 
-@pytest.fixture
-def live(tmp_path: Path) -> Iterator[LiveServer]:
-    handle = start_server(Settings(data_dir=tmp_path / "data"))
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
 def test_status_shows_what_each_snapshot_covers_and_what_8_gpu_nodes_lack(
-    live: LiveServer,
+    open_server: LiveServer,
 ) -> None:
-    with httpx.Client(base_url=live.url) as c:
+    with httpx.Client(base_url=open_server.url) as c:
         for name in ("drafter", "gqa"):
             text = f'name = "{name}"\n[[entrypoint]]\ntarget = "pkg.mod:step"\n'
             assert c.put(f"/v1/workloads/{name}", content=text).is_success
@@ -49,28 +36,30 @@ def test_status_shows_what_each_snapshot_covers_and_what_8_gpu_nodes_lack(
         assert push(c, manifest, blobs).status_code == 201
 
     digest = digest_of(BUILDER)[:12]
-    plain = run("status", "--server", live.url).splitlines()
+    plain = run("status", "--server", open_server.url).splitlines()
     assert plain[0].split() == ["workload", "environment", "status", "covers", "agents"]
     assert plain[1].split() == ["drafter", digest, "warm", "cuda:0,1", "builder-2gpu"]
     assert plain[2].split() == ["gqa", digest, "missing", "-", "builder-2gpu"]
     assert len(plain) == 3  # no --device: nothing to say about coverage
 
-    nodes = run("status", "--server", live.url, "--device", "cuda:0-7").splitlines()
+    nodes = run("status", "--server", open_server.url, "--device", "cuda:0-7").splitlines()
     assert nodes[2] == (
         "  ! snapshot covers cuda:0,1; a node asks for cuda:0-7: cuda:2-7 never built (the"
         " device index is in Inductor's key): build cuda:2-7 on a builder with >= 8 GPUs"
         " (prewarm --device cuda:2-7), or run one visible GPU per rank (then only cuda:0 is"
         " needed)"
     )
-    assert "!" not in run("status", "--server", live.url, "--device", "cuda:0")
+    assert "!" not in run("status", "--server", open_server.url, "--device", "cuda:0")
 
-    rows = json.loads(run("status", "--server", live.url, "--workload", "drafter",
+    rows = json.loads(run("status", "--server", open_server.url, "--workload", "drafter",
                           "--device", "cuda:0-7", "--json"))["status"]  # fmt: skip
     (row,) = rows
     assert row["devices"] == ["cuda:0", "cuda:1"]
     assert row["uncovered"] == [f"cuda:{i}" for i in range(2, 8)]
 
 
-def test_status_needs_a_server_and_a_valid_device(live: LiveServer) -> None:
+def test_status_needs_a_server_and_a_valid_device(open_server: LiveServer) -> None:
     assert "no server" in run("status", code=2)
-    assert "is not a GPU index" in run("status", "--server", live.url, "--device", "cuda:x", code=2)
+    assert "is not a GPU index" in run(
+        "status", "--server", open_server.url, "--device", "cuda:x", code=2
+    )

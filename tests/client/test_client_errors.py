@@ -14,30 +14,21 @@ from pathlib import Path
 import pytest
 from cachekeeper.client.api import CacheClient, server_root
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import Forbidden, Unauthorized
 from cachekeeper.store import LocalStore
 from tests.client.test_prejob import make_cache
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import LiveServer
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
-TOKENS = {"write-token": "write", "read-token": "read"}
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server"), tokens=TOKENS))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def pushed(live: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> str:
+def pushed(authed_server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> str:
     src = tmp_path_factory.mktemp("src") / "cache"
     make_cache(src)
     home = tmp_path_factory.mktemp("home")
-    with CacheClient(base_url=live.url, token="write-token") as client:
+    with CacheClient(base_url=authed_server.url, token="write-token") as client:
         return push(src, client=client, workload="small", store=LocalStore(home=home)).snapshot_id
 
 
@@ -59,64 +50,70 @@ def test_server_root_drops_a_trailing_v1() -> None:
 
 
 def test_pull_without_a_token_names_url_scope_and_where_tokens_come_from(
-    live: LiveServer, pushed: str, tmp_path: Path
+    authed_server: LiveServer, pushed: str, tmp_path: Path
 ) -> None:
     proc = ck("pull", "--workload", "small", "--cache-dir", str(tmp_path / "c"),
-              "--server", live.url, tmp_path=tmp_path)  # fmt: skip
+              "--server", authed_server.url, tmp_path=tmp_path)  # fmt: skip
     assert proc.returncode == 1
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1, line
-    assert f"POST {live.url}/v1/resolve" in line
+    assert f"POST {authed_server.url}/v1/resolve" in line
     assert "'read' scope" in line and "none was given" in line
     assert "--token" in line and "CACHEKEEPER_TOKEN" in line
     assert line.endswith("[unauthorized]")
 
 
 def test_an_unknown_token_is_named_as_unknown(
-    live: LiveServer, pushed: str, tmp_path: Path
+    authed_server: LiveServer, pushed: str, tmp_path: Path
 ) -> None:
     proc = ck("pull", "--workload", "small", "--cache-dir", str(tmp_path / "c"),
-              "--server", live.url, tmp_path=tmp_path, token="nope")  # fmt: skip
+              "--server", authed_server.url, tmp_path=tmp_path, token="nope")  # fmt: skip
     assert proc.returncode == 1
     assert "does not know the token given (--token or CACHEKEEPER_TOKEN)" in proc.stderr
 
 
 def test_push_without_a_token_says_it_needs_the_write_scope(
-    live: LiveServer, tmp_path: Path
+    authed_server: LiveServer, tmp_path: Path
 ) -> None:
     src = tmp_path / "src"
     make_cache(src)
-    with CacheClient(base_url=live.url) as client, pytest.raises(Unauthorized) as info:
+    with CacheClient(base_url=authed_server.url) as client, pytest.raises(Unauthorized) as info:
         push(src, client=client, workload="small", store=LocalStore(home=tmp_path / "h"))
     detail = info.value.detail
-    assert f"a push to {live.url} needs a token with the 'write' scope" in detail
+    assert f"a push to {authed_server.url} needs a token with the 'write' scope" in detail
     assert "--token or CACHEKEEPER_TOKEN" in detail
 
 
-def test_push_with_a_read_token_names_both_scopes(live: LiveServer, tmp_path: Path) -> None:
+def test_push_with_a_read_token_names_both_scopes(
+    authed_server: LiveServer, tmp_path: Path
+) -> None:
     src = tmp_path / "src"
     make_cache(src)
     with (
-        CacheClient(base_url=live.url, token="read-token") as client,
+        CacheClient(base_url=authed_server.url, token="read-token") as client,
         pytest.raises(Forbidden) as info,
     ):
         push(src, client=client, workload="small", store=LocalStore(home=tmp_path / "h"))
     detail = info.value.detail
     assert "needs a token with the 'write' scope" in detail
     assert "has the 'read' scope" in detail
-    assert f"{live.url}/v1/" in detail
+    assert f"{authed_server.url}/v1/" in detail
 
 
-def test_a_server_url_ending_in_v1_works(live: LiveServer, pushed: str, tmp_path: Path) -> None:
+def test_a_server_url_ending_in_v1_works(
+    authed_server: LiveServer, pushed: str, tmp_path: Path
+) -> None:
     proc = ck("pull", "--workload", "small", "--cache-dir", str(tmp_path / "c"), "--json",
-              "--server", f"{live.url}/v1/", tmp_path=tmp_path, token="read-token")  # fmt: skip
+              "--server", f"{authed_server.url}/v1/", tmp_path=tmp_path, token="read-token")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["snapshot_id"] == pushed
 
 
-def test_prejob_with_a_v1_url_restores(live: LiveServer, pushed: str, tmp_path: Path) -> None:
+def test_prejob_with_a_v1_url_restores(
+    authed_server: LiveServer, pushed: str, tmp_path: Path
+) -> None:
     proc = ck("prejob", "--workload", "small", "--cache-dir", str(tmp_path / "c"), "--json",
-              "--server", f"{live.url}/v1", tmp_path=tmp_path, token="read-token")  # fmt: skip
+              "--server", f"{authed_server.url}/v1", tmp_path=tmp_path, token="read-token")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["outcome"] == "restored", report

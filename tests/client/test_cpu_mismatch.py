@@ -10,16 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import cpu
 from cachekeeper.fingerprint import collect
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
@@ -27,23 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "examples" / "workloads" / "cpu-tiny.toml"
 
 
-@pytest.fixture
-def live(tmp_path: Path) -> Iterator[LiveServer]:
-    server = start_server(Settings(data_dir=tmp_path / "server"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _prejob(live: LiveServer, tmp_path: Path, threads: str) -> subprocess.CompletedProcess[str]:
+def _prejob(
+    open_server: LiveServer, tmp_path: Path, threads: str
+) -> subprocess.CompletedProcess[str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("CACHEKEEPER_", "TORCHINDUCTOR_")) and k != "MKL_NUM_THREADS"
     }
     env.update(
-        CACHEKEEPER_SERVER=live.url,
+        CACHEKEEPER_SERVER=open_server.url,
         CACHEKEEPER_HOME=str(tmp_path / f"home{threads}"),
         OMP_NUM_THREADS=threads,
     )
@@ -54,7 +45,7 @@ def _prejob(live: LiveServer, tmp_path: Path, threads: str) -> subprocess.Comple
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
 def test_prejob_names_the_thread_count_a_cpu_snapshot_was_built_with(
-    live: LiveServer, tmp_path: Path
+    open_server: LiveServer, tmp_path: Path
 ) -> None:
     node = collect(environ={})  # this machine, as the hook process collects it
     built = dict(node, cpu=cpu.with_threads(node["cpu"], 2))
@@ -65,11 +56,11 @@ def test_prejob_names_the_thread_count_a_cpu_snapshot_was_built_with(
         devices=("cpu",),
         verified=True,
     )
-    with httpx.Client(base_url=live.url) as c:
+    with httpx.Client(base_url=open_server.url) as c:
         assert c.put("/v1/workloads/cpu-tiny", content=WORKLOAD.read_bytes()).is_success
         assert push(c, manifest, blobs).status_code == 201
 
-    cold = _prejob(live, tmp_path, "1")
+    cold = _prejob(open_server, tmp_path, "1")
     assert cold.returncode == 0, cold.stderr
     assert "this job will compile cold" in cold.stderr, cold.stderr
     assert (
@@ -78,6 +69,6 @@ def test_prejob_names_the_thread_count_a_cpu_snapshot_was_built_with(
     ), cold.stderr
     assert not (tmp_path / "cache1" / "fxgraph").exists()
 
-    warm = _prejob(live, tmp_path, "2")
+    warm = _prejob(open_server, tmp_path, "2")
     assert warm.returncode == 0, warm.stderr
     assert (tmp_path / "cache2" / "fxgraph" / "ab" / "entry").read_bytes() == b"graph"

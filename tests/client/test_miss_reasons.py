@@ -13,23 +13,10 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
-from cachekeeper.server.settings import Settings
 
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import LiveServer
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
-REPO = Path(__file__).resolve().parents[2]
-WORKLOAD = REPO / "examples" / "workloads" / "cpu-tiny.toml"
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server")))
-    r = httpx.put(f"{server.url}/v1/workloads/cpu-tiny", content=WORKLOAD.read_bytes())
-    assert r.status_code == 200, r.text
-    yield server
-    server.stop()
 
 
 def ck(*args: str, live: LiveServer, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -40,9 +27,11 @@ def ck(*args: str, live: LiveServer, tmp_path: Path) -> subprocess.CompletedProc
     return subprocess.run([CK, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_prejob_with_an_unregistered_workload_says_so(live: LiveServer, tmp_path: Path) -> None:
+def test_prejob_with_an_unregistered_workload_says_so(
+    tiny_server: LiveServer, tmp_path: Path
+) -> None:
     proc = ck("prejob", "--workload", "typo", "--cache-dir", str(tmp_path / "c"),
-              live=live, tmp_path=tmp_path)  # fmt: skip
+              live=tiny_server, tmp_path=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "no workload 'typo' is registered" in proc.stderr, proc.stderr
     assert "matches this node" not in proc.stderr
@@ -51,24 +40,26 @@ def test_prejob_with_an_unregistered_workload_says_so(live: LiveServer, tmp_path
 
 
 def test_prejob_of_a_registered_workload_without_snapshot_says_so(
-    live: LiveServer, tmp_path: Path
+    tiny_server: LiveServer, tmp_path: Path
 ) -> None:
     proc = ck("prejob", "--workload", "cpu-tiny", "--cache-dir", str(tmp_path / "c"),
-              live=live, tmp_path=tmp_path)  # fmt: skip
+              live=tiny_server, tmp_path=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "workload 'cpu-tiny' has no snapshot yet" in proc.stderr, proc.stderr
 
 
-def test_pull_of_an_unregistered_workload_fails_naming_it(live: LiveServer, tmp_path: Path) -> None:
+def test_pull_of_an_unregistered_workload_fails_naming_it(
+    tiny_server: LiveServer, tmp_path: Path
+) -> None:
     proc = ck("pull", "--workload", "typo", "--cache-dir", str(tmp_path / "c"),
-              live=live, tmp_path=tmp_path)  # fmt: skip
+              live=tiny_server, tmp_path=tmp_path)  # fmt: skip
     assert proc.returncode == 1
     assert "no workload 'typo' is registered" in proc.stderr, proc.stderr
     assert not (tmp_path / "c").exists()
 
 
-def test_resolve_answers_the_reason_field(live: LiveServer) -> None:
+def test_resolve_answers_the_reason_field(tiny_server: LiveServer) -> None:
     body = {"fingerprint": {"torch": "x"}, "workload": "typo"}
-    answer = httpx.post(f"{live.url}/v1/resolve", json=body).json()
+    answer = httpx.post(f"{tiny_server.url}/v1/resolve", json=body).json()
     assert answer["snapshot"] is None
     assert "no workload 'typo' is registered" in answer["reason"]

@@ -24,10 +24,9 @@ from cachekeeper.server.settings import Settings
 from cachekeeper.fingerprint import collect
 from cachekeeper.signing import generate_keypair
 from tests.client.test_prejob import make_cache
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import TOKENS, LiveServer, start_server
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
-TOKENS = {"write-token": "write", "read-token": "read"}
 
 
 def toml(name: str) -> str:
@@ -35,13 +34,6 @@ def toml(name: str) -> str:
         f'name = "{name}"\n[[attention]]\nbatch = 1\nq_heads = 4\nkv_heads = 2\n'
         'head_dim = 16\nseq_lens = [128]\ndtype = "float32"\nmask = "causal"\n'
     )
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server"), tokens=TOKENS))
-    yield server
-    server.stop()
 
 
 def ck(*args: str, server: str | None, home: Path, token: str = "read-token"):
@@ -75,35 +67,45 @@ def test_kind_of() -> None:
 
 
 @pytest.fixture(scope="module")
-def restored(live: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def restored(authed_server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A snapshot of workload 'wl' pushed for this node, restored by prejob into a dir."""
     base = tmp_path_factory.mktemp("postjob")
     src = base / "src"
     make_cache(src)
-    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer write-token"}) as c:
+    with httpx.Client(
+        base_url=authed_server.url, headers={"Authorization": "Bearer write-token"}
+    ) as c:
         assert c.put("/v1/workloads/wl", content=toml("wl")).status_code == 200
-    with CacheClient(base_url=live.url, token="write-token") as client:
+    with CacheClient(base_url=authed_server.url, token="write-token") as client:
         pushed = push(src, client=client, workload="wl", store=None, fingerprint=collect())
     cache = base / "cache"
-    pre = prejob(workload="wl", server=live.url, token="read-token", cache_dir=cache)
+    pre = prejob(workload="wl", server=authed_server.url, token="read-token", cache_dir=cache)
     assert pre.outcome == "restored" and pre.reported, pre
     return {"cache": cache, "snapshot_id": pushed.snapshot_id, "home": base / "home"}
 
 
 def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
-    live: LiveServer, restored: dict
+    authed_server: LiveServer, restored: dict
 ) -> None:
     cache, home = restored["cache"], restored["home"]
     before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
 
-    clean = ck("postjob", "--workload", "wl", "--cache-dir", str(cache), server=live.url, home=home)
+    clean = ck(
+        "postjob",
+        "--workload",
+        "wl",
+        "--cache-dir",
+        str(cache),
+        server=authed_server.url,
+        home=home,
+    )
     assert clean.returncode == 0, clean.stderr
     assert "compiled nothing new on top of snapshot" in clean.stdout
 
     compile_more(cache, "1")
     proc = ck(
         "postjob", "--workload", "wl", "--cache-dir", str(cache), "--json",
-        server=live.url, home=home,
+        server=authed_server.url, home=home,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -115,11 +117,19 @@ def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
     assert all(p.stat().st_mtime_ns == t for p, t in before.items())
     assert diff_cache(cache).new_files == ()
 
-    line = ck("postjob", "--workload", "wl", "--cache-dir", str(cache), server=live.url, home=home)
+    line = ck(
+        "postjob",
+        "--workload",
+        "wl",
+        "--cache-dir",
+        str(cache),
+        server=authed_server.url,
+        home=home,
+    )
     assert "compiled nothing new" in line.stdout
 
     rows = httpx.get(
-        f"{live.url}/v1/status",
+        f"{authed_server.url}/v1/status",
         params={"workload": "wl"},
         headers={"Authorization": "Bearer read-token"},
     ).json()["status"]
@@ -131,22 +141,28 @@ def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
     assert "does not match training" in row["jobs_note"]
     assert "cachekeeper explain" in row["jobs_note"]
 
-    metrics = httpx.get(f"{live.url}/metrics").text
+    metrics = httpx.get(f"{authed_server.url}/metrics").text
     assert 'cachekeeper_job_new_entries_total{kind="fxgraph",workload="wl"} 1' in metrics
     assert re.search(
         r'cachekeeper_job_reports_total\{outcome="compiled",phase="postjob",workload="wl"\} 1',
         metrics,
     )
 
-    status = ck("status", "--workload", "wl", server=live.url, home=home)
+    status = ck("status", "--workload", "wl", server=authed_server.url, home=home)
     assert status.returncode == 0, status.stderr
     assert "compiled anyway" in status.stdout or "does not match training" in status.stdout
 
 
-def test_a_cold_start_is_reported_with_its_reason(live: LiveServer, tmp_path: Path) -> None:
-    pre = prejob(workload="wl-other", server=live.url, token="read-token", cache_dir=tmp_path)
+def test_a_cold_start_is_reported_with_its_reason(
+    authed_server: LiveServer, tmp_path: Path
+) -> None:
+    pre = prejob(
+        workload="wl-other", server=authed_server.url, token="read-token", cache_dir=tmp_path
+    )
     assert pre.cold and pre.reported
-    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer write-token"}) as c:
+    with httpx.Client(
+        base_url=authed_server.url, headers={"Authorization": "Bearer write-token"}
+    ) as c:
         assert c.put("/v1/workloads/wl-other", content=toml("wl-other")).status_code == 200
         rows = c.get("/v1/status", params={"workload": "wl-other"}).json()["status"]
     (row,) = [r for r in rows if r["jobs"]]
@@ -230,14 +246,16 @@ def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Pa
             assert trusted.deltas == () and len(trusted.delta_problems) == int(serve_harvested)
 
 
-def test_a_report_with_an_impossible_count_is_refused(live: LiveServer) -> None:
+def test_a_report_with_an_impossible_count_is_refused(authed_server: LiveServer) -> None:
     body = {
         "phase": "postjob",
         "outcome": "clean",
         "workload": "wl",
         "fingerprint_digest": "a" * 64,
     }
-    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer read-token"}) as c:
+    with httpx.Client(
+        base_url=authed_server.url, headers={"Authorization": "Bearer read-token"}
+    ) as c:
         too_big = c.post("/v1/reports", json={**body, "new_bytes": 10**30})
         assert too_big.status_code == 422 and "new_bytes" in too_big.json()["detail"]
         assert c.post("/v1/reports", json={**body, "new_bytes": 2**48}).status_code == 201

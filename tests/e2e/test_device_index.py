@@ -20,13 +20,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.prewarm import prewarm
 from cachekeeper.workload import load_workload
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -62,16 +60,6 @@ def index0_cache(two_gpu_env: dict[str, str], tmp_path_factory: pytest.TempPathF
     return cache
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    handle = start_server(Settings(data_dir=tmp_path_factory.mktemp("server-data")))
-    try:
-        httpx.put(f"{handle.url}/v1/workloads/cpu-tiny", content=TINY.read_text())
-        yield handle
-    finally:
-        handle.stop()
-
-
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     exe = str(Path(sys.executable).with_name("cachekeeper"))
     return subprocess.run(
@@ -94,7 +82,7 @@ def test_a_cache_of_index_0_verified_on_index_1_is_not_effective_and_names_the_i
 
 
 def test_explain_and_prejob_say_the_snapshot_lacks_index_1(
-    index0_cache: Path, two_gpu_env: dict[str, str], live: LiveServer, tmp_path: Path
+    index0_cache: Path, two_gpu_env: dict[str, str], tiny_server: LiveServer, tmp_path: Path
 ) -> None:
     archive = tmp_path / "index0.tar.zst"
     made = _cli(two_gpu_env, "snapshot", str(index0_cache), "-o", str(archive),
@@ -113,10 +101,10 @@ def test_explain_and_prejob_say_the_snapshot_lacks_index_1(
     assert _cli(two_gpu_env, "explain", str(archive), "--device", "cuda:0").returncode == 0
 
     pushed = _cli(two_gpu_env, "push", str(index0_cache), "--workload", "cpu-tiny",
-                  "--server", live.url)  # fmt: skip
+                  "--server", tiny_server.url)  # fmt: skip
     assert pushed.returncode == 0, pushed.stderr
     node_dir = tmp_path / "node"
-    cold = _cli(two_gpu_env, "prejob", "--workload", "cpu-tiny", "--server", live.url,
+    cold = _cli(two_gpu_env, "prejob", "--workload", "cpu-tiny", "--server", tiny_server.url,
                 "--cache-dir", str(node_dir))  # fmt: skip
     assert cold.returncode == 0, cold.stderr  # never fails the job
     assert "will compile cold" in cold.stderr
@@ -124,7 +112,7 @@ def test_explain_and_prejob_say_the_snapshot_lacks_index_1(
         cold.stderr
     )
     # a job that gives each rank one visible GPU asks for cuda:0 only: restored
-    one = _cli(two_gpu_env, "prejob", "--workload", "cpu-tiny", "--server", live.url,
+    one = _cli(two_gpu_env, "prejob", "--workload", "cpu-tiny", "--server", tiny_server.url,
                "--cache-dir", str(node_dir), "--device", "cuda:0", "--json")  # fmt: skip
     assert one.returncode == 0, one.stderr
     assert json.loads(one.stdout)["outcome"] == "restored"

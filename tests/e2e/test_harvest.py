@@ -26,9 +26,7 @@ from cachekeeper.server.settings import Settings
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from tests.conftest import PROBE
-from tests.helpers.live_server import start_server
-
-TOKENS = {"write-token": "write", "read-token": "read"}
+from tests.helpers.live_server import TOKENS, start_server
 
 
 def probe(cache_dir: Path, seq: int) -> dict:

@@ -30,10 +30,9 @@ from cachekeeper.store import LocalStore
 from tests.client.test_prejob import make_cache
 from tests.conftest import run_probe
 from tests.e2e.test_push_pull_prejob import ck, counter
-from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer
 
-TOKENS = {"write-token": "write", "read-token": "read"}
 SERVED = "cachekeeper_http_response_bytes_total"
 ARCHIVES = "cachekeeper_archive_requests_total"
 

@@ -17,24 +17,14 @@ import httpx
 import pytest
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore
 from tests.client.test_prejob import make_cache
 from tests.conftest import run_probe
-from tests.helpers.live_server import start_server
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
-TOKENS = {"write-token": "write", "read-token": "read"}
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    server = start_server(Settings(data_dir=tmp_path_factory.mktemp("server"), tokens=TOKENS))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +53,7 @@ def counter(url: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def pushed_flex(live, home, compiled_cache) -> dict:
+def pushed_flex(authed_server, home, compiled_cache) -> dict:
     """The real compiled cache pushed as workload 'flex' (the first push's JSON report)."""
     proc = ck(
         "push",
@@ -72,7 +62,7 @@ def pushed_flex(live, home, compiled_cache) -> dict:
         "flex",
         "--allow-unregistered",
         "--json",
-        server=live.url,
+        server=authed_server.url,
         home=home,
     )
     assert proc.returncode == 0, proc.stderr
@@ -80,7 +70,9 @@ def pushed_flex(live, home, compiled_cache) -> dict:
 
 
 @pytest.mark.slow
-def test_push_twice_uploads_nothing_the_second_time(live, home, compiled_cache, pushed_flex):
+def test_push_twice_uploads_nothing_the_second_time(
+    authed_server, home, compiled_cache, pushed_flex
+):
     assert pushed_flex["created"] is True
     assert pushed_flex["uploaded_blobs"] == pushed_flex["blob_count"] > 0
     proc = ck(
@@ -90,7 +82,7 @@ def test_push_twice_uploads_nothing_the_second_time(live, home, compiled_cache, 
         "flex",
         "--allow-unregistered",
         "--json",
-        server=live.url,
+        server=authed_server.url,
         home=home,
     )
     assert proc.returncode == 0, proc.stderr
@@ -102,10 +94,10 @@ def test_push_twice_uploads_nothing_the_second_time(live, home, compiled_cache, 
 
 
 @pytest.mark.slow
-def test_prejob_restores_a_cache_a_fresh_process_hits(live, home, pushed_flex, tmp_path):
+def test_prejob_restores_a_cache_a_fresh_process_hits(authed_server, home, pushed_flex, tmp_path):
     cache = tmp_path / "node-cache"
     proc = ck("prejob", "--workload", "flex", "--cache-dir", str(cache), "--strict",
-              server=live.url, token="read-token", home=home)  # fmt: skip
+              server=authed_server.url, token="read-token", home=home)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\n"
     assert is_restored(pushed_flex["snapshot_id"], cache)
@@ -115,7 +107,7 @@ def test_prejob_restores_a_cache_a_fresh_process_hits(live, home, pushed_flex, t
 
 
 @pytest.fixture(scope="module")
-def pushed_small(live, home, tmp_path_factory) -> str:
+def pushed_small(authed_server, home, tmp_path_factory) -> str:
     src = tmp_path_factory.mktemp("small") / "cache"
     make_cache(src)
     proc = ck(
@@ -125,34 +117,34 @@ def pushed_small(live, home, tmp_path_factory) -> str:
         "small",
         "--allow-unregistered",
         "--json",
-        server=live.url,
+        server=authed_server.url,
         home=home,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["snapshot_id"]
 
 
-def test_pull_fetches_only_what_the_dir_lacks(live, home, pushed_small, tmp_path):
+def test_pull_fetches_only_what_the_dir_lacks(authed_server, home, pushed_small, tmp_path):
     cache = tmp_path / "cache"
     proc = ck("pull", "--workload", "small", "--cache-dir", str(cache), "--json",
-              server=live.url, token="read-token", home=home)  # fmt: skip
+              server=authed_server.url, token="read-token", home=home)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     first = json.loads(proc.stdout)
     assert first["outcome"] == "restored" and first["blobs_fetched"] == 4
     (cache / "cd" / "kernel.py").unlink()
     proc = ck("pull", "--workload", "small", "--cache-dir", str(cache), "--json",
-              server=live.url, token="read-token", home=home)  # fmt: skip
+              server=authed_server.url, token="read-token", home=home)  # fmt: skip
     second = json.loads(proc.stdout)
     assert second["outcome"] == "restored" and second["blobs_fetched"] == 1
     assert is_restored(pushed_small, cache)
 
 
-def test_eight_concurrent_prejobs_fetch_one_set(live, home, pushed_small, tmp_path):
+def test_eight_concurrent_prejobs_fetch_one_set(authed_server, home, pushed_small, tmp_path):
     cache = tmp_path / "shared-cache"
-    archives = counter(live.url, "cachekeeper_archive_requests_total")
-    blob_gets = counter(live.url, "cachekeeper_blob_downloads_total")
+    archives = counter(authed_server.url, "cachekeeper_archive_requests_total")
+    blob_gets = counter(authed_server.url, "cachekeeper_blob_downloads_total")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.update(CACHEKEEPER_SERVER=live.url, CACHEKEEPER_TOKEN="read-token")
+    env.update(CACHEKEEPER_SERVER=authed_server.url, CACHEKEEPER_TOKEN="read-token")
     procs = [
         subprocess.Popen(
             [CK, "prejob", "--workload", "small", "--cache-dir", str(cache), "--json"],
@@ -170,15 +162,17 @@ def test_eight_concurrent_prejobs_fetch_one_set(live, home, pushed_small, tmp_pa
         reports.append(json.loads(out))
     outcomes = sorted(r["outcome"] for r in reports)
     assert outcomes == ["already_restored"] * 7 + ["restored"], outcomes
-    assert counter(live.url, "cachekeeper_archive_requests_total") - archives == 1
-    assert counter(live.url, "cachekeeper_blob_downloads_total") - blob_gets == 0
+    assert counter(authed_server.url, "cachekeeper_archive_requests_total") - archives == 1
+    assert counter(authed_server.url, "cachekeeper_blob_downloads_total") - blob_gets == 0
     assert is_restored(pushed_small, cache)
 
 
 @pytest.mark.parametrize("token", [None, "not-a-token"], ids=["missing", "wrong"])
-def test_prejob_without_a_valid_token_compiles_cold(live, home, pushed_small, tmp_path, token):
+def test_prejob_without_a_valid_token_compiles_cold(
+    authed_server, home, pushed_small, tmp_path, token
+):
     proc = ck("prejob", "--workload", "small", "--cache-dir", str(tmp_path / "c"),
-              server=live.url, token=token, home=home)  # fmt: skip
+              server=authed_server.url, token=token, home=home)  # fmt: skip
     assert proc.returncode == 0
     assert (
         proc.stderr.strip().splitlines() == [proc.stderr.strip()]
@@ -186,33 +180,33 @@ def test_prejob_without_a_valid_token_compiles_cold(live, home, pushed_small, tm
     )
     assert "export TORCHINDUCTOR_CACHE_DIR=" in proc.stdout
     proc = ck("prejob", "--workload", "small", "--cache-dir", str(tmp_path / "c"), "--strict",
-              server=live.url, token=token, home=home)  # fmt: skip
+              server=authed_server.url, token=token, home=home)  # fmt: skip
     assert proc.returncode == 1 and proc.stdout == ""
 
 
-def test_push_with_a_read_token_is_forbidden(live, home, tmp_path):
+def test_push_with_a_read_token_is_forbidden(authed_server, home, tmp_path):
     src = tmp_path / "src"
     make_cache(src)
-    proc = ck("push", str(src), "--workload", "small", "--allow-unregistered", server=live.url, token="read-token",
+    proc = ck("push", str(src), "--workload", "small", "--allow-unregistered", server=authed_server.url, token="read-token",
               home=home)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: ") and "[forbidden]" in proc.stderr
 
 
-def test_no_match_names_the_mismatched_field(live, home, tmp_path):
+def test_no_match_names_the_mismatched_field(authed_server, home, tmp_path):
     src = tmp_path / "src"
     make_cache(src)
     node = collect()
     other = dict(node, torch="2.11.0+cu130")
-    with CacheClient(base_url=live.url, token="write-token") as client:
+    with CacheClient(base_url=authed_server.url, token="write-token") as client:
         push(src, client=client, workload="elsewhere", store=LocalStore(home=home),
              fingerprint=other)  # fmt: skip
     proc = ck("prejob", "--workload", "elsewhere", "--cache-dir", str(tmp_path / "c"),
-              server=live.url, token="read-token", home=home)  # fmt: skip
+              server=authed_server.url, token="read-token", home=home)  # fmt: skip
     assert proc.returncode == 0
     assert f"torch {node['torch']} != 2.11.0+cu130" in proc.stderr, proc.stderr
     assert "this job will compile cold" in proc.stderr
     proc = ck("pull", "--workload", "elsewhere", "--cache-dir", str(tmp_path / "c"),
-              server=live.url, token="read-token", home=home)  # fmt: skip
+              server=authed_server.url, token="read-token", home=home)  # fmt: skip
     assert proc.returncode == 1
     assert "[no_match]" in proc.stderr and "torch" in proc.stderr

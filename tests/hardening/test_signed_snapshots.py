@@ -129,15 +129,6 @@ def test_restore_refuses_unsigned_untrusted_and_tampered_archives(
     assert visible_files(tmp_path / "ok") == visible_files(small_cache)
 
 
-@pytest.fixture
-def open_server(tmp_path: Path):  # type: ignore[no-untyped-def]
-    from cachekeeper.server.settings import Settings
-
-    handle = start_server(Settings(data_dir=tmp_path / "data"))
-    yield handle
-    handle.stop()
-
-
 def _stored_manifest(server: LiveServer, snapshot_id: str) -> dict:
     return httpx.get(f"{server.url}/v1/snapshots/{snapshot_id}").json()
 

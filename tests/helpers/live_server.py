@@ -16,7 +16,10 @@ import uvicorn
 from cachekeeper.server.app import create_app
 from cachekeeper.server.settings import Settings
 
-__all__ = ["LiveServer", "start_server"]
+__all__ = ["LiveServer", "TOKENS", "start_server"]
+
+# The bearer tokens of the tests' servers with auth on (``authed_server`` in tests/conftest.py).
+TOKENS = {"write-token": "write", "read-token": "read"}
 
 
 @dataclass
