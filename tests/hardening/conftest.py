@@ -108,6 +108,9 @@ class ServerProcess:
     home: Path
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    host: str = "127.0.0.1"  # what it binds; it is probed on loopback
+    args: tuple[str, ...] = ()  # more ``serve`` options (--config, --insecure-no-auth, ...)
+    env: dict[str, str] = field(default_factory=dict)  # more variables for the server
 
     @property
     def url(self) -> str:
@@ -120,13 +123,14 @@ class ServerProcess:
             cli(
                 "serve",
                 "--host",
-                "127.0.0.1",
+                self.host,
                 "--port",
                 str(self.port),
                 "--data",
                 str(self.data_dir),
+                *self.args,
             ),
-            env=child_env(self.home, CACHEKEEPER_LOG_LEVEL="warning"),
+            env=child_env(self.home, CACHEKEEPER_LOG_LEVEL="warning", **self.env),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

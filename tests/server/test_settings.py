@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ from click.testing import CliRunner
 
 from cachekeeper.cli import cli as cli_main
 from cachekeeper.errors import ConfigInvalid
-from tests.hardening.conftest import child_env, free_port
+from tests.hardening.conftest import ServerProcess, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,41 +51,17 @@ def test_empty_tokens_variable_keeps_the_config_files_tokens(
             load_settings(config_file=config)
 
 
-def _serve(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cachekeeper", "serve", "--data", str(tmp_path / "data"), *args],
-        env=child_env(tmp_path / "home", CACHEKEEPER_LOG_LEVEL="warning", **env),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.monotonic() + 30  # hang guard only
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("cachekeeper serve did not start")
-
-
 def test_served_with_an_empty_tokens_variable_auth_stays_on(tmp_path: Path) -> None:
     config = _config(tmp_path, '[tokens]\n"ops-secret" = "admin"\n')
-    port = free_port()
-    proc = _serve(tmp_path, "--port", str(port), "--config", str(config), CACHEKEEPER_TOKENS="")
+    server = ServerProcess(data_dir=tmp_path / "data", home=tmp_path / "home",
+                           args=("--config", str(config)), env={"CACHEKEEPER_TOKENS": ""})  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, url)
+        url = server.start().url
         assert httpx.post(f"{url}/v1/gc", json={"dry_run": True}).status_code == 401
         admin = {"Authorization": "Bearer ops-secret"}
         assert httpx.post(f"{url}/v1/gc", json={"dry_run": True}, headers=admin).status_code == 200
     finally:
-        proc.kill()
-        proc.wait(10)
+        server.kill()
 
 
 def test_sizes_accept_units(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -174,13 +149,12 @@ def test_an_exposed_server_without_auth_refuses_to_start(tmp_path: Path) -> None
         assert "--insecure-no-auth" in result.output
     assert not (tmp_path / "d").exists()  # refused before touching anything
     # Asked for explicitly, it starts (bound to every address; probed on loopback).
-    port = free_port()
-    proc = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(port), "--insecure-no-auth")
+    server = ServerProcess(data_dir=tmp_path / "data", home=tmp_path / "home", host="0.0.0.0",
+                           args=("--insecure-no-auth",))  # fmt: skip
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}")
+        server.start()
     finally:
-        proc.kill()
-        proc.wait(10)
+        server.kill()
 
 
 def _as_non_root() -> list[str] | None:
