@@ -34,6 +34,7 @@ from cachekeeper.restore import (
 )
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
+from tests.helpers.triton import make_triton_cache
 
 FP = {"schema": 1, "torch": "test"}
 
@@ -455,23 +456,11 @@ def test_restore_takes_the_lock_once_and_waits_for_another_holder(tmp_path: Path
 
 
 # -- Triton group files ---------------------------------------------------------------------
-def _triton_cache(root: Path) -> dict[str, str]:
-    folder = root / "triton" / "0" / "HASH"
-    folder.mkdir(parents=True)
-    children = {}
-    for name in ("k.cubin", "k.json"):
-        (folder / name).write_bytes(b"kernel " + name.encode())
-        children[name] = str((folder / name).absolute())
-    children["elsewhere"] = "/not/in/the/cache/file"
-    (folder / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
-    return children
-
-
 def test_triton_group_paths_are_rewritten_to_the_new_root(
     store: LocalStore, tmp_path: Path
 ) -> None:
     src = tmp_path / "src"
-    _triton_cache(src)
+    make_triton_cache(src, outside_child="/not/in/the/cache/file")
     manifest = snapshot_dir(src, store=store, fingerprint=FP)
     dst = tmp_path / "moved" / "cache"
     report = restore(manifest, store.blobs, dst)
@@ -489,7 +478,7 @@ def test_triton_group_paths_are_rewritten_to_the_new_root(
 
 def test_merge_tree_follows_the_same_rules(tmp_path: Path) -> None:
     src, dst = tmp_path / "staging-cache", tmp_path / "cache"
-    _triton_cache(src)
+    make_triton_cache(src, outside_child="/not/in/the/cache/file")
     (src / "ab").mkdir()
     (src / "ab" / "x.py").write_bytes(b"new")
     (dst / "ab").mkdir(parents=True)

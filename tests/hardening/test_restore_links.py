@@ -29,6 +29,7 @@ from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli, sha, visible_files
 from tests.helpers.live_server import start_server
+from tests.helpers.triton import make_triton_cache
 
 FP = {"schema": 1, "torch": "test"}
 
@@ -144,16 +145,6 @@ def test_a_folder_swapped_for_a_link_mid_restore_is_not_followed(
     )
 
 
-def _triton_cache(root: Path) -> None:
-    folder = root / "triton" / "0" / "HASH"
-    folder.mkdir(parents=True)
-    children = {}
-    for name in ("k.cubin", "k.json"):
-        (folder / name).write_bytes(b"kernel " + name.encode())
-        children[name] = str((folder / name).absolute())
-    (folder / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
-
-
 def test_trusted_restore_reports_a_planted_group_file_and_records_no_trust(
     store: LocalStore, tmp_path: Path, reliability
 ) -> None:
@@ -195,7 +186,7 @@ def test_trusted_restore_reports_a_planted_group_file_and_records_no_trust(
 
 def _triton_cache_dir(tmp_path: Path) -> Path:
     root = tmp_path / "triton-src"
-    _triton_cache(root)
+    make_triton_cache(root)
     return root
 
 
