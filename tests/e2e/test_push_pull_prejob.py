@@ -52,19 +52,16 @@ def counter(url: str, name: str) -> float:
     )
 
 
+def _push_flex(cache: Path, url: str, home: Path) -> subprocess.CompletedProcess[str]:
+    """``cachekeeper push CACHE --workload flex --json`` (unregistered) with the write token."""
+    return ck("push", str(cache), "--workload", "flex", "--allow-unregistered", "--json",
+              server=url, home=home)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def pushed_flex(authed_server, home, compiled_cache) -> dict:
     """The real compiled cache pushed as workload 'flex' (the first push's JSON report)."""
-    proc = ck(
-        "push",
-        str(compiled_cache),
-        "--workload",
-        "flex",
-        "--allow-unregistered",
-        "--json",
-        server=authed_server.url,
-        home=home,
-    )
+    proc = _push_flex(compiled_cache, authed_server.url, home)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -75,16 +72,7 @@ def test_push_twice_uploads_nothing_the_second_time(
 ):
     assert pushed_flex["created"] is True
     assert pushed_flex["uploaded_blobs"] == pushed_flex["blob_count"] > 0
-    proc = ck(
-        "push",
-        str(compiled_cache),
-        "--workload",
-        "flex",
-        "--allow-unregistered",
-        "--json",
-        server=authed_server.url,
-        home=home,
-    )
+    proc = _push_flex(compiled_cache, authed_server.url, home)
     assert proc.returncode == 0, proc.stderr
     again = json.loads(proc.stdout)
     assert again["snapshot_id"] == pushed_flex["snapshot_id"]

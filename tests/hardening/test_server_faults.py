@@ -95,6 +95,11 @@ def test_server_killed_mid_upload_keeps_no_half_blob(
     )
 
 
+def _push_command(cache: Path, url: str) -> list[str]:
+    """``cachekeeper push`` of ``cache`` as workload ``w`` (unregistered) to ``url``."""
+    return cli("push", str(cache), "--workload", "w", "--allow-unregistered", "--server", url)
+
+
 def test_server_killed_during_push_never_publishes_without_blobs(
     server_process: ServerProcess, cache_tree: Path, tmp_path: Path, reliability
 ) -> None:
@@ -102,15 +107,7 @@ def test_server_killed_during_push_never_publishes_without_blobs(
     env = child_env(tmp_path / "client-home")
     server_process.start()
     started = time.monotonic()
-    push = cli(
-        "push",
-        str(cache_tree),
-        "--workload",
-        "w",
-        "--allow-unregistered",
-        "--server",
-        server_process.url,
-    )
+    push = _push_command(cache_tree, server_process.url)
     subprocess.run(push, env=env, check=True, capture_output=True, timeout=180)
     full_s = time.monotonic() - started
     server_process.kill()
@@ -121,15 +118,7 @@ def test_server_killed_during_push_never_publishes_without_blobs(
         proc.start()
         try:
             pusher = subprocess.Popen(
-                cli(
-                    "push",
-                    str(cache_tree),
-                    "--workload",
-                    "w",
-                    "--allow-unregistered",
-                    "--server",
-                    proc.url,
-                ),
+                _push_command(cache_tree, proc.url),
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -142,15 +131,7 @@ def test_server_killed_during_push_never_publishes_without_blobs(
             _assert_every_snapshot_has_its_blobs(proc.url)
             assert _tmp_files(proc.data_dir) == []
             rerun = subprocess.run(
-                cli(
-                    "push",
-                    str(cache_tree),
-                    "--workload",
-                    "w",
-                    "--allow-unregistered",
-                    "--server",
-                    proc.url,
-                ),
+                _push_command(cache_tree, proc.url),
                 env=env,
                 capture_output=True,
                 timeout=180,
@@ -179,15 +160,7 @@ def test_server_killed_mid_download_leaves_only_complete_files(
     rng = random.Random(3)
     env = child_env(tmp_path / "client-home")
     server_process.start()
-    push = cli(
-        "push",
-        str(cache_tree),
-        "--workload",
-        "w",
-        "--allow-unregistered",
-        "--server",
-        server_process.url,
-    )
+    push = _push_command(cache_tree, server_process.url)
     subprocess.run(push, env=env, check=True, capture_output=True, timeout=180)
     expected = visible_files(cache_tree)
 
