@@ -10,7 +10,9 @@ fresh ``cachekeeper serve`` process (``--data`` only, then ``--blob-store s3://.
    snapshot; then ``--nodes`` fresh ``cachekeeper prejob`` runs, one after another. For
    each: bytes the server sent (``/metrics``, ``cachekeeper_http_response_bytes_total``)
    and the server's CPU time (utime + stime of its process, ``/proc/<pid>/stat``), and the
-   prejob's wall time.
+   prejob's wall time. ``push_s``: the big push's wall time (its publish, with the object
+   store, reads every blob back and packs the archive; bench/publish_bench.py times that
+   alone).
 2. A herd: ``--herd`` prejobs of a smaller snapshot (``--herd-size-mb``; the bench host
    has 2 cores) into fresh dirs, ``--herd-concurrency`` at once: errors, p50/p99 wall time
    per node, and the server's total CPU.
@@ -66,10 +68,16 @@ def ck(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CK_ARGS, *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-def push(env: dict[str, str], cache: Path, workload: str) -> None:
-    proc = ck(env, "push", str(cache), "--workload", workload, "--allow-unregistered", "--json")
+def push(env: dict[str, str], cache: Path, workload: str) -> float:
+    """Push ``cache``; the push's wall time (snapshot, upload, and the publish, which with
+    the object store reads every blob back and packs the archive: the push waits for it by
+    ``client.push.publish_timeout_for``, not the 30 s of other requests)."""
+    args = [*CK_ARGS, "push", str(cache), "--workload", workload, "--allow-unregistered", "--json"]
+    start = time.perf_counter()
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"push failed: {proc.stderr}")
+    return time.perf_counter() - start
 
 
 def prejob(env: dict[str, str], workload: str, dest: Path) -> tuple[float, bool]:
@@ -159,9 +167,10 @@ def main() -> None:
             blob_store = ["--blob-store", store] if store else []
             with serve(work / f"data-{name}", args=blob_store, env=env) as server:
                 env["CACHEKEEPER_SERVER"] = server.url
-                push(env, big, "big")
+                push_s = push(env, big, "big")
                 push(env, small, "small")
                 out[name] = {
+                    "push_s": push_s,
                     "per_node": per_node(server, env, "big", work / f"nodes-{name}", args.nodes),
                     "herd": herd(
                         server,

@@ -174,8 +174,8 @@ class _PublishNote:
             return
         self._started_at = time.monotonic()
         echo_err(
-            f"cachekeeper: publishing: the server checks {mb(blob_bytes)} in {blob_count} "
-            f"blobs and packs the snapshot (waiting up to {waits_s:.0f} s)"
+            f"cachekeeper: publishing {mb(blob_bytes)} in {blob_count} blobs; a server with an "
+            f"object store reads them all back first (waiting up to {waits_s:.0f} s)"
         )
 
     def done(self) -> None:
