@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
@@ -216,8 +217,7 @@ class RoundReport:
 
 
 def _utc_now() -> str:
-    from datetime import UTC, datetime
-
+    # Not wire.utc_now: a round's started_at is `agent --json` output, in whole seconds.
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 

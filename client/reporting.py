@@ -11,17 +11,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-from datetime import UTC, datetime
 from typing import Any
 
-from cachekeeper.wire import JobReport, to_dict
+from cachekeeper.wire import JobReport, to_dict, utc_now
 
 __all__ = ["post_json", "send_report", "node_name", "utc_now"]
-
-
-def utc_now() -> str:
-    """The current UTC time as ISO 8601 (the server's format)."""
-    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 def node_name() -> str:

@@ -1,14 +1,14 @@
 """The server's metadata, and ALL of its SQL: one SQLite file (WAL mode) through sqlite-utils.
 
 This module is the catalog layer's one import point (``Catalog``, ``Transaction``,
-``agent_id_for``, ``utc_now``); the layer is four modules, and no other module of the
+``agent_id_for``); the layer is four modules, and no other module of the
 server holds SQL:
 
     server/catalog.py        Catalog (connections, transactions) and the snapshot, blob,
                              workload and start-up check queries
     server/catalog_fleet.py  agents, their build events, job reports, the fleet's facts
                              (mixed into Catalog and Transaction)
-    server/catalog_base.py   times as text, ``IN (...)`` batches, the Reads/Writes bases
+    server/catalog_base.py   ``IN (...)`` batches, the Reads/Writes bases
     server/schema.py         the tables (drawn there), indexes and in-place migrations
 
 Every query the server makes is a method of ``Catalog`` (reads) or ``Transaction``
@@ -37,14 +37,14 @@ import sqlite_utils
 
 from cachekeeper.errors import InsufficientStorage
 from cachekeeper.manifest import Manifest
-from cachekeeper.wire import Summary, WorkloadInfo
+from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
-from .catalog_base import BATCH, chunks, utc_now
+from .catalog_base import BATCH, chunks
 from .catalog_fleet import FleetReads, FleetWrites, agent_id_for
 from .records import BlobInfo, BlobUsage, Candidate, Counts
 from .schema import ensure_schema
 
-__all__ = ["Catalog", "Transaction", "agent_id_for", "utc_now"]
+__all__ = ["Catalog", "Transaction", "agent_id_for"]
 
 _SUMMARY_COLUMNS = (
     "id, workload, fingerprint_digest, devices, verified, signed, size_bytes, file_count, "

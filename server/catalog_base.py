@@ -1,4 +1,4 @@
-"""What the catalog's query modules share: the text of times, ``IN (...)`` batches, and
+"""What the catalog's query modules share: ``IN (...)`` batches, and
 the two bases their query classes build on (``Reads`` for ``Catalog``, ``Writes`` for
 ``Transaction``). Part of the catalog layer (``server/catalog.py`` is its one import point).
 """
@@ -7,19 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from typing import Any
 
 import sqlite_utils
 
-__all__ = ["BATCH", "Reads", "Writes", "chunks", "utc_now"]
+__all__ = ["BATCH", "Reads", "Writes", "chunks"]
 
 BATCH = 500  # rows per multi-row statement, well under SQLite's 999 variables
-
-
-def utc_now() -> str:
-    """The current UTC time as ISO 8601 with microseconds (sorts as text)."""
-    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 def chunks(items: list[str]) -> Iterator[tuple[list[str], str]]:

@@ -12,9 +12,9 @@ import hashlib
 import json
 from typing import Any
 
-from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats
+from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats, utc_now
 
-from .catalog_base import Reads, Writes, chunks, utc_now
+from .catalog_base import Reads, Writes, chunks
 from .records import StatusFacts
 
 __all__ = ["FleetReads", "FleetWrites", "agent_id_for"]

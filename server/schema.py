@@ -22,7 +22,7 @@ Tables::
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
                     skipped, cold_compile_broken, failed (see server/fleet.py)
 
-Times are UTC ISO 8601 text with microseconds (``catalog_base.utc_now``), so they sort as
+Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
 text. Part of the catalog layer: only ``server/catalog.py`` calls ``ensure_schema``.
 
 Adding a table or a column: add an idempotent step to ``_SCHEMA_STEPS``

@@ -45,10 +45,11 @@ from cachekeeper.wire import (
     Summary,
     Upload,
     WorkloadInfo,
+    utc_now,
 )
 
 from .archive import archive_chunks
-from .catalog import Catalog, utc_now
+from .catalog import Catalog
 from .fleet import fleet_status
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts

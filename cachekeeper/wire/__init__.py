@@ -9,7 +9,7 @@ an archive stream) are not shapes and are not here.
 tuples, optionals, literals), and raises ``WireError`` naming the first offending field;
 keys it does not know are ignored, so a server may add fields. A field added later must
 have a default, so answers of older servers still parse. ``to_dict(shape)`` is the
-reverse (tuples become lists).
+reverse (tuples become lists). ``utc_now()`` is the text of every ``*_at`` field.
 
 Answers hold tuples; request bodies hold lists, so that pydantic's 422 messages
 ("List should have at most ...") stay what they were.
@@ -46,6 +46,7 @@ from ._core import (  # the building blocks, and the field types routes and tabl
     WireError,
     from_dict,
     to_dict,
+    utc_now,
 )
 
 if TYPE_CHECKING:  # the shapes, for type checkers; at run time __getattr__ loads them
@@ -80,6 +81,7 @@ __all__ = [
     "Check",
     "from_dict",
     "to_dict",
+    "utc_now",
     "Digest",
     "DigestList",
     "Count",

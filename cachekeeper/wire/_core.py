@@ -1,5 +1,6 @@
 """The building blocks of the wire shapes: ``WireError``, ``Check``, the shared field
-types, and ``from_dict`` / ``to_dict`` (see the package docstring)."""
+types, ``utc_now`` (the text of every ``*_at`` field), and ``from_dict`` / ``to_dict``
+(see the package docstring)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 T = TypeVar("T")
@@ -15,6 +17,12 @@ T = TypeVar("T")
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 AGENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$"
+
+
+def utc_now() -> str:
+    """The current UTC time as every ``*_at`` field carries it: ISO 8601 with microseconds
+    (``2026-01-02T03:04:05.123456+00:00``), so times sort as text."""
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 class WireError(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import pytest
 
@@ -18,6 +19,7 @@ from cachekeeper.wire import (
     WireError,
     from_dict,
     to_dict,
+    utc_now,
 )
 from cachekeeper.wire._core import _hints
 
@@ -147,5 +149,22 @@ def test_import_is_stdlib_only():
         "import sys, cachekeeper.wire; "
         "bad = [m for m in ('torch', 'pydantic', 'httpx', 'fastapi') if m in sys.modules]; "
         "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_utc_now_is_the_wire_time_text():
+    first, second = utc_now(), utc_now()
+    assert first <= second  # same width, so text order is time order
+    parsed = datetime.fromisoformat(first)
+    assert parsed.tzinfo == UTC and first.endswith("+00:00")
+    assert len(first.split(".")[1]) == len("123456+00:00")  # microseconds
+
+
+def test_utc_now_loads_no_shape_module():
+    code = (
+        "import sys; from cachekeeper.wire import utc_now; utc_now(); "
+        "loaded = [m for m in sys.modules if m.startswith('cachekeeper.wire.') "
+        "and m != 'cachekeeper.wire._core']; assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
