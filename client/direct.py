@@ -109,11 +109,27 @@ class ObjectStore:
         """
         import zstandard  # noqa: PLC0415 - hook start-up: only when a download happens
 
-        raw = _RangedReader(self, url, deadline=deadline, part_bytes=part_bytes, parallel=parallel)
+        raw = self.open_ranged(url, deadline=deadline, part_bytes=part_bytes, parallel=parallel)
         reader = zstandard.ZstdDecompressor().stream_reader(
-            cast(BinaryIO, raw), read_across_frames=True, closefd=True
+            raw, read_across_frames=True, closefd=True
         )
         return cast(BinaryIO, ReadAhead(cast(BinaryIO, reader)))
+
+    def open_ranged(
+        self,
+        url: str,
+        *,
+        deadline: Deadline | None = None,
+        part_bytes: int = PART_BYTES,
+        parallel: int = PARALLEL,
+    ) -> BinaryIO:
+        """The object at ``url`` as it is stored (no decompression): ``open_archive``'s
+        parallel ranged GETs, in order. bench/direct_bench.py times this (transfer, not zstd).
+
+        The first part is fetched before this returns (``DirectUnavailable`` if refused).
+        """
+        raw = _RangedReader(self, url, deadline=deadline, part_bytes=part_bytes, parallel=parallel)
+        return cast(BinaryIO, raw)
 
     def put(
         self,

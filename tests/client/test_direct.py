@@ -35,6 +35,17 @@ def test_ranged_parallel_download_is_the_object(
             stream.close()
 
 
+def test_open_ranged_is_the_stored_object_not_decompressed(s3_bucket: str, tmp_path: Path) -> None:
+    data = hashlib.sha256(b"seed").digest() * 4000
+    url = _archive(s3_bucket, tmp_path, data)
+    with ObjectStore() as objects:
+        stream = objects.open_ranged(url, part_bytes=1000, parallel=3)
+        try:
+            assert stream.read() == (tmp_path / "a.zst").read_bytes()
+        finally:
+            stream.close()
+
+
 def test_a_refused_url_raises_before_any_byte(s3_bucket: str, tmp_path: Path) -> None:
     url = _archive(s3_bucket, tmp_path, b"x" * 100)
 
