@@ -16,7 +16,6 @@ runs the CLI.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+from tests.helpers.ports import free_port
 
 __all__ = ["CK_ARGS", "BenchServer", "serve"]
 
@@ -41,13 +42,6 @@ class BenchServer:
     url: str  # http://127.0.0.1:PORT
     port: int
     proc: subprocess.Popen[bytes]
-
-
-def free_port() -> int:
-    """A loopback port free right now (the server binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._server import free_port  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
+from tests.helpers.ports import free_port  # noqa: E402
 
 CASES = ("prejob_cold_s", "restore_local_s", "prejob_noop_s")
 

@@ -32,6 +32,7 @@ from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
+from tests.helpers.ports import free_port
 
 CLI = [str(Path(sys.executable).parent / "cachekeeper")]
 
@@ -160,12 +161,6 @@ def run_prejob(*args: str, env: dict[str, str] | None = None, timeout: float = 6
     )
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def files_match(manifest: Manifest, cache_dir: Path, store: LocalStore) -> list[str]:
     """Paths present in cache_dir; asserts each present one is complete and correct."""
     present = []
@@ -236,7 +231,7 @@ def test_the_no_op_path_loads_neither_the_http_client_nor_the_restore_stack(
 def test_server_down_exits_zero_fast_with_one_line(tmp_path):
     cache = tmp_path / "cache"
     env_file = tmp_path / "env" / "prejob.env"
-    url = f"http://127.0.0.1:{closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc = run_prejob(
         "--server", url, "--cache-dir", str(cache), "--timeout", "5", "--env-file", str(env_file),
         timeout=50,  # hang guard (10x the hook's timeout), not a speed claim

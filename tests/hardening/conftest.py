@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import httpx
 import pytest
 
 from bench.synthetic_cache import make_synthetic_cache
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 OUTCOMES = ("kept", "refused", "recovered")
@@ -92,12 +92,6 @@ def cache_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("synthetic") / "cache"
     make_synthetic_cache(root, size_mb=24, seed=7)
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import boto3
 import httpx
+
+from tests.helpers.ports import free_port
 
 __all__ = ["MotoServer", "start_moto", "MOTO_ENV"]
 
@@ -66,17 +67,10 @@ def _creds() -> dict[str, str]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def start_moto(*, timeout_s: float = 30.0) -> MotoServer:
     """Start ``moto_server`` on a free loopback port and wait until it answers."""
     exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [exe, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
