@@ -1,7 +1,7 @@
 """Do parallel ranged GETs help a node's direct download from the object store? (issue 13)
 
     .venv/bin/python bench/direct_bench.py [--size-mb 200] [--repeat 3]
-        [--setting PARALLEL:PART_MB ...] [--url PRESIGNED_GET] [--json]
+        [--setting PARALLEL:PART_MB ...] [--server moto|plain] [--url PRESIGNED_GET] [--json]
 
 Times ``ObjectStore.open_ranged`` (client/direct.py): the parallel ranged reader under
 ``open_archive``, without its zstd decompression, so this measures transfer, not zstd. Each
@@ -24,8 +24,10 @@ CPU seconds of this process (the client's threads) per download. Nothing asserts
 Caveat for the loopback numbers: moto answers each ranged GET by copying the whole object
 out of its buffer and slicing it (moto.s3 ``FakeKey.value``), and it is one Python process:
 there, every part costs the server O(object size), which real stores (S3, Ceph RGW, MinIO)
-do not. Read the moto rows as the client's and loopback's cost, and use ``--url`` against
-a real store to answer the question for a site.
+do not. ``--server plain`` serves the same random object from a stdlib range server in a
+child process (each part a slice of memory, no copy, no signature check): the client's and
+loopback's ceiling. Loopback has no per-connection bandwidth limit or latency, which is
+where parallel ranges pay off; use ``--url`` against a real store to answer for a site.
 """
 
 from __future__ import annotations
@@ -33,15 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 from botocore.config import Config
-from cachekeeper.client.direct import PARALLEL, PART_BYTES, ObjectStore
+from cachekeeper.client.direct import PARALLEL, PART_BYTES, DirectUnavailable, ObjectStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -152,6 +158,55 @@ def put_object(moto: MotoServer, *, size_bytes: int) -> tuple[str, int]:
     return url, zlib.crc32(data)
 
 
+class _RangeHandler(BaseHTTPRequestHandler):
+    """GET of the one object, whole (200) or one ``Range: bytes=A-B`` (206), from memory."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, as a store's
+    data = memoryview(b"")
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        size = len(self.data)
+        start, end = 0, size - 1
+        found = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if found is not None:
+            start, end = int(found.group(1)), min(int(found.group(2)), size - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        self.wfile.write(self.data[start : end + 1])
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+        pass
+
+
+def serve_plain(size_bytes: int) -> None:
+    """The ``--server plain`` child: print ``PORT CRC32`` and serve until stdin closes."""
+    data = os.urandom(size_bytes)
+    _RangeHandler.data = memoryview(data)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    print(server.server_address[1], zlib.crc32(data), flush=True)
+    sys.stdin.read()  # the parent closes our stdin (or dies): stop
+    server.shutdown()
+
+
+def start_plain(size_bytes: int) -> tuple[subprocess.Popen[str], str, int]:
+    """A stdlib range server in a child process; (process, URL, crc32 of its object)."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve-plain-bytes", str(size_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    port, crc = child.stdout.readline().split()
+    return child, f"http://127.0.0.1:{port}/bench/archive.tar.zst?X-Amz-Signature=none", int(crc)
+
+
 def run(
     url: str, settings: list[Setting], *, size_bytes: int, repeat: int, expected_crc: int | None
 ) -> list[Row]:
@@ -213,27 +268,47 @@ def main() -> None:
         help=f"repeatable; default {' '.join(DEFAULT_SETTINGS)}",
     )
     parser.add_argument("--url", default=None, help="time this presigned GET; start no moto")
+    parser.add_argument(
+        "--server",
+        choices=("moto", "plain"),
+        default="moto",
+        help="without --url: moto (S3 API, default) or plain (a stdlib range server that"
+        " serves each part from memory: the client's and loopback's ceiling)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--serve-plain-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_plain_bytes is not None:
+        serve_plain(args.serve_plain_bytes)
+        return
     if args.size_mb < 1 or args.repeat < 1:
         parser.error("--size-mb and --repeat must be >= 1")
     settings = args.settings or [parse_setting(s) for s in DEFAULT_SETTINGS]
-    moto = None
+    moto = plain = None
+    expected_crc: int | None
     try:
         if args.url is not None:
             url, expected_crc, source = args.url, None, "--url"
             size_bytes = object_size(url)
+        elif args.server == "plain":
+            size_bytes = args.size_mb * MIB
+            plain, url, expected_crc = start_plain(size_bytes)
+            source = "a stdlib range server on loopback"
         else:
             moto = start_moto()
             size_bytes = args.size_mb * MIB
-            url, crc = put_object(moto, size_bytes=size_bytes)
-            expected_crc, source = crc, "moto on loopback"
+            url, expected_crc = put_object(moto, size_bytes=size_bytes)
+            source = "moto on loopback"
         rows = run(
             url, settings, size_bytes=size_bytes, repeat=args.repeat, expected_crc=expected_crc
         )
+    except DirectUnavailable as exc:
+        parser.exit(1, f"direct_bench: {exc}\n")
     finally:
         if moto is not None:
             moto.stop()
+        if plain is not None:
+            plain.communicate(timeout=30)  # closes its stdin: it stops
     if args.json:
         out = {
             "source": source,
