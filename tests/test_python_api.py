@@ -19,7 +19,7 @@ from cachekeeper.server.settings import Settings
 import cachekeeper
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore
-from tests.client.test_prejob import make_cache
+from tests.helpers.caches import make_cache
 from tests.helpers.live_server import start_server
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from cachekeeper.client.push import push
 
 from cachekeeper.errors import Forbidden, Unauthorized
 from cachekeeper.store import LocalStore
-from tests.client.test_prejob import make_cache
+from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer
 
 CK = str(Path(sys.executable).parent / "cachekeeper")

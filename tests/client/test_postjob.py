@@ -23,7 +23,7 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import collect
 from cachekeeper.signing import generate_keypair
-from tests.client.test_prejob import make_cache
+from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 
 CK = str(Path(sys.executable).parent / "cachekeeper")

@@ -32,20 +32,10 @@ from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
+from tests.helpers.caches import make_cache
 from tests.helpers.ports import free_port
 
 CLI = [str(Path(sys.executable).parent / "cachekeeper")]
-
-
-def make_cache(root: Path) -> None:
-    """A small cache-like dir: a few nested files, one of them large enough to stream."""
-    (root / "fxgraph" / "ab" / "key1").mkdir(parents=True)
-    (root / "fxgraph" / "ab" / "key1" / "entry").write_bytes(b"graph entry " * 100)
-    (root / "cd").mkdir()
-    (root / "cd" / "kernel.py").write_text("def kernel():\n    pass\n" * 50)
-    (root / "cd" / "kernel.so").write_bytes(os.urandom(3 << 20))
-    (root / "aotautograd" / "ef").mkdir(parents=True)
-    (root / "aotautograd" / "ef" / "entry").write_bytes(b"aot" * 1000)
 
 
 def archive_bytes(manifest: Manifest, store: LocalStore, digests: set[str]) -> bytes:

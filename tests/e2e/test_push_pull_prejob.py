@@ -21,8 +21,8 @@ from cachekeeper.client.push import push
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore
-from tests.client.test_prejob import make_cache
 from tests.conftest import run_probe
+from tests.helpers.caches import make_cache
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
 
