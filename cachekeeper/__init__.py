@@ -21,10 +21,10 @@ child processes they start. ``prejob`` and ``PrejobReport`` load on first use (P
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from cachekeeper._lazy import lazy_getattr
 from cachekeeper.errors import CachekeeperError
 
 if TYPE_CHECKING:
@@ -56,17 +56,7 @@ __path__.extend(_checkout_root(os.path.dirname(os.path.abspath(__file__))))
 
 __all__ = ["CachekeeperError", "PrejobReport", "prejob", "__version__"]
 
-_LAZY = {
-    "prejob": "cachekeeper.client.prejob",
-    "PrejobReport": "cachekeeper.client.prejob",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cachekeeper' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, {"prejob": "client.prejob", "PrejobReport": "client.prejob"})
 
 
 def __dir__() -> list[str]:

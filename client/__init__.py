@@ -7,8 +7,7 @@ what its fast path needs. The functions live in their modules, named like them:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cachekeeper._lazy import lazy_getattr
 
 __all__ = [
     "CacheClient",
@@ -31,11 +30,7 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cachekeeper.client' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = lazy_getattr(__name__, _HOME)
 
 
 def __dir__() -> list[str]:

@@ -27,8 +27,9 @@ millisecond to create, and the hook's start-up budget is 300 ms; see docs/benchm
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cachekeeper._lazy import lazy_getattr
 
 from ._core import (  # the building blocks, and the field types routes and tables share
     AGENT_NAME_PATTERN,
@@ -154,14 +155,7 @@ _MODULE_OF = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """A shape, from its module, loaded on first use (PEP 562)."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _MODULE_OF)  # a shape, from its module, on first use
 
 
 def __dir__() -> list[str]:
