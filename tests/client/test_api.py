@@ -20,6 +20,7 @@ from cachekeeper.errors import (
     Unauthorized,
 )
 from cachekeeper.fingerprint import describe_mismatch
+from tests.helpers.bodies import summary_body
 
 SERVER = "http://cache.test"
 FP = {"torch": "2.13.0+cpu"}
@@ -31,25 +32,8 @@ def client_for(handler, **kwargs) -> CacheClient:
     return CacheClient(base_url=SERVER, transport=httpx.MockTransport(handler), **kwargs)
 
 
-def summary(snapshot_id: str) -> dict:
-    """A snapshot's SUMMARY as the server sends it."""
-    return {
-        "id": snapshot_id,
-        "workload": "w",
-        "fingerprint_digest": "f" * 64,
-        "devices": ["cpu"],
-        "verified": True,
-        "signed": False,
-        "size_bytes": 10,
-        "file_count": 1,
-        "created_at": "2026-01-01T00:00:00Z",
-        "last_used_at": None,
-        "pinned": False,
-    }
-
-
 def resolve_answer(snapshot_id: str | None = SNAP_ID) -> dict:
-    snapshot = None if snapshot_id is None else summary(snapshot_id)
+    snapshot = None if snapshot_id is None else summary_body(snapshot_id)
     return {"snapshot": snapshot, "verified": True, "exact": True, "near_misses": []}
 
 
@@ -146,8 +130,10 @@ def test_token_is_sent_as_bearer():
         b"[1, 2]",
         b'{"no_snapshot_key": 1}',
         b'{"snapshot": {"id": "x"}}',
-        json.dumps({**resolve_answer(), "snapshot": summary("x")}).encode(),
-        json.dumps({**resolve_answer(), "near_misses": [{"snapshot": summary(SNAP_ID)}]}).encode(),
+        json.dumps({**resolve_answer(), "snapshot": summary_body("x")}).encode(),
+        json.dumps(
+            {**resolve_answer(), "near_misses": [{"snapshot": summary_body(SNAP_ID)}]}
+        ).encode(),
     ],
 )
 def test_garbage_answers_are_server_errors(body):
@@ -181,7 +167,7 @@ def test_a_miss_is_a_value_with_near_misses():
         "exact": False,
         "near_misses": [
             {
-                "snapshot": summary(SNAP_ID),
+                "snapshot": summary_body(SNAP_ID),
                 "mismatches": [{"field": "torch", "node": "2.13.0+cpu", "snapshot": "2.11.0"}],
             }
         ],
@@ -204,7 +190,7 @@ def test_resolve_snapshot_raises_no_match_naming_fields():
     answer = resolve_answer(None)
     answer["near_misses"] = [
         {
-            "snapshot": summary(SNAP_ID),
+            "snapshot": summary_body(SNAP_ID),
             "mismatches": [{"field": "torch", "node": "2.13.0+cpu", "snapshot": "2.11.0+cu130"}],
         }
     ]

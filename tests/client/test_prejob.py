@@ -32,6 +32,7 @@ from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
+from tests.helpers.bodies import summary_body
 from tests.helpers.caches import make_cache
 from tests.helpers.ports import free_port
 
@@ -91,19 +92,7 @@ class TinyServer:
                     return
                 snap = outer.manifest.id
                 if route == "POST /v1/resolve":
-                    summary = {
-                        "id": snap,
-                        "workload": "w",
-                        "fingerprint_digest": "f" * 64,
-                        "devices": ["cpu"],
-                        "verified": True,
-                        "signed": False,
-                        "size_bytes": 10,
-                        "file_count": 1,
-                        "created_at": "2026-01-01T00:00:00Z",
-                        "last_used_at": None,
-                        "pinned": False,
-                    }
+                    summary = summary_body(snap)
                     body = {"snapshot": summary, "verified": True, "exact": True, "near_misses": []}
                     self._answer(200, json.dumps(body).encode())
                 elif route == f"GET /v1/snapshots/{snap}":

@@ -22,26 +22,13 @@ from cachekeeper.wire import (
     utc_now,
 )
 from cachekeeper.wire._core import _hints
+from tests.helpers.bodies import summary_body
 
 DIGEST = "a" * 64
 
 
 def summary(**changes: object) -> dict:
-    out = {
-        "id": DIGEST,
-        "workload": "w",
-        "fingerprint_digest": "f" * 64,
-        "devices": ["cuda:0"],
-        "verified": True,
-        "signed": False,
-        "size_bytes": 10,
-        "file_count": 1,
-        "created_at": "2026-01-01T00:00:00Z",
-        "last_used_at": None,
-        "pinned": False,
-    }
-    out.update(changes)
-    return out
+    return summary_body(DIGEST, **changes)
 
 
 def event(**changes: object) -> dict:
