@@ -456,11 +456,16 @@ def restore_archive(
     dry_run: bool = False,
     progress: Progress | None = None,
     trusted_keys: Sequence[TrustedKey] | None = None,
+    manifest: Manifest | None = None,
 ) -> RestoreReport:
-    """Restore a one-file archive (``snapshot.write_archive``) into ``cache_dir``."""
+    """Restore a one-file archive (``snapshot.write_archive``) into ``cache_dir``.
+
+    ``manifest``: the archive's manifest when the caller has read it already (the CLI
+    checks its environment first), so the archive's first member is not parsed twice.
+    """
     try:
         return restore_snapshot(
-            ArchiveFileSource(Path(path)),
+            ArchiveFileSource(Path(path), known_manifest=manifest),
             cache_dir,
             trusted_keys=trusted_keys,
             dry_run=dry_run,

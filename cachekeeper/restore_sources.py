@@ -175,12 +175,12 @@ class ArchiveFileSource:
 
     path: Path
     snapshot_id: str | None = None
-    _manifest: Manifest | None = None
+    known_manifest: Manifest | None = None  # read once: by the caller, or on first use
 
     def manifest(self) -> Manifest:
-        if self._manifest is None:
-            self._manifest = read_archive_manifest(self.path)
-        return self._manifest
+        if self.known_manifest is None:
+            self.known_manifest = read_archive_manifest(self.path)
+        return self.known_manifest
 
     @contextlib.contextmanager
     def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:

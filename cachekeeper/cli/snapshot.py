@@ -165,7 +165,12 @@ def restore_cmd(
         total = archived.size_bytes
         with _progress(total, "restoring") as progress:
             report = restore_archive(
-                path, cache_dir, dry_run=dry_run, progress=progress, trusted_keys=trusted
+                path,
+                cache_dir,
+                dry_run=dry_run,
+                progress=progress,
+                trusted_keys=trusted,
+                manifest=archived,
             )
     else:
         store = LocalStore()
