@@ -30,11 +30,18 @@ import httpx
 
 from tests.helpers.ports import free_port
 
-__all__ = ["CK_ARGS", "BenchServer", "serve"]
+__all__ = ["CK_ARGS", "BenchServer", "cpu_seconds", "serve"]
 
 _SCRIPT = Path(sys.executable).parent / "cachekeeper"
 # The console script beside this interpreter (a venv's), else the same entry point via -m.
 CK_ARGS = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "cachekeeper"]
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (/proc/<pid>/stat fields 14 and 15; 10 ms ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 @dataclass(frozen=True)

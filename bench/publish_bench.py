@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -29,19 +28,11 @@ sys.path.insert(0, str(REPO))
 from cachekeeper.client.api import CacheClient  # noqa: E402
 from cachekeeper.client.push import upload_missing  # noqa: E402
 
-from bench._server import serve  # noqa: E402
+from bench._server import cpu_seconds, serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from cachekeeper.snapshot import snapshot_dir  # noqa: E402
 from cachekeeper.store import LocalStore  # noqa: E402
 from tests.helpers.moto_server import start_moto  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (/proc/<pid>/stat fields 14 and 15; 10 ms ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def main() -> None:

@@ -41,17 +41,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._server import CK_ARGS, BenchServer, serve  # noqa: E402
+from bench._server import CK_ARGS, BenchServer, cpu_seconds, serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from tests.helpers.moto_server import start_moto  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid`` in seconds (/proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def served_bytes(url: str) -> float:
@@ -61,7 +53,7 @@ def served_bytes(url: str) -> float:
 
 
 def cost(server: BenchServer) -> tuple[float, float]:
-    return cpu_s(server.proc.pid), served_bytes(server.url)
+    return cpu_seconds(server.proc.pid), served_bytes(server.url)
 
 
 def ck(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
