@@ -40,7 +40,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cachekeeper import config
 from cachekeeper.errors import (
@@ -55,7 +55,7 @@ from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.marker import is_restored
 from cachekeeper.signing import load_trusted_keys
-from cachekeeper.wire import JobReport, ResolveAnswer, from_dict
+from cachekeeper.wire import JobReport, ResolveAnswer, ResolveRequest, from_dict, to_dict
 
 from .calls import Deadline
 from .reporting import node_name, post_json, send_report, utc_now
@@ -170,12 +170,12 @@ def _work(
         quick = _quick_resolve(
             server,
             token=token,
-            body={
-                "fingerprint": fingerprint,
-                "workload": workload,
-                "driver_policy": driver_policy,
-                "devices": devices,
-            },
+            body=ResolveRequest(
+                fingerprint=fingerprint,
+                workload=workload,
+                driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
+                devices=devices,
+            ),
             timeout_s=deadline.bound(timeout_s) / 2,  # leave the full client time to retry
         )
         # The fast path: the restore's own already-restored check, on the quick answer
@@ -218,10 +218,10 @@ def _work(
 
 
 def _quick_resolve(
-    server: str | None, *, token: str | None, body: dict[str, Any], timeout_s: float
+    server: str | None, *, token: str | None, body: ResolveRequest, timeout_s: float
 ) -> ResolveAnswer | None:
     """The answer of one stdlib POST /v1/resolve; None on any trouble."""
-    answer = post_json(server, "/v1/resolve", body, token=token, timeout_s=timeout_s)
+    answer = post_json(server, "/v1/resolve", to_dict(body), token=token, timeout_s=timeout_s)
     if answer is None or answer[0] != 200:
         return None
     try:
