@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import subprocess
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +158,28 @@ def test_utc_now_loads_no_shape_module():
         "and m != 'cachekeeper.wire._core']; assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_package_names_every_shape_once_in_each_list():
+    """A shape is named three times in cachekeeper/wire/__init__.py: the lazy map (run
+    time), the TYPE_CHECKING imports (types for mypy; a name missing there types as Any),
+    and __all__. A shape added to a module must appear in all three, from its own module."""
+    init = Path(wire.__file__)
+    tree = ast.parse(init.read_text())
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1
+                typed.update({alias.name: str(imp.module) for alias in imp.names})
+    defined = {
+        name: path.stem
+        for path in init.parent.glob("[!_]*.py")
+        for name, value in vars(importlib.import_module(f"cachekeeper.wire.{path.stem}")).items()
+        if dataclasses.is_dataclass(value) and value.__module__ == f"cachekeeper.wire.{path.stem}"
+    }
+    assert len(defined) >= 25
+    assert wire._MODULE_OF == defined
+    assert typed == defined
+    assert set(defined) <= set(wire.__all__)
+    assert len(wire.__all__) == len(set(wire.__all__))
