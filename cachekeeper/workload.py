@@ -15,17 +15,26 @@ A workload is a TOML file (format in DESIGN.md §5 and docs/workloads.md)::
     [[entrypoint]]                # the training code's own warm-up step
     target = "mytrainer.warmup:step"
     kwargs = { seq_len = 4096 }
+    [[command]]                   # the site's own launcher, run as it is (no shell)
+    argv = ["torchrun", "--nproc-per-node", "8", "-m", "mytrainer.train", "--steps", "2"]
+    env = { WANDB_MODE = "disabled" }
+    cwd = "/srv/mytrainer"
+    timeout = "30m"
     [process]                     # optional: the process state training's ranks run with
     omp_num_threads = 1           # torchrun's default; CPU kernels are keyed on it
 
 This module never imports torch or user code: the server validates workloads with it.
-Whether an import path (``"pkg.mod:attr"``) resolves is checked by the prewarm child.
+Whether an import path (``"pkg.mod:attr"``) resolves is checked by the prewarm child;
+whether a command's ``argv[0]`` exists, when it runs. ``Workload.code`` lists what a
+workload would make a builder run (import paths and commands): the server asks for the
+admin scope to register it, and the agent runs it only when its allowlist admits it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +42,7 @@ from typing import Any
 
 from cachekeeper import wire
 from cachekeeper.errors import WorkloadInvalid
+from cachekeeper.units import parse_duration
 
 __all__ = [
     "DTYPES",
@@ -41,6 +51,8 @@ __all__ = [
     "MIN_HEAD_DIM",
     "Regime",
     "Entrypoint",
+    "Command",
+    "CodeRef",
     "Workload",
     "load_workload",
     "parse_workload",
@@ -75,7 +87,7 @@ _COMPILE_KEYS: dict[str, type | tuple[type, ...]] = {
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _IMPORT_PATH_RE = re.compile(rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$")
-_TOP_KEYS = frozenset({"name", "attention", "entrypoint", "process"})
+_TOP_KEYS = frozenset({"name", "attention", "entrypoint", "command", "process"})
 _PROCESS_KEYS = frozenset({"omp_num_threads"})
 _REGIME_KEYS = frozenset(
     {
@@ -95,6 +107,14 @@ _REGIME_KEYS = frozenset(
     }
 )
 _ENTRYPOINT_KEYS = frozenset({"target", "kwargs"})
+_COMMAND_KEYS = frozenset({"argv", "env", "cwd", "timeout"})
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Variables a command's ``env`` may not set, with why: prewarm and verify own them.
+RESERVED_ENV = {
+    "TORCHINDUCTOR_CACHE_DIR": "prewarm and verify set it to their staging dir",
+    "TRITON_CACHE_DIR": "Triton's cache must land in the cache dir (triton/<index>)",
+    "CACHEKEEPER_EVIDENCE_DIR": "cachekeeper's per-process evidence goes there",
+}
 
 
 def is_import_path(value: str) -> bool:
@@ -166,6 +186,47 @@ class Entrypoint:
 
 
 @dataclass(frozen=True)
+class Command:
+    """One ``[[command]]`` table: the site's own launcher, run without a shell.
+
+    ``env`` is added to the builder's environment; ``cwd`` (None: where prewarm runs) is
+    where it starts; ``timeout_s`` (None: no bound but the prewarm's) bounds one run.
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    timeout_s: float | None = None
+
+    def describe(self, *, limit: int = 120) -> str:
+        """The command line as a shell would show it, cut at ``limit`` characters."""
+        line = shlex.join(self.argv)
+        return line if len(line) <= limit else line[: limit - 3] + "..."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "cwd": self.cwd,
+            "timeout_s": self.timeout_s,
+        }
+
+
+@dataclass(frozen=True)
+class CodeRef:
+    """Something a workload makes a builder run: an import path, or a command.
+
+    ``kind`` is ``"import"`` (``value`` is ``pkg.mod:attr``) or ``"command"`` (``value`` is
+    the command line, ``argv0`` its program); ``where`` names the field.
+    """
+
+    kind: str
+    value: str
+    where: str
+    argv0: str = ""
+
+
+@dataclass(frozen=True)
 class Workload:
     """A parsed, validated workload file. ``digest`` is the sha256 of its TOML text.
 
@@ -180,6 +241,23 @@ class Workload:
     text: str
     source: str = ""
     omp_num_threads: int | None = None  # [process]: the thread count training's ranks have
+    commands: tuple[Command, ...] = ()
+
+    @property
+    def code(self) -> tuple[CodeRef, ...]:
+        """Every import path and command this workload would make a builder run."""
+        refs: list[CodeRef] = []
+        for i, regime in enumerate(self.regimes):
+            for fld, value in (("mask", regime.mask), ("score_mod", regime.score_mod)):
+                if ":" in value:
+                    refs.append(CodeRef("import", value, f"attention[{i}].{fld}"))
+        for i, entry in enumerate(self.entrypoints):
+            refs.append(CodeRef("import", entry.target, f"entrypoint[{i}].target"))
+        for i, command in enumerate(self.commands):
+            refs.append(
+                CodeRef("command", shlex.join(command.argv), f"command[{i}].argv", command.argv[0])
+            )
+        return tuple(refs)
 
 
 def load_workload(path: Path) -> Workload:
@@ -217,8 +295,11 @@ def parse_workload(text: str, *, source: str) -> Workload:
         )
     attention = _tables(v, data, "attention")
     entrypoint = _tables(v, data, "entrypoint")
-    if not attention and not entrypoint:
-        v.fail("", "a workload needs at least one [[attention]] or [[entrypoint]] table")
+    command = _tables(v, data, "command")
+    if not attention and not entrypoint and not command:
+        v.fail(
+            "", "a workload needs at least one [[attention]], [[entrypoint]] or [[command]] table"
+        )
     process = v.typed(data.get("process", {}), dict, "process")
     v.unknown_keys(process, _PROCESS_KEYS, "process")
     omp = (
@@ -228,6 +309,7 @@ def parse_workload(text: str, *, source: str) -> Workload:
     entrypoints = tuple(
         _entrypoint(v, table, f"entrypoint[{i}]") for i, table in enumerate(entrypoint)
     )
+    commands = tuple(_command(v, table, f"command[{i}]") for i, table in enumerate(command))
     return Workload(
         name=name,
         regimes=regimes,
@@ -236,6 +318,7 @@ def parse_workload(text: str, *, source: str) -> Workload:
         text=text,
         source=source,
         omp_num_threads=omp,
+        commands=commands,
     )
 
 
@@ -417,3 +500,43 @@ def _entrypoint(v: _Validator, table: dict[str, Any], where: str) -> Entrypoint:
         v.fail(f"{where}.target", f"{target!r} is not an import path of the form 'pkg.mod:attr'")
     kwargs = v.typed(table.get("kwargs", {}), dict, f"{where}.kwargs")
     return Entrypoint(target=target, kwargs=dict(kwargs))
+
+
+def _command(v: _Validator, table: dict[str, Any], where: str) -> Command:
+    v.unknown_keys(table, _COMMAND_KEYS, where)
+    argv = v.required(table, "argv", list, where)
+    if not argv:
+        v.fail(f"{where}.argv", "must name at least the program to run")
+    for i, arg in enumerate(argv):
+        v.typed(arg, str, f"{where}.argv[{i}]")
+        if "\x00" in arg:
+            v.fail(f"{where}.argv[{i}]", "contains a NUL character")
+    if not argv[0].strip():
+        v.fail(f"{where}.argv[0]", "the program to run is empty")
+    env_table = v.typed(table.get("env", {}), dict, f"{where}.env")
+    env: dict[str, str] = {}
+    for key, value in env_table.items():
+        key_where = f"{where}.env.{key}"
+        if not _ENV_NAME_RE.match(key):
+            v.fail(key_where, "not a valid environment variable name")
+        if key in RESERVED_ENV:
+            v.fail(key_where, f"cannot be set by a workload: {RESERVED_ENV[key]}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            v.fail(key_where, f"expected a string, got {_type_name(type(value))}")
+        if "\x00" in value:
+            v.fail(key_where, "contains a NUL character")
+        env[key] = value
+    cwd = None
+    if "cwd" in table:
+        cwd = v.typed(table["cwd"], str, f"{where}.cwd")
+        if not cwd.strip() or "\x00" in cwd:
+            v.fail(f"{where}.cwd", "must be a directory path")
+    timeout_s = None
+    if "timeout" in table:
+        try:
+            timeout_s = parse_duration(table["timeout"])
+        except ValueError as exc:
+            v.fail(f"{where}.timeout", str(exc))
+    return Command(argv=tuple(argv), env=env, cwd=cwd, timeout_s=timeout_s)

@@ -279,3 +279,72 @@ def test_parser_and_mods_import_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+CMD = 'name = "w"\n[[command]]\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (CMD + "cwd = '/x'\n", "t.toml: command[0].argv: required field is missing"),
+        (CMD + "argv = []\n", "command[0].argv: must name at least the program to run"),
+        (CMD + "argv = 'torchrun'\n", "command[0].argv: expected an array, got a string"),
+        (CMD + "argv = ['torchrun', 3]\n", "command[0].argv[1]: expected a string"),
+        (CMD + "argv = [' ']\n", "command[0].argv[0]: the program to run is empty"),
+        (CMD + "argv = ['a']\nshell = true\n", "command[0].shell: unknown key"),
+        (CMD + "argv = ['a']\nenv = ['A=1']\n", "command[0].env: expected a table"),
+        (CMD + "argv = ['a']\nenv = { 'A-B' = '1' }\n", "command[0].env.A-B: not a valid"),
+        (CMD + "argv = ['a']\nenv = { A = 1.5 }\n", "command[0].env.A: expected a string"),
+        (
+            CMD + "argv = ['a']\nenv = { TORCHINDUCTOR_CACHE_DIR = '/tmp/x' }\n",
+            "command[0].env.TORCHINDUCTOR_CACHE_DIR: cannot be set by a workload: prewarm",
+        ),
+        (
+            CMD + "argv = ['a']\nenv = { TRITON_CACHE_DIR = '/tmp/x' }\n",
+            "command[0].env.TRITON_CACHE_DIR: cannot be set by a workload",
+        ),
+        (CMD + "argv = ['a']\ncwd = ''\n", "command[0].cwd: must be a directory path"),
+        (CMD + "argv = ['a']\ntimeout = 'soon'\n", "command[0].timeout: 'soon' is not a duration"),
+        (CMD + "argv = ['a']\ntimeout = -5\n", "command[0].timeout: -5 is not a positive"),
+        (CMD + "argv = ['a']\n[[command]]\n", "t.toml: command[1].argv: required field"),
+        ('name = "w"\n', "needs at least one [[attention]], [[entrypoint]] or [[command]]"),
+    ],
+)
+def test_command_validation_errors(text: str, expected: str) -> None:
+    message = _error(text)
+    assert expected in message, message
+    assert "\n" not in message
+
+
+def test_commands_parse_alone_or_beside_other_tables() -> None:
+    text = (
+        CMD + 'argv = ["torchrun", "--nproc-per-node", "8", "-m", "titan.train"]\n'
+        'env = { WANDB_MODE = "disabled", NCCL_DEBUG_LEVEL = 1 }\ncwd = "/srv/t"\n'
+        'timeout = "30m"\n[[command]]\nargv = ["python", "eval.py"]\ntimeout = 90\n'
+    )
+    w = parse_workload(text, source="t.toml")
+    first, second = w.commands
+    assert first.argv == ("torchrun", "--nproc-per-node", "8", "-m", "titan.train")
+    assert first.env == {"WANDB_MODE": "disabled", "NCCL_DEBUG_LEVEL": "1"}  # ints as text
+    assert (first.cwd, first.timeout_s) == ("/srv/t", 1800.0)
+    assert (second.env, second.cwd, second.timeout_s) == ({}, None, 90.0)
+    assert first.describe() == "torchrun --nproc-per-node 8 -m titan.train"
+    assert w.regimes == () and w.entrypoints == ()
+    mixed = parse_workload(BASE + '[[command]]\nargv = ["a b", "c"]\n', source="t.toml")
+    assert len(mixed.regimes) == 1 and mixed.commands[0].describe() == "'a b' c"
+
+
+def test_code_lists_every_import_path_and_command() -> None:
+    """What the server asks the admin scope for and the agent's allowlist must admit."""
+    text = _with(
+        'mask = "pkg.masks:make"\n[[entrypoint]]\ntarget = "trainer.warmup:step"\n'
+        '[[command]]\nargv = ["torchrun", "-m", "trainer.train"]\n'
+    )
+    refs = parse_workload(text, source="t.toml").code
+    assert [(r.kind, r.value, r.where, r.argv0) for r in refs] == [
+        ("import", "pkg.masks:make", "attention[0].mask", ""),
+        ("import", "trainer.warmup:step", "entrypoint[0].target", ""),
+        ("command", "torchrun -m trainer.train", "command[0].argv", "torchrun"),
+    ]
+    assert parse_workload(_with('mask = "causal"\n'), source="t.toml").code == ()  # built-in
