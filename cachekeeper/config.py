@@ -16,6 +16,10 @@ variable                            meaning (default)
 ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` a JSON object merged into the fingerprint (tests)
 ``CACHEKEEPER_TEST_FAKE_CUDA``      ``1``: a prewarm child fakes a GPU (our tests only)
 ``CACHEKEEPER_RELIABILITY_LOG``     where tests/hardening log outcomes (tests only)
+``CACHEKEEPER_EVIDENCE_DIR``        set by prewarm/verify for a ``[[command]]``: where each
+                                    of its Python processes records its cache counters
+                                    (read by ``_evidence_hook/sitecustomize.py``, stdlib
+                                    only, since the command may run another Python)
 ``CACHEKEEPER_<FIELD>``             the server's settings (``server/settings.py``, read
                                     by pydantic-settings with ``SERVER_ENV_PREFIX``)
 =================================== ==================================================
@@ -45,6 +49,7 @@ __all__ = [
     "DEBUG",
     "FINGERPRINT_OVERRIDES",
     "TEST_FAKE_CUDA",
+    "EVIDENCE_DIR",
     "SERVER_ENV_PREFIX",
     "home",
     "agent_work_dir",
@@ -63,6 +68,7 @@ TRUSTED_KEYS = "CACHEKEEPER_TRUSTED_KEYS"
 DEBUG = "CACHEKEEPER_DEBUG"
 FINGERPRINT_OVERRIDES = "CACHEKEEPER_FINGERPRINT_OVERRIDES"
 TEST_FAKE_CUDA = "CACHEKEEPER_TEST_FAKE_CUDA"
+EVIDENCE_DIR = "CACHEKEEPER_EVIDENCE_DIR"
 SERVER_ENV_PREFIX = "CACHEKEEPER_"
 
 

@@ -1,4 +1,4 @@
-"""Prewarm: cold-compile a workload per device in fresh processes, merge, verify.
+"""Prewarm: cold-compile a workload in fresh processes, merge, verify.
 
 ``prewarm(workload, cache_dir, devices=[...])``:
 
@@ -6,34 +6,41 @@
    empty staging ``TORCHINDUCTOR_CACHE_DIR`` compiles every regime in order, then every
    entrypoint. GPUs run in parallel, one process each, on their real index (all GPUs stay
    visible: the device index is part of Inductor's key). The CPU is one process.
-2. If any child's workload raised, the cold compile is broken: the report says
-   ``cold_compile_broken`` with the exception and its last traceback lines, and nothing
-   is merged. Any other child failure (crash, timeout, an import path that does not
-   resolve) is ``failed``; nothing is merged either.
-3. Otherwise every staging dir is merged into ``cache_dir`` with the restore rules
+2. Then each ``[[command]]``, in order, runs once with its own empty staging dir
+   (``cachekeeper.commands``): the site's launcher picks its own devices and ranks, and
+   every Python process it starts reports its counters.
+3. If any child's workload raised, or a command exited non-zero, the cold compile is
+   broken: the report says ``cold_compile_broken`` with the exception (or the command's
+   last output lines), and nothing is merged. Any other failure (crash, timeout, an import
+   path that does not resolve, a command that cannot start) is ``failed``; nothing is
+   merged either.
+4. Otherwise every staging dir is merged into ``cache_dir`` with the restore rules
    (``cachekeeper.restore.merge_tree``: never delete, verified, atomic).
-4. Then ``cachekeeper.verify.verify``: a fresh child per device against ``cache_dir``,
-   judged by ``cachekeeper.reports.is_effective``.
+5. Then ``cachekeeper.verify.verify``: a fresh child per device against ``cache_dir``, and
+   each command again in a fresh copy of ``cache_dir`` (as a node restores it), judged by
+   ``cachekeeper.reports.is_effective`` per device and per process.
 
 The children and their work area: ``cachekeeper.children``.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any
 
 from cachekeeper import cpu
 from cachekeeper.children import child_environ, run_children, slug, work_area
+from cachekeeper.commands import run_command
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.provenance import record_prewarm
-from cachekeeper.reports import ErrorInfo, PrewarmReport, Progress
+from cachekeeper.reports import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.restore import merge_tree
 from cachekeeper.verify import verify
 from cachekeeper.workload import Workload
 
-__all__ = ["prewarm"]
+__all__ = ["prewarm", "promote", "compiled_cpu_state"]
 
 
 def prewarm(
@@ -44,68 +51,144 @@ def prewarm(
     progress: Progress | None = None,
     timeout_s: float | None = None,
 ) -> PrewarmReport:
-    """Cold-compile ``workload`` on each device, merge into ``cache_dir``, then verify.
+    """Cold-compile ``workload`` (per device, then each command), merge into ``cache_dir``,
+    then verify.
 
     Never raises for what the workload does (see ``PrewarmReport.status``); raises
-    PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child.
+    PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
+    and each command run. ``devices`` are where ``[[attention]]`` and ``[[entrypoint]]``
+    run; a command's ranks choose their own.
     """
     cache_dir = Path(cache_dir).absolute()
     started = time.monotonic()
+    in_children = bool(workload.regimes or workload.entrypoints)
+    child_devices = list(devices) if in_children else []
+
+    def report(**fields: Any) -> PrewarmReport:
+        return PrewarmReport(
+            workload=workload.name,
+            workload_digest=workload.digest,
+            cache_dir=str(cache_dir),
+            seconds=round(time.monotonic() - started, 3),
+            **fields,
+        )
+
     with work_area(cache_dir) as work:
-        staging = {device: work / f"staging-{slug(device)}" for device in devices}
+        staging = {device: work / f"staging-{slug(device)}" for device in child_devices}
         for path in staging.values():
             path.mkdir()
-        runs = run_children(
-            workload,
-            {d: staging[d] for d in devices},
-            mode="prewarm",
-            work=work,
-            progress=progress,
-            timeout_s=timeout_s,
-        )
-        if any(run.status != "ok" for run in runs):
-            return PrewarmReport(
-                workload=workload.name,
-                workload_digest=workload.digest,
-                cache_dir=str(cache_dir),
-                devices=tuple(runs),
-                seconds=round(time.monotonic() - started, 3),
+        runs: list[DeviceRun] = []
+        if child_devices:
+            runs = run_children(
+                workload,
+                staging,
+                mode="prewarm",
+                work=work,
+                progress=progress,
+                timeout_s=timeout_s,
             )
+        cold: list[CommandRun] = []
+        if all(run.status == "ok" for run in runs):
+            for index, command in enumerate(workload.commands):
+                path = staging[f"command[{index}]"] = work / f"staging-command_{index}"
+                path.mkdir()
+                cold.append(
+                    run_command(
+                        command,
+                        index=index,
+                        mode="prewarm",
+                        cache_dir=path,
+                        work=work,
+                        progress=progress,
+                        timeout_s=timeout_s,
+                    )
+                )
+                if cold[-1].status != "ok":
+                    break
+        if any(run.status != "ok" for run in runs) or any(run.status != "ok" for run in cold):
+            return report(devices=tuple(runs), commands=tuple(cold))
         merged: dict[str, dict[str, Any]] = {}
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
-            for device in devices:
-                merged[device] = merge_tree(staging[device], cache_dir).to_dict()
-                merged[device].pop("planned", None)
+            for name, path in staging.items():
+                merged[name] = merge_tree(path, cache_dir).to_dict()
+                merged[name].pop("planned", None)
         except CachekeeperError as exc:
-            return PrewarmReport(
-                workload=workload.name,
-                workload_digest=workload.digest,
-                cache_dir=str(cache_dir),
+            return report(
                 devices=tuple(runs),
-                seconds=round(time.monotonic() - started, 3),
+                commands=tuple(cold),
                 merged=merged,
                 error=ErrorInfo(type=type(exc).__name__, message=exc.detail, where="merge"),
             )
     verify_report = verify(
-        workload, cache_dir, devices=devices, timeout_s=timeout_s, progress=progress
+        workload, cache_dir, devices=child_devices, timeout_s=timeout_s, progress=progress
     )
-    report = PrewarmReport(
-        workload=workload.name,
-        workload_digest=workload.digest,
-        cache_dir=str(cache_dir),
-        devices=tuple(runs),
-        seconds=round(time.monotonic() - started, 3),
-        merged=merged,
-        verify=verify_report,
-    )
-
+    done = report(devices=tuple(runs), commands=tuple(cold), merged=merged, verify=verify_report)
     record_prewarm(
         cache_dir,
         workload=workload.name,
         workload_digest=workload.digest,
-        devices=list(devices),
-        stats=report.stats,
-        cpu=cpu.state(child_environ(workload.omp_num_threads)),
+        devices=list(done.covered_devices),
+        stats=done.stats,
+        cpu=compiled_cpu_state(workload, tuple(cold)),
     )
-    return report
+    return done
+
+
+def promote(
+    workload: Workload,
+    cache_dir: Path,
+    *,
+    devices: list[str],
+    progress: Progress | None = None,
+    timeout_s: float | None = None,
+) -> PrewarmReport:
+    """Prove a cache dir restored from a snapshot and its harvested deltas: verify it (each
+    command again in a fresh copy) and, when effective, record it as a prewarm would, so
+    that a push publishes it verified. Nothing is compiled cold; the report has no cold
+    runs, and its status is the verify's."""
+    cache_dir = Path(cache_dir).absolute()
+    started = time.monotonic()
+    in_children = bool(workload.regimes or workload.entrypoints)
+    checked = verify(
+        workload,
+        cache_dir,
+        devices=list(devices) if in_children else [],
+        timeout_s=timeout_s,
+        progress=progress,
+    )
+    done = PrewarmReport(
+        workload=workload.name,
+        workload_digest=workload.digest,
+        cache_dir=str(cache_dir),
+        devices=(),
+        seconds=round(time.monotonic() - started, 3),
+        verify=checked,
+    )
+    if done.status == "verified":
+        record_prewarm(
+            cache_dir,
+            workload=workload.name,
+            workload_digest=workload.digest,
+            devices=list(done.covered_devices),
+            stats=done.stats,
+            cpu=compiled_cpu_state(workload, checked.commands),
+        )
+    return done
+
+
+def compiled_cpu_state(workload: Workload, commands: tuple[CommandRun, ...]) -> dict[str, Any]:
+    """The CPU state the caches were compiled under (the fingerprint's ``cpu`` field).
+
+    The children's (the workload's ``[process]``), unless commands compiled: then the
+    thread count their compiling processes had (torchrun gives each rank one thread when
+    it starts several), the most common one if they differ.
+    """
+    state = cpu.state(child_environ(workload.omp_num_threads))
+    threads = collections.Counter(
+        proc.threads for run in commands for proc in run.compiling if proc.threads
+    )
+    if not threads:
+        return state
+    count, _ = threads.most_common(1)[0]
+    return {**state, "threads": count, "threads_from": "the command's processes"}

@@ -24,6 +24,8 @@ __all__ = [
     "ErrorInfo",
     "RegimeResult",
     "DeviceRun",
+    "ProcessEvidence",
+    "CommandRun",
     "VerifyReport",
     "PrewarmReport",
     "ProgressEvent",
@@ -35,6 +37,8 @@ __all__ = [
 ]
 
 DeviceStatus = Literal["ok", "error", "invalid", "crashed", "timeout"]
+# A command: "ok" exit 0, "error" exit non-zero, "invalid" could not start, "timeout" killed.
+CommandStatus = Literal["ok", "error", "invalid", "timeout"]
 VerifyStatus = Literal["verified", "not_effective", "failed"]
 PrewarmStatus = Literal["verified", "not_effective", "cold_compile_broken", "failed"]
 _EXIT_CODES = {
@@ -72,10 +76,10 @@ def _regime_verdict(counters: dict[str, int], *, mode: str) -> str:
 class ProgressEvent:
     """One progress line from a child: a regime step started or finished on a device."""
 
-    device: str
+    device: str  # "" for a command (its ranks choose their devices)
     mode: str  # "prewarm" | "verify"
-    regime: str  # "attention[0]", "entrypoint[1]"
-    event: str  # "start" | "done"
+    regime: str  # "attention[0]", "entrypoint[1]", "command[0]"
+    event: str  # "start" | "done" | "running" (a command's heartbeat)
     elapsed_s: float  # since the child started
     label: str = ""
     seq: int | None = None
@@ -83,9 +87,11 @@ class ProgressEvent:
 
     def describe(self) -> str:
         seq = f" seq {self.seq}" if self.seq is not None else ""
-        what = f"{self.device} {self.mode} {self.regime} {self.label}{seq}".rstrip()
+        what = f"{self.device} {self.mode} {self.regime} {self.label}{seq}".strip()
         if self.event == "start":
             return f"[{self.elapsed_s:7.1f}s] {what} ..."
+        if self.event == "running":  # a command's heartbeat: label is its last output line
+            return f"[{self.elapsed_s:7.1f}s] {self.mode} {self.regime} running: {self.label}"
         return f"[{self.elapsed_s:7.1f}s] {what}: {self.seconds or 0.0:.1f} s"
 
 
@@ -183,9 +189,145 @@ class DeviceRun:
         return out
 
 
+_COUNTED = (
+    "fxgraph_cache_hit",
+    "fxgraph_cache_miss",
+    "fxgraph_cache_bypass",
+    "autograd_cache_hit",
+    "autograd_cache_miss",
+)
+
+
+@dataclass(frozen=True)
+class ProcessEvidence:
+    """One Python process a command started, as cachekeeper's evidence hook recorded it at
+    exit (``cachekeeper/_evidence_hook/sitecustomize.py``)."""
+
+    pid: int
+    rank: int | None
+    device: str
+    counters: dict[str, int]
+    exit_status: str = "ok"  # "ok" | "exit" | "exception"
+    exit_code: int = 0
+    error: str = ""
+    ppid: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    threads: int | None = None
+    argv: tuple[str, ...] = ()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the process looked anything up in the FX graph or AOTAutograd caches."""
+        return any(self.counters.get(key, 0) for key in _COUNTED)
+
+    @property
+    def effective(self) -> bool:
+        return is_effective(self.counters)
+
+    @property
+    def label(self) -> str:
+        """``rank 1 (pid 4242, cuda:1)``, or ``pid 4242 (cpu)`` without a rank."""
+        where = f"pid {self.pid}, {self.device}"
+        return (
+            f"rank {self.rank} ({where})"
+            if self.rank is not None
+            else f"pid {self.pid} ({self.device})"
+        )
+
+    @classmethod
+    def from_record(cls, raw: dict[str, Any]) -> ProcessEvidence:
+        def opt_int(key: str) -> int | None:
+            value = raw.get(key)
+            return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+        ending: dict[str, Any] = raw["exit"] if isinstance(raw.get("exit"), dict) else {}
+        return cls(
+            pid=int(raw["pid"]),
+            rank=opt_int("rank"),
+            device=str(raw.get("device") or "cpu"),
+            counters={str(k): int(v) for k, v in (raw.get("counters") or {}).items()},
+            exit_status=str(ending.get("status", "ok")),
+            exit_code=int(ending.get("code", 0) or 0),
+            error=str(ending.get("error", ""))[:500],
+            ppid=opt_int("ppid"),
+            local_rank=opt_int("local_rank"),
+            world_size=opt_int("world_size"),
+            threads=opt_int("threads"),
+            argv=tuple(str(a) for a in raw.get("argv") or ())[:12],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = wire.to_dict(self)
+        out["compiled"] = self.compiled
+        return out
+
+
+@dataclass(frozen=True)
+class CommandRun:
+    """One run of a ``[[command]]``: its exit, its log's tail, and every process's evidence."""
+
+    index: int
+    mode: str  # "prewarm" | "verify"
+    command: str  # the command line (Command.describe())
+    status: CommandStatus
+    seconds: float
+    exit_code: int | None = None
+    processes: tuple[ProcessEvidence, ...] = ()
+    log_tail: tuple[str, ...] = ()
+    error: ErrorInfo | None = None
+
+    @property
+    def name(self) -> str:
+        return f"command[{self.index}]"
+
+    @property
+    def compiling(self) -> tuple[ProcessEvidence, ...]:
+        """The processes that looked anything up in the caches (the ranks that compiled)."""
+        return tuple(p for p in self.processes if p.compiled)
+
+    @property
+    def effective(self) -> bool:
+        """Exit 0, and every process that compiled anything was effective (at least one)."""
+        found = self.compiling
+        return self.status == "ok" and bool(found) and all(p.effective for p in found)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The counters of every process, summed."""
+        total: dict[str, int] = {}
+        for proc in self.processes:
+            for key, value in proc.counters.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices of the processes that compiled (a snapshot's coverage)."""
+        return tuple(sorted({p.device for p in self.compiling}))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "mode": self.mode,
+            "command": self.command,
+            "status": self.status,
+            "seconds": self.seconds,
+            "exit_code": self.exit_code,
+            "counters": self.counters,
+            "devices": list(self.devices),
+            "processes": [p.to_dict() for p in self.processes],
+            "log_tail": list(self.log_tail),
+            "error": self.error.to_dict() if self.error else None,
+        }
+        if self.mode == "verify":
+            out["effective"] = self.effective
+        return out
+
+
 @dataclass(frozen=True)
 class VerifyReport:
-    """A verify of one workload against one cache dir on each device."""
+    """A verify of one workload against one cache dir: on each device, and per command."""
 
     workload: str
     workload_digest: str
@@ -193,20 +335,35 @@ class VerifyReport:
     devices: tuple[DeviceRun, ...]
     seconds: float
     built_devices: tuple[str, ...] = ()  # what the cache dir was built on, when known
+    commands: tuple[CommandRun, ...] = ()
 
     @property
     def effective(self) -> bool:
-        return bool(self.devices) and all(run.effective for run in self.devices)
+        runs: tuple[DeviceRun | CommandRun, ...] = (*self.devices, *self.commands)
+        return bool(runs) and all(run.effective for run in runs)
 
     @property
     def reasons(self) -> list[str]:
-        """One line per device that was not effective, naming it (see ``miss_reason``)."""
-        found = (miss_reason(run, built_devices=self.built_devices) for run in self.devices)
-        return [reason for reason in found if reason]
+        """One line per device, command rank or command that was not effective, naming it
+        (see ``miss_reason`` and ``command_miss_reasons``)."""
+        found = [miss_reason(run, built_devices=self.built_devices) for run in self.devices]
+        reasons = [reason for reason in found if reason]
+        for command in self.commands:
+            reasons += command_miss_reasons(command)
+        return reasons
+
+    @property
+    def covered_devices(self) -> tuple[str, ...]:
+        """The device runs' devices and the devices the commands' ranks reported."""
+        found = {run.device for run in self.devices}
+        for command in self.commands:
+            found.update(command.devices)
+        return tuple(sorted(found))
 
     @property
     def status(self) -> VerifyStatus:
-        if any(run.status != "ok" for run in self.devices):
+        runs: tuple[DeviceRun | CommandRun, ...] = (*self.devices, *self.commands)
+        if any(run.status != "ok" for run in runs):
             return "failed"
         return "verified" if self.effective else "not_effective"
 
@@ -224,6 +381,7 @@ class VerifyReport:
             "seconds": self.seconds,
             "devices": [run.to_dict() for run in self.devices],
             "built_devices": list(self.built_devices),
+            "commands": [run.to_dict() for run in self.commands],
             "reasons": self.reasons,
         }
 
@@ -262,6 +420,43 @@ def miss_reason(run: DeviceRun, *, built_devices: tuple[str, ...] = ()) -> str |
     return f"{what}: the workload compiled what the cache dir does not hold"
 
 
+def command_miss_reasons(run: CommandRun) -> list[str]:
+    """Why a command's verify run was not effective: one line per failing rank, or one for
+    the command; empty when it was effective."""
+    if run.mode != "verify" or run.effective:
+        return []
+    if run.status != "ok":
+        why = {"error": f"exited with status {run.exit_code}", "timeout": "timed out"}
+        detail = f": {run.error.message}" if run.error and run.error.message else ""
+        return [f"{run.name}: the verify run {why.get(run.status, 'could not start')}{detail}"]
+    if not run.compiling:
+        return [
+            f"{run.name}: no process reported a cache lookup (it compiled nothing, or its"
+            " Python ignored PYTHONPATH, where cachekeeper's evidence hook is: -I, -E or -S)"
+        ]
+    out: list[str] = []
+    for proc in run.compiling:
+        if proc.effective:
+            continue
+        fx = proc.counters.get("fxgraph_cache_miss", 0)
+        aot = proc.counters.get("autograd_cache_miss", 0)
+        bypass = proc.counters.get("fxgraph_cache_bypass", 0)
+        if fx or aot:
+            what = (
+                f"missed {fx} FX graph{'s' if fx != 1 else ''} and {aot} AOTAutograd"
+                f" entr{'ies' if aot != 1 else 'y'}"
+            )
+        elif bypass:
+            what = f"bypassed the FX graph cache {bypass} time{'s' if bypass != 1 else ''}"
+        else:
+            what = "hit nothing in the FX graph cache"
+        out.append(
+            f"{run.name} {proc.label} {what}: this rank compiled what the cold run did not"
+            " (a shape, mask or option that differs between runs, or another device index)"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class PrewarmReport:
     """A prewarm: cold compiles per device, the merge into the cache dir, then a verify."""
@@ -274,12 +469,14 @@ class PrewarmReport:
     merged: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> restore report
     verify: VerifyReport | None = None
     error: ErrorInfo | None = None  # a failure outside any child (the merge)
+    commands: tuple[CommandRun, ...] = ()  # the commands' cold runs
 
     @property
     def status(self) -> PrewarmStatus:
-        if any(run.status == "error" for run in self.devices):
+        runs: tuple[DeviceRun | CommandRun, ...] = (*self.devices, *self.commands)
+        if any(run.status == "error" for run in runs):
             return "cold_compile_broken"
-        if self.error is not None or any(run.status != "ok" for run in self.devices):
+        if self.error is not None or any(run.status != "ok" for run in runs):
             return "failed"
         if self.verify is None:
             return "failed"
@@ -300,21 +497,33 @@ class PrewarmReport:
                 "seconds": self.verify.seconds,
                 "devices": {run.device: _run_stats(run) for run in self.verify.devices},
             }
-        return {
-            "prewarm": {
-                "status": self.status,
-                "seconds": self.seconds,
-                "devices": {run.device: _run_stats(run) for run in self.devices},
-            },
-            "verify": verify,
-            "devices": [run.device for run in self.devices],
+            if self.verify.commands:
+                verify["commands"] = [_command_stats(run) for run in self.verify.commands]
+        prewarm: dict[str, Any] = {
+            "status": self.status,
+            "seconds": self.seconds,
+            "devices": {run.device: _run_stats(run) for run in self.devices},
         }
+        if self.commands:
+            prewarm["commands"] = [_command_stats(run) for run in self.commands]
+        return {"prewarm": prewarm, "verify": verify, "devices": list(self.covered_devices)}
+
+    @property
+    def covered_devices(self) -> tuple[str, ...]:
+        """The devices the cache holds kernels for: each device run's, and those the
+        commands' compiling processes reported (their verify's when it ran)."""
+        found = [run.device for run in self.devices]
+        commands = self.verify.commands if self.verify and self.verify.commands else self.commands
+        for run in commands:
+            found += [d for d in run.devices if d not in found]
+        return tuple(found)
 
     def raise_for_status(self) -> None:
         """Raise ColdCompileBroken or PrewarmFailed unless the cache is verified effective."""
         if self.status == "verified":
             return
-        first = self.error or next((r.error for r in self.devices if r.error), None)
+        runs: tuple[DeviceRun | CommandRun, ...] = (*self.devices, *self.commands)
+        first = self.error or next((r.error for r in runs if r.error), None)
         detail = f"{first.type}: {first.message} ({first.where})" if first else self.status
         if self.status == "cold_compile_broken":
             raise ColdCompileBroken(f"workload {self.workload!r}: cold compile raised {detail}")
@@ -331,6 +540,7 @@ class PrewarmReport:
             "merged": {k: dict(v) for k, v in self.merged.items()},
             "verify": self.verify.to_dict() if self.verify else None,
             "error": self.error.to_dict() if self.error else None,
+            "commands": [run.to_dict() for run in self.commands],
             "stats": self.stats,
         }
 
@@ -341,6 +551,24 @@ def _run_stats(run: DeviceRun) -> dict[str, Any]:
         "seconds": run.seconds,
         "counters": dict(run.counters),
         "regimes": [r.to_dict() for r in run.regimes],
+    }
+    if run.mode == "verify":
+        out["effective"] = run.effective
+    return out
+
+
+def _command_stats(run: CommandRun) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "command": run.command,
+        "status": run.status,
+        "seconds": run.seconds,
+        "exit_code": run.exit_code,
+        "counters": run.counters,
+        "devices": list(run.devices),
+        "ranks": [
+            {"rank": p.rank, "device": p.device, "counters": dict(p.counters)}
+            for p in run.compiling
+        ],
     }
     if run.mode == "verify":
         out["effective"] = run.effective
@@ -386,6 +614,34 @@ def _run_lines(run: DeviceRun) -> list[str]:
     return lines + _error_lines(run)
 
 
+def _command_lines(run: CommandRun) -> list[str]:
+    head = f"  {run.name}  {run.mode} {run.status}  {run.seconds:.1f} s"
+    if run.exit_code is not None:
+        head += f"  exit {run.exit_code}"
+    if run.mode == "verify":
+        head += "  effective" if run.effective else "  NOT effective"
+    lines = [head, f"    $ {run.command}"]
+    shown = [p for p in run.processes if p.compiled or p.exit_status == "exception"]
+    for proc in shown:
+        verdict = ""
+        if run.mode == "verify" and proc.compiled:
+            verdict = "  hit" if proc.effective else "  MISS"
+        lines.append(f"    {proc.label:<32} [{_counts(proc.counters)}]{verdict}")
+        if proc.exit_status == "exception":
+            lines.append(f"      raised {proc.error}")
+        elif proc.exit_code:
+            lines.append(f"      exited with status {proc.exit_code}")
+    others = len(run.processes) - len(shown)
+    if others:
+        lines.append(f"    ({others} other Python process(es) compiled nothing)")
+    if run.error is not None:
+        lines.append(f"    {run.error.type}: {run.error.message}")
+    if run.status != "ok" and run.status != "invalid" and run.log_tail:
+        lines.append("    the command's last output lines:")
+        lines += [f"      {line}" for line in run.log_tail]
+    return lines
+
+
 def format_verify(report: VerifyReport) -> str:
     lines = [
         f"verify {report.workload} against {report.cache_dir}: {report.status} "
@@ -393,6 +649,8 @@ def format_verify(report: VerifyReport) -> str:
     ]
     for run in report.devices:
         lines += _run_lines(run)
+    for command in report.commands:
+        lines += _command_lines(command)
     lines += [f"  NOT effective: {reason}" for reason in report.reasons]
     return "\n".join(lines)
 
@@ -404,6 +662,8 @@ def format_prewarm(report: PrewarmReport) -> str:
     ]
     for run in report.devices:
         lines += _run_lines(run)
+    for command in report.commands:
+        lines += _command_lines(command)
     for device, merged in report.merged.items():
         lines.append(
             f"  merged {device}: {merged.get('written', 0)} files written, "

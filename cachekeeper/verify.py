@@ -1,7 +1,12 @@
-"""Verify: prove a cache dir is effective for a workload, in a fresh process per device.
+"""Verify: prove a cache dir is effective for a workload, in fresh processes.
 
-The verdict on each run's counters is ``cachekeeper.reports.is_effective``; the children
-run through ``cachekeeper.children``.
+``[[attention]]`` and ``[[entrypoint]]`` run in a fresh child per device against the cache
+dir itself (``cachekeeper.children``). Each ``[[command]]`` runs in a fresh *copy* of the
+cache dir, made with the restore rules (``merge_tree``: verified, ``.cachekeeper/`` left
+out) in a work area next to it: so the run sees the cache as a node restores it, at
+another path, and whatever a missing run compiles never lands in the cache dir. The
+verdict on each device's and each compiling process's counters is
+``cachekeeper.reports.is_effective``.
 """
 
 from __future__ import annotations
@@ -10,9 +15,11 @@ import time
 from pathlib import Path
 
 from cachekeeper.children import run_children, work_area
+from cachekeeper.commands import run_command
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.provenance import load_prewarm_record
-from cachekeeper.reports import Progress, VerifyReport
+from cachekeeper.reports import CommandRun, DeviceRun, Progress, VerifyReport
+from cachekeeper.restore import merge_tree
 from cachekeeper.workload import Workload
 
 __all__ = ["verify", "built_devices"]
@@ -26,24 +33,44 @@ def verify(
     timeout_s: float | None = None,
     progress: Progress | None = None,
 ) -> VerifyReport:
-    """Run ``workload`` against ``cache_dir`` in a fresh process per device; judge counters.
+    """Run ``workload`` against ``cache_dir`` in fresh processes; judge the counters.
 
-    What a run that misses compiles is written into ``cache_dir`` by Inductor itself (it
-    only adds entries); the verdict comes from the counters of this run.
+    ``devices`` are where ``[[attention]]`` / ``[[entrypoint]]`` run (ignored when the
+    workload has none); commands choose their own. What a device run that misses
+    compiles is written into ``cache_dir`` by Inductor itself (it only adds entries); a
+    command's run writes into its copy only.
     """
     cache_dir = Path(cache_dir).absolute()
     if not cache_dir.is_dir():
         raise PrewarmFailed(f"cache dir {cache_dir} does not exist or is not a directory")
     started = time.monotonic()
+    in_children = bool(workload.regimes or workload.entrypoints)
+    runs: list[DeviceRun] = []
+    commands: list[CommandRun] = []
     with work_area(cache_dir) as work:
-        runs = run_children(
-            workload,
-            {device: cache_dir for device in devices},
-            mode="verify",
-            work=work,
-            progress=progress,
-            timeout_s=timeout_s,
-        )
+        if in_children:
+            runs = run_children(
+                workload,
+                {device: cache_dir for device in devices},
+                mode="verify",
+                work=work,
+                progress=progress,
+                timeout_s=timeout_s,
+            )
+        for index, command in enumerate(workload.commands):
+            fresh = work / f"restored-command_{index}"
+            merge_tree(cache_dir, fresh)
+            commands.append(
+                run_command(
+                    command,
+                    index=index,
+                    mode="verify",
+                    cache_dir=fresh,
+                    work=work,
+                    progress=progress,
+                    timeout_s=timeout_s,
+                )
+            )
     return VerifyReport(
         workload=workload.name,
         workload_digest=workload.digest,
@@ -51,6 +78,7 @@ def verify(
         devices=tuple(runs),
         seconds=round(time.monotonic() - started, 3),
         built_devices=built_devices(cache_dir, workload),
+        commands=tuple(commands),
     )
 
 
