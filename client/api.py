@@ -264,10 +264,24 @@ class CacheClient:
 
     # -- operator routes (the CLI's workload / snapshots / gc --server commands) ----------
     def list_snapshots(
-        self, *, workload: str | None = None, deadline: Deadline | None = None
+        self,
+        *,
+        workload: str | None = None,
+        fingerprint_digest: str | None = None,
+        verified: bool | None = None,
+        deadline: Deadline | None = None,
     ) -> tuple[Summary, ...]:
-        """Snapshots on the server, newest first (only ``workload``'s when given)."""
-        path = f"/v1/snapshots?{urlencode({'workload': workload})}" if workload else "/v1/snapshots"
+        """Snapshots on the server, newest first, filtered by what is given."""
+        query = {
+            key: value
+            for key, value in (
+                ("workload", workload),
+                ("fingerprint_digest", fingerprint_digest),
+                ("verified", None if verified is None else str(verified).lower()),
+            )
+            if value is not None
+        }
+        path = f"/v1/snapshots?{urlencode(query)}" if query else "/v1/snapshots"
         response = self._send("GET", path, deadline=deadline)
         return _answer(response, SnapshotList, "snapshots").snapshots
 
@@ -545,7 +559,9 @@ def _error_from(
         detail = body.get("detail")
         extra = {k: v for k, v in body.items() if k not in ("error", "detail")}
         cls = error_for_code(body["error"])
-        if issubclass(cls, Unauthorized | Forbidden):
+        if issubclass(cls, Forbidden) and detail and not detail.startswith("this route needs"):
+            text = f"{method} {url}: {detail}"  # a refusal for a reason beyond the route's scope
+        elif issubclass(cls, Unauthorized | Forbidden):
             text = _auth_detail(cls, extra, method=method, url=url, sent_token=sent_token)
         elif detail:
             text = f"{detail} ({method} {url})"

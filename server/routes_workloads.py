@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from cachekeeper.errors import WorkloadInvalid, WorkloadNotFound
+from cachekeeper.errors import Forbidden, WorkloadInvalid, WorkloadNotFound
 from cachekeeper.wire import WorkloadInfo, WorkloadList
 from cachekeeper.workload import parse_workload
 
@@ -34,7 +34,7 @@ def list_workloads(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
     return {"workloads": [asdict(w) for w in storage.list_workloads()]}
 
 
-def _register(storage: Storage, name: str, body: bytes) -> dict[str, Any]:
+def _register(storage: Storage, name: str, body: bytes, *, scope: str) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -42,6 +42,15 @@ def _register(storage: Storage, name: str, body: bytes) -> dict[str, Any]:
     workload = parse_workload(text, source=name)
     if workload.name != name:
         raise WorkloadInvalid(f"workload file names itself {workload.name!r}, not {name!r}")
+    code = workload.code
+    if code and scope != "admin":
+        # A command or an import path is code that every agent would run (docs/security.md).
+        first = code[0]
+        raise Forbidden(
+            f"workload {name!r} holds code a builder would run ({first.where} = "
+            f"{first.value!r}): registering it needs the 'admin' scope; the token has {scope!r}",
+            extra={"scope": "admin", "granted": scope},
+        )
     digest = hashlib.sha256(body).hexdigest()
     return asdict(storage.put_workload(name=name, toml=text, digest=digest))
 
@@ -61,13 +70,17 @@ _TOML_BODY = {
     "/{name}",
     response_model=WorkloadInfo,
     openapi_extra=_TOML_BODY,
-    responses=error_responses(WorkloadInvalid),
+    responses=error_responses(WorkloadInvalid, Forbidden),
 )
-async def put_workload(name: WorkloadName, request: Request, _: WriteScope) -> dict[str, Any]:
-    """Register or replace a workload; the TOML must parse and name itself ``name``."""
+async def put_workload(name: WorkloadName, request: Request, scope: WriteScope) -> dict[str, Any]:
+    """Register or replace a workload; the TOML must parse and name itself ``name``.
+
+    A workload with a ``[[command]]``, an ``[[entrypoint]]`` or a mask/score factory
+    (``pkg.mod:attr``) is code that agents run: registering it needs the admin scope.
+    """
     storage = storage_of(request)
     body = await read_body(request, limit=storage.settings.max_workload_bytes, what="workload")
-    return await run_in_threadpool(_register, storage, name, body)
+    return await run_in_threadpool(_register, storage, name, body, scope=scope)
 
 
 @router.get(

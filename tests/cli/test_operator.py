@@ -111,7 +111,11 @@ def test_workload_snapshot_and_gc_commands_json_and_errors(
     read = ("--server", url, "--token", "node-secret")
     wl = tmp_path / "wl.toml"
     wl.write_text('name = "tiny"\n[[entrypoint]]\ntarget = "pkg.mod:step"\n')
-    info = json.loads(run("workload", "register", str(wl), *write, "--json"))
+    # code a builder would run: the write scope is not enough, and the line says why
+    out = fail("workload", "register", str(wl), *write)
+    assert out.count("\n") == 1 and "holds code a builder would run" in out, out
+    assert "entrypoint[0].target" in out and "'admin' scope" in out, out
+    info = json.loads(run("workload", "register", str(wl), *admin, "--json"))
     assert info["name"] == "tiny" and len(info["digest"]) == 64
     assert json.loads(run("workload", "ls", *read, "--json"))["workloads"][0]["name"] == "tiny"
 

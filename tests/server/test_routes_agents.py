@@ -14,7 +14,15 @@ from cachekeeper.errors import Forbidden, InvalidManifest, NoMatchingSnapshot
 from cachekeeper.fingerprint import digest_of
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
-TINY_TOML = 'name = "{name}"\n[[entrypoint]]\ntarget = "pkg.mod:step"\n'
+TINY_TOML = (
+    'name = "{name}"\n[[attention]]\nbatch = 1\nq_heads = 2\nhead_dim = 16\n'
+    'seq_lens = [128]\ndtype = "float32"\n'
+)
+CODE_TOMLS = {  # each holds code an agent would run: registering it needs the admin scope
+    "entrypoint": 'name = "code"\n[[entrypoint]]\ntarget = "os:system"\n',
+    "command": 'name = "code"\n[[command]]\nargv = ["sh", "-c", "cat /etc/shadow"]\n',
+    "mask": TINY_TOML.format(name="code") + 'mask = "os:system"\n',
+}
 OTHER_FP = dict(FINGERPRINT, triton="9.9.9")
 
 
@@ -233,3 +241,30 @@ def test_status_says_which_indices_a_builder_with_fewer_gpus_left_unbuilt(fresh_
                 resolve_snapshot(client, workload="drafter", fingerprint=node)
             hit = resolve_snapshot(client, workload="drafter", fingerprint=node, devices=["cuda:0"])
             assert hit.snapshot_id == manifest.id
+
+
+@pytest.mark.parametrize("kind", sorted(CODE_TOMLS))
+def test_registering_code_needs_the_admin_scope(fresh_server, kind: str) -> None:
+    """A write token cannot register a workload that makes agents run code (issue 24's
+    attack: an entrypoint of os:system ran as root on a builder); an admin token can."""
+    live = fresh_server(tokens={"w-tok": "write", "a-tok": "admin"})
+    body = CODE_TOMLS[kind]
+    refused = httpx.put(
+        f"{live.url}/v1/workloads/code", content=body, headers={"Authorization": "Bearer w-tok"}
+    )
+    assert refused.status_code == 403, refused.text
+    answer = refused.json()
+    assert answer["error"] == "forbidden" and "'admin' scope" in answer["detail"]
+    assert answer["scope"] == "admin" and answer["granted"] == "write"
+    listed = httpx.get(f"{live.url}/v1/workloads", headers={"Authorization": "Bearer w-tok"})
+    assert listed.json()["workloads"] == []  # nothing registered
+    plain = httpx.put(
+        f"{live.url}/v1/workloads/alpha",
+        content=TINY_TOML.format(name="alpha"),
+        headers={"Authorization": "Bearer w-tok"},
+    )
+    assert plain.status_code == 200, plain.text  # no code: the write scope is enough
+    admitted = httpx.put(
+        f"{live.url}/v1/workloads/code", content=body, headers={"Authorization": "Bearer a-tok"}
+    )
+    assert admitted.status_code == 200, admitted.text
