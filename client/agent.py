@@ -9,9 +9,17 @@ One round (``run_round``):
    for this fingerprint and these devices. A *verified* snapshot built from the same
    workload text counts as warm: report ``skipped`` and compile nothing. Otherwise build:
    report ``building``, prewarm on every selected device (one fresh process per device,
-   cold, then a verify run), push only when verified, and report ``built``,
-   ``cold_compile_broken`` (with the traceback tail) or ``failed``. One workload's crash
-   or timeout never stops the others.
+   cold, then a verify run; each ``[[command]]`` once cold, then again in a fresh copy),
+   push only when verified, and report ``built``, ``cold_compile_broken`` (with the
+   traceback tail) or ``failed``. One workload's crash or timeout never stops the others.
+3. Code runs only when this builder's operator allowed it (``cachekeeper.allowlist``,
+   ``agent --allow``): a workload whose command or import path no pattern admits is
+   reported ``refused`` with what to allow, and nothing of it runs.
+4. Promotion: a warm workload with a ``[[command]]`` whose snapshot has harvested deltas
+   (``postjob --push`` from training nodes, same fingerprint digest) is restored with
+   them into a fresh dir, its commands are run again there (``cachekeeper.prewarm.promote``),
+   and the union is pushed as a verified snapshot when every process hit with 0 misses.
+   A set of deltas that failed is not tried again by this agent process.
 
 Each build happens in a folder this agent creates and always removes, so the work dir
 never fills the disk::
@@ -51,21 +59,24 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cachekeeper import config, wire
 from cachekeeper._proc import pid_alive
+from cachekeeper.allowlist import Allowlist
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import collect, digest_of
-from cachekeeper.prewarm import prewarm
+from cachekeeper.prewarm import prewarm, promote
 from cachekeeper.store import LocalStore
-from cachekeeper.workload import parse_workload
+from cachekeeper.workload import Workload, parse_workload
 
+from .pull import pull
 from .push import push
 
 if TYPE_CHECKING:
-    from cachekeeper.client.api import CacheClient
+    from cachekeeper.client.api import CacheClient, Resolution
 
     from cachekeeper.reports import PrewarmReport, ProgressEvent
 
 __all__ = [
+    "AgentMemory",
     "AgentOptions",
     "AgentStopped",
     "RoundReport",
@@ -76,7 +87,7 @@ __all__ = [
     "sweep_stale_builds",
 ]
 
-OutcomeStatus = Literal["built", "skipped", "cold_compile_broken", "failed"]
+OutcomeStatus = Literal["built", "skipped", "cold_compile_broken", "failed", "refused"]
 Log = Callable[[str], None]
 
 MARKER = ".cachekeeper-agent-build"
@@ -155,6 +166,15 @@ class AgentOptions:
     push_workers: int = 4
     heartbeat_s: float = 60.0  # heartbeats while a build runs
     sign_key: Path | None = None  # Ed25519 PREFIX.key: every pushed manifest is signed
+    allow: Allowlist = field(default_factory=Allowlist)  # the code this builder may run
+
+
+@dataclass
+class AgentMemory:
+    """What an agent process remembers between rounds: promotions that failed (the warm
+    snapshot's id and its deltas' ids), so that each is tried once."""
+
+    failed_promotions: set[tuple[str, frozenset[str]]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -248,6 +268,7 @@ def run_round(
     stop: StopSignal | None = None,
     log: Log | None = None,
     previous_digest: str | None = None,
+    memory: AgentMemory | None = None,
 ) -> RoundReport:
     """Register, then make every registered workload warm for this environment.
 
@@ -284,6 +305,7 @@ def run_round(
         agent_id=agent_id,
         fingerprint=fingerprint,
         digest=digest,
+        memory=memory or AgentMemory(),
     )
     outcomes: list[WorkloadOutcome] = []
     for entry in workloads:
@@ -319,8 +341,10 @@ class _Builder:
         agent_id: str,
         fingerprint: dict[str, Any],
         digest: str,
+        memory: AgentMemory,
     ) -> None:
         self.options = options
+        self.memory = memory
         self.client = client
         self.stop = stop
         self.say = say
@@ -351,14 +375,28 @@ class _Builder:
         workload = parse_workload(self.client.get_workload(name), source=f"{name} (server)")
         warm = self._warm_snapshot(name, workload.digest)
         if warm is not None:
-            self.say(f"{name}: warm (snapshot {warm[:12]}), nothing to compile")
-            return self._outcome(name, "skipped", started, prewarm_ran=False, snapshot_id=warm)
+            assert warm.snapshot_id is not None
+            promoted = self._promote_harvests(workload, warm, started)
+            if promoted is not None:
+                return promoted
+            self.say(f"{name}: warm (snapshot {warm.snapshot_id[:12]}), nothing to compile")
+            return self._outcome(
+                name, "skipped", started, prewarm_ran=False, snapshot_id=warm.snapshot_id
+            )
+        refused = self.options.allow.refused(workload)
+        if refused:
+            detail = self.options.allow.explain(refused)
+            self.say(f"{name}: {detail}")
+            return self._outcome(name, "refused", started, prewarm_ran=False, detail=detail)
         self._send_event(name, status="building")
-        self.say(f"{name}: building on {','.join(self.options.devices)}")
+        where = ",".join(self.options.devices) if workload.regimes or workload.entrypoints else ""
+        commands = f"{len(workload.commands)} command(s)" if workload.commands else ""
+        self.say(f"{name}: building on {' and '.join(x for x in (where, commands) if x)}")
         return self._build(workload, started)
 
-    def _warm_snapshot(self, name: str, workload_digest: str) -> str | None:
-        """The id of a verified snapshot of this very workload text for us, or None."""
+    def _warm_snapshot(self, name: str, workload_digest: str) -> Resolution | None:
+        """The resolve answer naming a verified snapshot of this very workload text for
+        us, or None."""
         found = self.client.resolve(
             self.fingerprint, workload=name, devices=list(self.options.devices)
         )
@@ -368,9 +406,65 @@ class _Builder:
         if manifest.workload_digest not in (None, workload_digest):
             self.say(f"{name}: the workload changed since snapshot {found.snapshot_id[:12]}")
             return None
-        return found.snapshot_id
+        return found
 
-    def _build(self, workload: Any, started: float) -> WorkloadOutcome:
+    def _promote_harvests(
+        self, workload: Workload, warm: Resolution, started: float
+    ) -> WorkloadOutcome | None:
+        """Promote the warm snapshot's harvested deltas (module docstring, 4); None when
+        there is nothing to promote (or it failed: the warm snapshot still serves)."""
+        snapshot = warm.snapshot
+        if not workload.commands or snapshot is None:
+            return None
+        name = workload.name
+        deltas = tuple(
+            s
+            for s in self.client.list_snapshots(
+                workload=name, fingerprint_digest=snapshot.fingerprint_digest, verified=False
+            )
+            if s.source == "harvest" and s.parent == snapshot.id
+        )
+        key = (snapshot.id, frozenset(d.id for d in deltas))
+        if not deltas or key in self.memory.failed_promotions:
+            return None
+        refused = self.options.allow.refused(workload)
+        if refused:
+            self.say(
+                f"{name}: harvested deltas not promoted: {self.options.allow.explain(refused)}"
+            )
+            return None
+        self._send_event(name, status="building")
+        self.say(f"{name}: promoting {len(deltas)} harvested delta(s) of {snapshot.id[:12]}")
+        outcome = self._build(
+            workload,
+            started,
+            base=replace(warm, deltas=deltas),
+            what=f"promoted {len(deltas)} harvested delta(s) of snapshot {snapshot.id[:12]}",
+        )
+        if outcome.status == "built":
+            return outcome
+        self.memory.failed_promotions.add(key)
+        self.say(f"{name}: promotion failed ({outcome.detail}); the snapshot still serves")
+        return self._outcome(
+            name,
+            "skipped",
+            started,
+            prewarm_ran=True,
+            snapshot_id=snapshot.id,
+            detail=f"harvested deltas not promoted: {outcome.detail}",
+            prewarm=outcome.prewarm,
+        )
+
+    def _build(
+        self,
+        workload: Workload,
+        started: float,
+        *,
+        base: Resolution | None = None,
+        what: str = "",
+    ) -> WorkloadOutcome:
+        """Prewarm ``workload`` in a fresh build dir and push it when verified; with
+        ``base`` (a resolve answer with deltas), restore that instead and promote it."""
         name = workload.name
         work_dir = self.options.work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +473,16 @@ class _Builder:
             (build_dir / MARKER).write_text(str(os.getpid()), encoding="utf-8")
             cache_dir = build_dir / "inductor"
             with self._heartbeats(), self.stop.abandonable():
-                report = prewarm(
+                if base is not None:
+                    pull(
+                        client=self.client,
+                        workload=name,
+                        cache_dir=cache_dir,
+                        fingerprint=self.fingerprint,
+                        resolution=base,
+                    )
+                build = prewarm if base is None else promote
+                report = build(
                     workload,
                     cache_dir,
                     devices=list(self.options.devices),
@@ -402,7 +505,7 @@ class _Builder:
             shutil.rmtree(build_dir, ignore_errors=True)
         self.say(
             f"{name}: built snapshot {pushed.snapshot_id[:12]} covering"
-            f" {format_devices(list(self.options.devices))} in {report.seconds:.1f} s"
+            f" {format_devices(list(report.covered_devices))} in {report.seconds:.1f} s"
             f" ({pushed.uploaded_blobs} blobs uploaded, {pushed.deduplicated_blobs} deduplicated)"
         )
         return self._outcome(
@@ -411,6 +514,7 @@ class _Builder:
             started,
             prewarm_ran=True,
             snapshot_id=pushed.snapshot_id,
+            detail=what,
             prewarm=report.to_dict(),
         )
 
@@ -433,11 +537,15 @@ class _Builder:
 
     def _unbuilt(self, name: str, report: PrewarmReport, started: float) -> WorkloadOutcome:
         """The outcome of a prewarm that did not prove a cache (nothing is pushed)."""
-        error = report.error or next((r.error for r in report.devices if r.error), None)
-        if error is None and report.verify is not None:
-            error = next((r.error for r in report.verify.devices if r.error), None)
+        runs: list[Any] = [*report.devices, *report.commands]
+        if report.verify is not None:
+            runs += [*report.verify.devices, *report.verify.commands]
+        error = report.error or next((r.error for r in runs if r.error), None)
         if report.status == "not_effective":
-            detail = "verify was not effective: the second run still missed the cache"
+            reasons = report.verify.reasons if report.verify is not None else []
+            detail = "verify was not effective: " + (
+                "; ".join(reasons) if reasons else "the second run still missed the cache"
+            )
         elif error is not None:
             where = f" ({error.where})" if error.where else ""
             detail = f"{error.type}: {error.message}{where}"
@@ -534,9 +642,17 @@ def run_agent(
         say(f"removed {len(removed)} build dir(s) a previous agent left in {options.work_dir}")
     reports: list[RoundReport] = []
     previous: str | None = None
+    memory = AgentMemory()
     while not stop.is_set():
         try:
-            report = run_round(options, client=client, stop=stop, log=say, previous_digest=previous)
+            report = run_round(
+                options,
+                client=client,
+                stop=stop,
+                log=say,
+                previous_digest=previous,
+                memory=memory,
+            )
         except CachekeeperError as exc:
             if once:
                 raise

@@ -14,10 +14,18 @@ fingerprint digest:
   cold compile: exactly what a warm cache would hide);
 - ``failed``: the newest report is ``failed`` (crash, timeout, verify not effective,
   push failed, abandoned on shutdown);
+- ``refused``: the newest report is ``refused``: the agent's allowlist (``agent --allow``)
+  does not admit the workload's command or import path, so it runs nothing (the event's
+  ``detail`` names what);
 - ``missing``: nothing was built for the pair (or the snapshot a report named is gone).
 
 Each row also says which devices its warm snapshot covers (``devices``); given the
 training nodes' devices, the ones it does not cover (``uncovered``) and a ``note``.
+
+``harvested`` counts the pair's harvested deltas (``postjob --push``), and ``harvest_note``
+says plainly whether nodes get them: a server run with ``serve_harvested`` offers them
+after the snapshot; otherwise no node does, and only an agent's promotion (a workload with
+a ``[[command]]``: restore, rerun, verify) turns them into a snapshot nodes get.
 
 ``jobs`` adds up what training jobs reported for the pair (``POST /v1/reports``; a pair a
 report names is a row when its workload is registered): restores, cold starts by reason,
@@ -54,7 +62,8 @@ def _decide(
         if verified is not None:
             return "warm", verified[0], event.at
         return "missing", None, event.at
-    return ("broken" if event.status == "cold_compile_broken" else "failed"), None, event.at
+    decided = {"cold_compile_broken": "broken", "refused": "refused"}
+    return decided.get(event.status, "failed"), None, event.at
 
 
 def fleet_status(
@@ -63,10 +72,12 @@ def fleet_status(
     workload: str | None = None,
     fingerprint_digest: str | None = None,
     devices: list[str] | None = None,
+    serve_harvested: bool = False,
 ) -> list[StatusRow]:
     """The status rows (see the module docstring), sorted by workload then digest.
 
     ``devices``: the devices training nodes use; rows then say what they leave uncovered.
+    ``serve_harvested``: the server's setting, which decides ``harvest_note``.
     """
     names_by_digest: dict[str, list[str]] = {}
     for name, digest in facts.agents:
@@ -100,6 +111,24 @@ def fleet_status(
                 note=note,
                 jobs=facts.jobs.get((w, d)),
                 jobs_note=facts.jobs[(w, d)].mismatch_note if (w, d) in facts.jobs else None,
+                harvested=facts.harvested.get((w, d), 0),
+                harvest_note=harvest_note(
+                    facts.harvested.get((w, d), 0), serve_harvested=serve_harvested
+                ),
             )
         )
     return rows
+
+
+def harvest_note(count: int, *, serve_harvested: bool) -> str | None:
+    """Whether nodes get a pair's ``count`` harvested deltas, in one sentence (None: none)."""
+    if not count:
+        return None
+    what = f"{count} harvested delta{'s' if count != 1 else ''}"
+    if serve_harvested:
+        return f"{what} (postjob --push): offered to nodes after the snapshot"
+    return (
+        f"{what} (postjob --push) kept back: this server does not offer harvested deltas to"
+        " nodes (serve --serve-harvested); an agent promotes them into a verified snapshot"
+        " only for a workload with a [[command]]"
+    )

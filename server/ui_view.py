@@ -35,6 +35,7 @@ STATES: tuple[tuple[str, str, str], ...] = (
     ("building", "building", "an agent is building it now"),
     ("broken", "cold_compile_broken", "the workload raised during a cold compile"),
     ("failed", "failed", "the last build failed (crash, timeout, push)"),
+    ("refused", "refused", "the builder's allowlist does not admit the workload's code"),
     ("missing", "missing", "nothing built for this pair"),
     ("stale", "stale", "built for an older workload TOML, or its builder went silent"),
 )

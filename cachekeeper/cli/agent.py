@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from cachekeeper import config
+from cachekeeper.allowlist import Allowlist
 from cachekeeper.cli._common import (
     PathParam,
     device_option,
@@ -65,6 +66,23 @@ __all__ = ["agent_cmd"]
     default=None,
     help="This agent's name on the server [default: the host name].",
 )
+@click.option(
+    "--allow",
+    "allow",
+    multiple=True,
+    metavar="PATTERN",
+    help="Code this builder may run: a glob over import paths (mytrainer.*) and over a"
+    " command's argv[0] or whole command line (torchrun, 'torchrun * -m mytrainer.train *')."
+    " Repeatable. Without any, workloads with a [[command]], an [[entrypoint]] or a"
+    " pkg.mod:factory are refused (docs/security.md).",
+)
+@click.option(
+    "--allow-file",
+    "allow_files",
+    multiple=True,
+    type=PathParam(dir_okay=False, exists=True, path_type=Path),
+    help="A file of --allow patterns, one per line ('#' starts a comment). Repeatable.",
+)
 @sign_key_option
 @json_option
 @handle_errors
@@ -77,6 +95,8 @@ def agent_cmd(
     work_dir: Path | None,
     build_timeout_s: float | None,
     name: str | None,
+    allow: tuple[str, ...],
+    allow_files: tuple[Path, ...],
     sign_key: Path | None,
     as_json: bool,
 ) -> None:
@@ -89,18 +109,26 @@ def agent_cmd(
     it on every device (fresh processes, cold), verifies, pushes, and reports the outcome
     (see GET /v1/status). Workloads that are already warm compile nothing. A workload that
     crashes, hangs past --build-timeout or whose cold compile raises is reported and the
-    agent carries on. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
+    agent carries on. A workload whose code (a command, an entrypoint, a mask or score
+    factory) no --allow pattern admits runs nothing and is reported 'refused'. A warm
+    command workload's harvested deltas (postjob --push) are promoted: restored, run
+    again, and pushed as a verified snapshot when every rank hits. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
     Progress goes to stderr, each line stamped with the UTC time; --json prints each
     round's report on stdout.
     """
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
+    try:
+        allowlist = Allowlist.load(allow, allow_files)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--allow") from exc
     options = AgentOptions(
         devices=tuple(select_devices(device)),
         work_dir=(work_dir or config.agent_work_dir(os.environ)).absolute(),
         name=name or socket.gethostname(),
         build_timeout_s=build_timeout_s,
         sign_key=sign_key.absolute() if sign_key else None,
+        allow=allowlist,
     )
 
     def log(line: str) -> None:

@@ -61,8 +61,9 @@ class Check:
 
 Digest = Annotated[str, Check(pattern=DIGEST_PATTERN)]
 DriverPolicy = Literal["newer", "exact", "any"]
-EventStatus = Literal["built", "skipped", "building", "cold_compile_broken", "failed"]
-PairStatus = Literal["warm", "building", "broken", "failed", "missing"]
+# refused: the builder's allowlist (agent --allow) does not admit the workload's code.
+EventStatus = Literal["built", "skipped", "building", "cold_compile_broken", "failed", "refused"]
+PairStatus = Literal["warm", "building", "broken", "failed", "refused", "missing"]
 Count = Annotated[int, Check(ge=0, le=2**48)]  # a count or byte total (SQLite holds it)
 JobPhase = Literal["prejob", "postjob"]
 # prejob: restored, already_restored or cold; postjob: compiled (new entries) or clean.

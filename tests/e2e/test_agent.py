@@ -34,6 +34,7 @@ from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.allowlist import Allowlist
 from cachekeeper.fingerprint import collect, digest_of
 from tests.helpers.live_server import LiveServer, start_server
 
@@ -174,7 +175,12 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
         else:
             stop.set()
 
-    options = AgentOptions(devices=("cpu",), work_dir=tmp_path / "work", name="builder-a")
+    options = AgentOptions(
+        devices=("cpu",),
+        work_dir=tmp_path / "work",
+        name="builder-a",
+        allow=Allowlist(("fixtures_pkg.*",)),  # the broken workload's entrypoint is code
+    )
     with CacheClient(base_url=fleet.url) as client:
         run_agent(
             options,
@@ -241,7 +247,7 @@ def test_a_hang_times_out_and_sigterm_abandons_a_build_cleanly(tmp_path: Path) -
         leftover = work / "build-someone-else"  # a folder the agent did not make: kept
         leftover.mkdir(parents=True)
 
-        report, _ = _once(live, work, "--build-timeout", "5")
+        report, _ = _once(live, work, "--build-timeout", "5", "--allow", "fixtures_pkg.*")
         outcomes = _by_name(report)
         for name in ("hang-a", "hang-b"):  # the first hang did not stop the second
             assert outcomes[name]["status"] == "failed", outcomes[name]
@@ -249,7 +255,7 @@ def test_a_hang_times_out_and_sigterm_abandons_a_build_cleanly(tmp_path: Path) -
         assert list(work.iterdir()) == [leftover]
 
         proc = _agent_cli("--server", live.url, "--device", "cpu", "--work-dir", str(work),
-                          "--interval", "3600")  # fmt: skip
+                          "--interval", "3600", "--allow", "fixtures_pkg.*")  # fmt: skip
         assert proc.stderr is not None
         for line in proc.stderr:
             if "hang-a: building" in line:
