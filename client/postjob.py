@@ -179,6 +179,7 @@ class PostjobReport:
     error: str | None = None  # why nothing could be counted; None otherwise
     warning: str | None = None  # counted, but the count could not be recorded
     pushed_snapshot_id: str | None = None  # postjob --push: the harvested delta
+    pushed_offered: bool = True  # the server hands it to nodes (see summary_line)
 
     @property
     def new_bytes(self) -> int:
@@ -200,6 +201,7 @@ class PostjobReport:
             "error": self.error,
             "warning": self.warning,
             "pushed_snapshot_id": self.pushed_snapshot_id,
+            "pushed_offered": self.pushed_offered,
         }
 
 
@@ -223,6 +225,12 @@ def summary_line(report: PostjobReport) -> str:
     line = f"cachekeeper: postjob: the job compiled {what} {on}"
     if report.pushed_snapshot_id:
         line += f"; harvested as snapshot {report.pushed_snapshot_id[:12]}"
+        if not report.pushed_offered:
+            line += (
+                " (kept back: this server does not offer harvested snapshots to nodes"
+                " unless it runs with --serve-harvested; an agent promotes the harvest of a"
+                " workload with a [[command]] into a verified snapshot; others' reach no node)"
+            )
     if report.snapshot_id:
         line += (
             "; the workload file does not match training: run `cachekeeper explain` and see"
@@ -301,8 +309,9 @@ def postjob(
     )
     warning = None
     pushed = None
+    offered = True
     if push:
-        pushed, warning = _harvest(
+        pushed, offered, warning = _harvest(
             target,
             diff,
             workload=workload,
@@ -330,6 +339,7 @@ def postjob(
         reported=reported,
         warning=warning,
         pushed_snapshot_id=pushed,
+        pushed_offered=offered,
     )
 
 
@@ -343,14 +353,15 @@ def _harvest(
     fingerprint: dict[str, Any],
     sign_key: str | os.PathLike[str] | None,
     timeout_s: float,
-) -> tuple[str | None, str | None]:
-    """Push the job's new files as a harvested delta: (its id, None) or (None, why not)."""
+) -> tuple[str | None, bool, str | None]:
+    """Push the job's new files as a harvested delta: (its id, whether the server offers it
+    to nodes, None), or (None, True, why not)."""
     if not diff.compiled:
-        return None, None
+        return None, True, None
     if diff.snapshot_id is None:
-        return None, "nothing harvested: no snapshot was restored here to layer it on"
+        return None, True, "nothing harvested: no snapshot was restored here to layer it on"
     if not server:
-        return None, "nothing harvested: no server (--server or CACHEKEEPER_SERVER)"
+        return None, True, "nothing harvested: no server (--server or CACHEKEEPER_SERVER)"
     from .api import CacheClient  # only with --push: httpx and the snapshot stack
     from .push import push as push_snapshot
 
@@ -367,5 +378,5 @@ def _harvest(
             )
     except (CachekeeperError, OSError) as exc:
         detail = exc.detail if isinstance(exc, CachekeeperError) else str(exc)
-        return None, f"harvest not pushed: {detail}"
-    return done.snapshot_id, None
+        return None, True, f"harvest not pushed: {detail}"
+    return done.snapshot_id, done.offered, None

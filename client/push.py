@@ -83,6 +83,7 @@ class PushReport:
     deduplicated_bytes: int
     verified: bool = False  # a prewarm of this workload verified the dir effective
     unverified_reason: str | None = None  # why not, in one sentence; None when verified
+    offered: bool = True  # resolve hands it to nodes (False: a harvest the server keeps back)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -308,4 +309,5 @@ def _push(
         deduplicated_bytes=sum(sizes.values()) - done.bytes,
         verified=manifest.verified,
         unverified_reason=None if manifest.verified else unverified_reason(cache_dir, workload),
+        offered=summary.offered,
     )

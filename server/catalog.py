@@ -48,7 +48,7 @@ __all__ = ["Catalog", "Transaction", "agent_id_for"]
 
 _SUMMARY_COLUMNS = (
     "id, workload, fingerprint_digest, devices, verified, signed, size_bytes, file_count, "
-    "created_at, last_used_at, pinned"
+    "created_at, last_used_at, pinned, source, parent"
 )
 
 
@@ -65,6 +65,8 @@ def _summary(row: dict[str, Any]) -> Summary:
         created_at=row["created_at"],
         last_used_at=row["last_used_at"],
         pinned=bool(row["pinned"]),
+        source=row["source"],
+        parent=row["parent"],
     )
 
 

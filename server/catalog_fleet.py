@@ -271,6 +271,14 @@ class FleetReads(Reads):
             for r in self._rows(sql, part):
                 stored.add(r["id"])
                 covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+        harvested = {
+            (r["workload"], r["fingerprint_digest"]): int(r["n"])
+            for r in self._rows(
+                "SELECT workload, fingerprint_digest, COUNT(*) AS n FROM snapshots"
+                " WHERE source = 'harvest' AND workload IS NOT NULL"
+                " GROUP BY workload, fingerprint_digest"
+            )
+        }
         return StatusFacts(
             workloads=workloads,
             agents=agents,
@@ -279,4 +287,5 @@ class FleetReads(Reads):
             stored=frozenset(stored),
             covers=covers,
             jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
+            harvested=harvested,
         )

@@ -93,8 +93,10 @@ async def publish_snapshot(request: Request, _: WriteScope) -> Response:
     summary, created = await run_in_threadpool(_publish, storage, body)
     if created:
         metrics_of(request).inc("cachekeeper_snapshots_published_total")
+    offered = summary.source != "harvest" or storage.settings.serve_harvested
     return JSONResponse(
-        {**asdict(summary), "created": created}, status_code=201 if created else 200
+        {**asdict(summary), "created": created, "offered": offered},
+        status_code=201 if created else 200,
     )
 
 

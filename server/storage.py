@@ -470,6 +470,7 @@ class Storage:
             workload=workload,
             fingerprint_digest=fingerprint_digest,
             devices=devices,
+            serve_harvested=self.settings.serve_harvested,
         )
 
     def add_job_report(self, report: JobReport) -> tuple[int, str]:

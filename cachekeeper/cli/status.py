@@ -84,6 +84,8 @@ def status_cmd(
             click.echo(f"  jobs: {jobs_line(row.jobs)}")
         if row.jobs_note:
             click.echo(f"  ! {row.jobs_note}")
+        if row.harvest_note:
+            click.echo(f"  ! {row.harvest_note}")
 
 
 def jobs_line(jobs: JobStats) -> str:

@@ -96,6 +96,8 @@ class StatusRow:
     note: str | None = None  # what to do about ``uncovered``
     jobs: JobStats | None = None  # what jobs reported (POST /v1/reports); None: no report
     jobs_note: str | None = None  # "restored, but N jobs compiled anyway", what to do
+    harvested: int = 0  # harvested deltas stored for the pair (postjob --push)
+    harvest_note: str | None = None  # whether nodes get them, in words
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,8 @@ class Summary:
     created_at: str
     last_used_at: str | None
     pinned: bool
+    source: str | None = None  # "harvest" for a harvested delta (postjob --push)
+    parent: str | None = None  # a harvested delta's parent snapshot id
 
 
 @dataclass(frozen=True, kw_only=True)

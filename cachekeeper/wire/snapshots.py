@@ -45,9 +45,14 @@ class PutAnswer:
 
 @dataclass(frozen=True, kw_only=True)
 class PublishAnswer(Summary):
-    """``POST /v1/snapshots``: 201 with ``created``, 200 without for an identical manifest."""
+    """``POST /v1/snapshots``: 201 with ``created``, 200 without for an identical manifest.
+
+    ``offered``: whether resolve hands this snapshot to nodes; False for a harvested delta
+    on a server that does not serve them (``serve --serve-harvested``).
+    """
 
     created: bool
+    offered: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

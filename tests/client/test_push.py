@@ -43,6 +43,7 @@ def test_push_report_json_is_its_fields_in_order() -> None:
         ("deduplicated_bytes", 5),
         ("verified", False),
         ("unverified_reason", "not prewarmed"),
+        ("offered", True),
     ]
 
 
