@@ -227,7 +227,11 @@ def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Pa
                 workload="wl", server=live.url, token="write-token", cache_dir=node_a, push=True
             )
             assert done.pushed_snapshot_id is not None, done
-            assert "harvested as snapshot" in summary_line(done)
+            assert done.pushed_offered is serve_harvested  # the publish said so
+            line = summary_line(done)
+            assert "harvested as snapshot" in line
+            # the line says plainly when no node will get it (issue 23)
+            assert ("kept back" in line) is not serve_harvested, line
 
             node_b = tmp_path / f"b-{serve_harvested}"
             got = prejob(workload="wl", server=live.url, token="read-token", cache_dir=node_b)
