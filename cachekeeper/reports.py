@@ -6,8 +6,9 @@ if a fresh process that runs the workload against it sees ``fxgraph_cache_miss =
 ``fxgraph_cache_hit``. A cache that is installed but not used must never pass.
 
 The runs themselves happen in ``cachekeeper.prewarm`` and ``cachekeeper.verify`` (through
-``cachekeeper.children``); this module only reads their results, so it imports neither
-torch nor subprocess machinery.
+``cachekeeper.children`` and ``cachekeeper.commands``); this module only reads their
+results, so it imports neither torch nor subprocess machinery. Their text for people:
+``cachekeeper.report_text``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ __all__ = [
     "Progress",
     "is_effective",
     "miss_reason",
-    "format_prewarm",
-    "format_verify",
+    "command_miss_reasons",
 ]
 
 DeviceStatus = Literal["ok", "error", "invalid", "crashed", "timeout"]
@@ -573,107 +573,3 @@ def _command_stats(run: CommandRun) -> dict[str, Any]:
     if run.mode == "verify":
         out["effective"] = run.effective
     return out
-
-
-# -- human-readable reports ----------------------------------------------------------------
-
-
-def _counts(counters: dict[str, int]) -> str:
-    short = {
-        "fxgraph_cache_hit": "fx hit",
-        "fxgraph_cache_miss": "fx miss",
-        "fxgraph_cache_bypass": "fx bypass",
-        "autograd_cache_hit": "aot hit",
-        "autograd_cache_miss": "aot miss",
-        "autograd_cache_bypass": "aot bypass",
-    }
-    parts = [f"{label} {counters[key]}" for key, label in short.items() if counters.get(key)]
-    return ", ".join(parts) or "no cache activity"
-
-
-def _error_lines(run: DeviceRun) -> list[str]:
-    if run.error is None:
-        return []
-    err = run.error
-    lines = [f"    {err.type}: {err.message}" + (f"  (in {err.where})" if err.where else "")]
-    lines += [f"      {line}" for line in err.traceback_tail]
-    return lines
-
-
-def _run_lines(run: DeviceRun) -> list[str]:
-    head = (
-        f"  {run.device}  {run.mode} {run.status}  {run.seconds:.1f} s  [{_counts(run.counters)}]"
-    )
-    if run.mode == "verify":
-        head += "  effective" if run.effective else "  NOT effective"
-    lines = [head]
-    for r in run.regimes:
-        seqs = " + ".join(f"{s:.1f}" for s in r.seq_seconds) or f"{r.seconds:.1f}"
-        lines.append(f"    {r.name:<14} {r.label}")
-        lines.append(f"    {'':<14} {seqs} s  [{_counts(r.counters)}]  {r.verdict}")
-    return lines + _error_lines(run)
-
-
-def _command_lines(run: CommandRun) -> list[str]:
-    head = f"  {run.name}  {run.mode} {run.status}  {run.seconds:.1f} s"
-    if run.exit_code is not None:
-        head += f"  exit {run.exit_code}"
-    if run.mode == "verify":
-        head += "  effective" if run.effective else "  NOT effective"
-    lines = [head, f"    $ {run.command}"]
-    shown = [p for p in run.processes if p.compiled or p.exit_status == "exception"]
-    for proc in shown:
-        verdict = ""
-        if run.mode == "verify" and proc.compiled:
-            verdict = "  hit" if proc.effective else "  MISS"
-        lines.append(f"    {proc.label:<32} [{_counts(proc.counters)}]{verdict}")
-        if proc.exit_status == "exception":
-            lines.append(f"      raised {proc.error}")
-        elif proc.exit_code:
-            lines.append(f"      exited with status {proc.exit_code}")
-    others = len(run.processes) - len(shown)
-    if others:
-        lines.append(f"    ({others} other Python process(es) compiled nothing)")
-    if run.error is not None:
-        lines.append(f"    {run.error.type}: {run.error.message}")
-    if run.status != "ok" and run.status != "invalid" and run.log_tail:
-        lines.append("    the command's last output lines:")
-        lines += [f"      {line}" for line in run.log_tail]
-    return lines
-
-
-def format_verify(report: VerifyReport) -> str:
-    lines = [
-        f"verify {report.workload} against {report.cache_dir}: {report.status} "
-        f"({report.seconds:.1f} s)"
-    ]
-    for run in report.devices:
-        lines += _run_lines(run)
-    for command in report.commands:
-        lines += _command_lines(command)
-    lines += [f"  NOT effective: {reason}" for reason in report.reasons]
-    return "\n".join(lines)
-
-
-def format_prewarm(report: PrewarmReport) -> str:
-    lines = [
-        f"prewarm {report.workload} into {report.cache_dir}: {report.status} "
-        f"({report.seconds:.1f} s)"
-    ]
-    for run in report.devices:
-        lines += _run_lines(run)
-    for command in report.commands:
-        lines += _command_lines(command)
-    for device, merged in report.merged.items():
-        lines.append(
-            f"  merged {device}: {merged.get('written', 0)} files written, "
-            f"{merged.get('skipped', 0)} already present, "
-            f"{len(merged.get('conflicts', ()))} conflicts kept"
-        )
-    if report.error is not None:
-        lines.append(f"  {report.error.type}: {report.error.message}")
-    if report.status == "cold_compile_broken":
-        lines.append("  nothing was merged into the cache dir")
-    if report.verify is not None:
-        lines.append(format_verify(report.verify))
-    return "\n".join(lines)

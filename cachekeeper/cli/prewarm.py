@@ -21,7 +21,7 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.devices import select_devices
 from cachekeeper.prewarm import prewarm
-from cachekeeper.reports import format_prewarm
+from cachekeeper.report_text import format_prewarm
 from cachekeeper.workload import load_workload
 
 __all__ = ["prewarm_cmd", "progress_to_stderr"]
@@ -40,7 +40,14 @@ def progress_to_stderr(event: object) -> None:
     help="The Inductor cache dir to fill (TORCHINDUCTOR_CACHE_DIR of the training job).",
 )
 @device_option
-@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=None,
+    help="Seconds each child, and each run of a [[command]], may take (a command's own"
+    " timeout applies too; the shorter wins).",
+)
 @json_option
 @handle_errors
 def prewarm_cmd(
@@ -50,7 +57,10 @@ def prewarm_cmd(
     and verify it.
 
     Each device compiles into an empty staging dir first; a cold compile that raises is
-    reported with its traceback, nothing is merged, and the exit code is 3. Progress goes
+    reported with its traceback, nothing is merged, and the exit code is 3. Each
+    [[command]] runs once as it is (its launcher picks its own devices: --device does not
+    apply to it), then again in a fresh copy of the cache dir, where every rank must hit;
+    a command that exits non-zero on the cold run is cold_compile_broken (exit 3). Progress goes
     to stderr (also with --json, whose report is all stdout holds). Exit 0 when the merged cache verifies effective, 1 when it does not.
     """
     parsed = load_workload(workload)

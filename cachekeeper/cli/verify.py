@@ -14,7 +14,7 @@ import click
 from cachekeeper.cli._common import PathParam, device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.prewarm import progress_to_stderr
 from cachekeeper.devices import select_devices
-from cachekeeper.reports import format_verify
+from cachekeeper.report_text import format_verify
 from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload
 
@@ -30,7 +30,13 @@ __all__ = ["verify_cmd"]
     help="The Inductor cache dir to check.",
 )
 @device_option
-@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds per child.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=None,
+    help="Seconds each child, and each run of a [[command]], may take.",
+)
 @json_option
 @handle_errors
 def verify_cmd(
@@ -40,7 +46,9 @@ def verify_cmd(
 
     Effective only with zero FX-graph misses and bypasses, zero AOTAutograd misses and at
     least one hit. Exit 0 when effective, 1 when not, 2 on error. A run that misses
-    compiles what it misses, and Inductor adds those entries to the cache dir.
+    compiles what it misses, and Inductor adds those entries to the cache dir. A
+    [[command]] runs in a fresh copy of the cache dir instead (the dir is not written),
+    and every process that compiled must be effective; the report names each rank.
     """
     parsed = load_workload(workload)
     report = verify(

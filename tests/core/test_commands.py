@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from cachekeeper.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
-from cachekeeper.reports import CommandRun, ProcessEvidence, VerifyReport, format_verify
+from cachekeeper.report_text import format_verify
+from cachekeeper.reports import CommandRun, ProcessEvidence, VerifyReport
 from cachekeeper.workload import Command
 
 PY = sys.executable

@@ -21,5 +21,7 @@ def summary_body(snapshot_id: str = "a" * 64, **changes: Any) -> dict[str, Any]:
         "created_at": "2026-01-01T00:00:00Z",
         "last_used_at": None,
         "pinned": False,
+        "source": None,
+        "parent": None,
         **changes,
     }
