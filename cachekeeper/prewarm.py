@@ -124,14 +124,7 @@ def prewarm(
         workload, cache_dir, devices=child_devices, timeout_s=timeout_s, progress=progress
     )
     done = report(devices=tuple(runs), commands=tuple(cold), merged=merged, verify=verify_report)
-    record_prewarm(
-        cache_dir,
-        workload=workload.name,
-        workload_digest=workload.digest,
-        devices=list(done.covered_devices),
-        stats=done.stats,
-        cpu=compiled_cpu_state(workload, tuple(cold)),
-    )
+    _record(workload, cache_dir, done, commands=tuple(cold))
     return done
 
 
@@ -166,15 +159,22 @@ def promote(
         verify=checked,
     )
     if done.status == "verified":
-        record_prewarm(
-            cache_dir,
-            workload=workload.name,
-            workload_digest=workload.digest,
-            devices=list(done.covered_devices),
-            stats=done.stats,
-            cpu=compiled_cpu_state(workload, checked.commands),
-        )
+        _record(workload, cache_dir, done, commands=checked.commands)
     return done
+
+
+def _record(
+    workload: Workload, cache_dir: Path, report: PrewarmReport, *, commands: tuple[CommandRun, ...]
+) -> None:
+    """What ``report`` proved, kept in ``cache_dir`` for the snapshot (provenance)."""
+    record_prewarm(
+        cache_dir,
+        workload=workload.name,
+        workload_digest=workload.digest,
+        devices=list(report.covered_devices),
+        stats=report.stats,
+        cpu=compiled_cpu_state(workload, commands),
+    )
 
 
 def compiled_cpu_state(workload: Workload, commands: tuple[CommandRun, ...]) -> dict[str, Any]:

@@ -74,28 +74,33 @@ def _command_lines(run: CommandRun) -> list[str]:
     return lines
 
 
+def _report_lines(
+    head: str, devices: tuple[DeviceRun, ...], commands: tuple[CommandRun, ...]
+) -> list[str]:
+    lines = [head]
+    for run in devices:
+        lines += _run_lines(run)
+    for command in commands:
+        lines += _command_lines(command)
+    return lines
+
+
 def format_verify(report: VerifyReport) -> str:
-    lines = [
+    head = (
         f"verify {report.workload} against {report.cache_dir}: {report.status} "
         f"({report.seconds:.1f} s)"
-    ]
-    for run in report.devices:
-        lines += _run_lines(run)
-    for command in report.commands:
-        lines += _command_lines(command)
+    )
+    lines = _report_lines(head, report.devices, report.commands)
     lines += [f"  NOT effective: {reason}" for reason in report.reasons]
     return "\n".join(lines)
 
 
 def format_prewarm(report: PrewarmReport) -> str:
-    lines = [
+    head = (
         f"prewarm {report.workload} into {report.cache_dir}: {report.status} "
         f"({report.seconds:.1f} s)"
-    ]
-    for run in report.devices:
-        lines += _run_lines(run)
-    for command in report.commands:
-        lines += _command_lines(command)
+    )
+    lines = _report_lines(head, report.devices, report.commands)
     for device, merged in report.merged.items():
         lines.append(
             f"  merged {device}: {merged.get('written', 0)} files written, "
