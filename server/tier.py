@@ -1,0 +1,156 @@
+"""The per-key tier's store: torch's own cache keys, each naming one value in a blob store.
+
+``TierStore`` is what the protocol server (``server/resp.py``) calls; it never sees SQL or
+a backend type. A value is stored in the tier's ``BlobBackend`` by the sha256 of its bytes
+(``<data>/tier-blobs`` beside the snapshots' ``<data>/blobs``, or ``PREFIX/tier/`` of the
+object store: ``server/app.py`` picks it), and its key in the catalog's ``tier_keys``
+table (``server/catalog_tier.py``) with its sizes, last use and writer. Keys are torch's
+own (they already hash torch, Triton, CUDA, the GPU and the graph): never rewritten.
+
+Bounds: a value over ``remote_cache_max_value_bytes`` is not stored; after each put the
+least recently used keys are evicted until the distinct values' stored bytes fit in
+``remote_cache_max_bytes`` (as bazel-remote bounds its cache). Last uses are kept in
+memory and written in batches (``flush_uses``), so a GET never writes to the catalog.
+
+Ordering rules that keep a crash harmless: a value becomes visible (the backend's atomic
+put) before its key row points at it; eviction deletes rows first, then, after the
+commit, only values no key points at any more. A row whose value is gone reads as a miss
+and is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cachekeeper.errors import BlobMissing
+from cachekeeper.wire import utc_now
+
+from .catalog import Catalog
+from .storage import BlobBackend
+
+__all__ = ["TierStore", "TierPut", "EVICT_BATCH"]
+
+EVICT_BATCH = 256  # keys looked at per eviction query
+
+
+@dataclass(frozen=True)
+class TierPut:
+    """What one put did: ``stored`` (False: dropped, ``reason`` says why) and evictions."""
+
+    stored: bool
+    reason: str | None = None  # "too_large"
+    evicted: int = 0
+    stored_bytes: int = 0
+
+
+class TierStore:
+    """Keys in the catalog, values in a blob backend; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        catalog: Catalog,
+        blobs: BlobBackend,
+        max_value_bytes: int,
+        max_bytes: int | None,
+    ) -> None:
+        self.catalog = catalog
+        self.blobs = blobs
+        self.max_value_bytes = max_value_bytes
+        self.max_bytes = max_bytes
+        self._uses: dict[bytes, str] = {}
+        self._uses_lock = threading.Lock()
+        self.evictions = 0  # keys evicted since start (for /metrics)
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value stored under ``key``, or None (a miss is a value)."""
+        entry = self.catalog.tier_key(key)
+        if entry is None:
+            return None
+        try:
+            with self.blobs.open(entry.digest) as fh:
+                value = fh.read()
+        except BlobMissing:
+            self._drop_dangling(key, entry.digest)
+            return None
+        if hashlib.sha256(value).hexdigest() != entry.digest:
+            return None  # never hand torch bytes that are not what was written
+        with self._uses_lock:
+            self._uses[key] = utc_now()
+        return value
+
+    def put(self, key: bytes, value: bytes, *, writer: Mapping[str, Any]) -> TierPut:
+        """Store ``value`` under ``key`` (a later put of a key replaces it), then evict."""
+        if len(value) > self.max_value_bytes:
+            return TierPut(stored=False, reason="too_large")
+        digest = hashlib.sha256(value).hexdigest()
+        stat = self.blobs.stat(digest)
+        if stat is None:
+            self.blobs.put([value], digest=digest, size_bytes=len(value))
+            stat = self.blobs.stat(digest)
+            if stat is None:  # pragma: no cover - a backend that loses what it just stored
+                raise BlobMissing(f"tier value {digest} vanished after it was stored")
+        with self.catalog.writing() as tx:
+            replaced = tx.put_tier_key(
+                key=key,
+                digest=digest,
+                size_bytes=len(value),
+                stored_bytes=stat.stored_bytes,
+                at=utc_now(),
+                writer=writer,
+            )
+            if replaced is not None:
+                self._delete_after_commit(tx, [replaced])
+        with self._uses_lock:
+            self._uses.pop(key, None)
+        return TierPut(stored=True, evicted=self.evict(), stored_bytes=stat.stored_bytes)
+
+    def evict(self) -> int:
+        """Evict least recently used keys until the stored bytes fit the budget; how many."""
+        if self.max_bytes is None:
+            return 0
+        self.flush_uses()
+        evicted = 0
+        while (total := self.catalog.tier_totals().stored_bytes) > self.max_bytes:
+            oldest = self.catalog.tier_lru(limit=EVICT_BATCH)
+            if not oldest:
+                break
+            chosen, freed = [], 0
+            for entry in oldest:
+                chosen.append(entry)
+                freed += entry.stored_bytes
+                if total - freed <= self.max_bytes:
+                    break
+            with self.catalog.writing() as tx:
+                tx.delete_tier_keys(e.key for e in chosen)
+                self._delete_after_commit(tx, [e.digest for e in chosen])
+            evicted += len(chosen)
+        self.evictions += evicted
+        return evicted
+
+    def flush_uses(self) -> int:
+        """Write the last uses seen since the previous flush; how many keys."""
+        with self._uses_lock:
+            uses, self._uses = self._uses, {}
+        if uses:
+            with self.catalog.writing() as tx:
+                tx.touch_tier_keys(uses)
+        return len(uses)
+
+    def totals(self) -> tuple[int, int]:
+        """(keys, stored bytes of their distinct values)."""
+        found = self.catalog.tier_totals()
+        return found.keys, found.stored_bytes
+
+    def _delete_after_commit(self, tx: Any, digests: list[str]) -> None:
+        doomed = tx.unreferenced_tier_digests(digests)
+        tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
+
+    def _drop_dangling(self, key: bytes, digest: str) -> None:
+        with self.catalog.writing() as tx:
+            if (found := self.catalog.tier_key(key)) is not None and found.digest == digest:
+                tx.delete_tier_keys([key])
