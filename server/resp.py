@@ -51,6 +51,7 @@ from typing import Any
 
 from cachekeeper.errors import ConfigInvalid
 
+from .auth import scope_of_token
 from .metrics import Metrics
 from .settings import Settings
 from .tier import TierStore
@@ -440,8 +441,7 @@ class RespServer:
 
     # -- commands -------------------------------------------------------------------------
     def _authenticate(self, conn: _Conn, password: bytes) -> bool:
-        token = password.decode(errors="replace")
-        scope = self.settings.tokens.get(token)
+        scope = scope_of_token(self.settings, password.decode(errors="replace"))
         if scope is None:
             return False
         conn.scope, conn.extra["authed"] = scope, True

@@ -26,15 +26,34 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cachekeeper import remote_tier
 from cachekeeper.errors import BlobMissing
-from cachekeeper.wire import utc_now
+from cachekeeper.wire import RemoteCacheOffer, utc_now
 
 from .catalog import Catalog
+from .settings import Settings
 from .storage import BlobBackend
 
-__all__ = ["TierStore", "TierPut", "EVICT_BATCH"]
+__all__ = ["TierStore", "TierPut", "EVICT_BATCH", "offer_for"]
 
 EVICT_BATCH = 256  # keys looked at per eviction query
+
+
+def offer_for(
+    settings: Settings, *, port: int | None, scope: str, wish: str | None
+) -> RemoteCacheOffer | None:
+    """The tier as offered to a caller with ``scope`` whose hook wishes ``wish`` ("auto",
+    "on", "off"); None when this server serves no tier (``port`` None)."""
+    if port is None:
+        return None
+    use = settings.remote_cache_default if wish in (None, "auto") else wish == "on"
+    switches = remote_tier.site_switches(tier=True)
+    return RemoteCacheOffer(
+        port=port,
+        use=use,
+        writable=settings.remote_cache_writable and scope in ("write", "admin"),
+        switches=switches if use else remote_tier.key_switches(switches),
+    )
 
 
 @dataclass(frozen=True)
