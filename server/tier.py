@@ -31,10 +31,11 @@ from cachekeeper.errors import BlobMissing
 from cachekeeper.wire import RemoteCacheOffer, utc_now
 
 from .catalog import Catalog
+from .metrics import Metrics
 from .settings import Settings
 from .storage import BlobBackend
 
-__all__ = ["TierStore", "TierPut", "EVICT_BATCH", "offer_for"]
+__all__ = ["TierStore", "TierPut", "TierSummary", "EVICT_BATCH", "offer_for", "summary"]
 
 EVICT_BATCH = 256  # keys looked at per eviction query
 
@@ -53,6 +54,48 @@ def offer_for(
         use=use,
         writable=settings.remote_cache_writable and scope in ("write", "admin"),
         switches=switches if use else remote_tier.key_switches(switches),
+    )
+
+
+@dataclass(frozen=True)
+class TierSummary:
+    """The tier as the status page shows it: its size, and its counters since start."""
+
+    port: int | None
+    keys: int
+    stored_bytes: int
+    max_bytes: int | None
+    hits: int
+    misses: int  # every GET answered nil: not there, past the bound, a failing store
+    puts_stored: int
+    puts_dropped: dict[str, int]  # why -> how many (answered OK, not stored)
+    evictions: int
+    writable: bool
+
+
+_DROPS = ("read_only_token", "signatures_required", "too_large", "busy", "store_failed")
+
+
+def summary(
+    store: TierStore, metrics: Metrics, settings: Settings, *, port: int | None
+) -> TierSummary:
+    """The status page's view of the tier, from the store and the ``/metrics`` counters."""
+    keys, stored = store.totals()
+
+    def count(name: str, **labels: str) -> int:
+        return int(metrics.value(f"cachekeeper_remote_cache_{name}", **labels))
+
+    return TierSummary(
+        port=port,
+        keys=keys,
+        stored_bytes=stored,
+        max_bytes=settings.remote_cache_max_bytes,
+        hits=count("gets_total", result="hit"),
+        misses=sum(count("gets_total", result=r) for r in ("miss", "slow", "failed")),
+        puts_stored=count("puts_total", result="stored"),
+        puts_dropped={r: n for r in _DROPS if (n := count("puts_total", result=r))},
+        evictions=count("evictions_total"),
+        writable=settings.remote_cache_writable,
     )
 
 

@@ -224,3 +224,20 @@ def test_the_tier_shows_in_metrics(tier: LiveServer) -> None:
 def test_a_server_without_the_port_serves_no_tier(tmp_path: Path) -> None:
     with start_server(Settings(data_dir=tmp_path / "data")) as handle:
         assert handle.resp_port is None and handle.app.state.tier is None
+
+
+def test_the_status_page_shows_the_tier(tmp_path: Path) -> None:
+    with start_server(Settings(data_dir=tmp_path / "data", resp_port=0)) as handle:
+        assert handle.resp_port is not None
+        _raw(handle.resp_port, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$5\r\nvalue\r\n*1\r\n$4\r\nQUIT\r\n")
+        wait_stored(handle, 1)
+        _raw(
+            handle.resp_port,
+            b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n*2\r\n$3\r\nGET\r\n$1\r\nx\r\nQUIT\r\n",
+        )
+        page = httpx.get(f"{handle.url}/ui").text
+    assert '<table id="tier">' in page
+    row = page.split('<table id="tier">')[1].split("</table>")[0]
+    cells = [c.split("<")[0] for c in row.split("<td>")[1:]]
+    assert cells[0] == str(handle.resp_port) and cells[1] == "1"  # port, keys
+    assert cells[3:6] == ["1", "1", "1"]  # hits, misses, puts stored
