@@ -241,3 +241,67 @@ def test_the_status_page_shows_the_tier(tmp_path: Path) -> None:
     cells = [c.split("<")[0] for c in row.split("<td>")[1:]]
     assert cells[0] == str(handle.resp_port) and cells[1] == "1"  # port, keys
     assert cells[3:6] == ["1", "1", "1"]  # hits, misses, puts stored
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_with_a_trust_list_the_tier_is_read_only_unless_the_operator_opts_in(
+    tmp_path: Path, opt_in: bool
+) -> None:
+    from cachekeeper.signing import generate_keypair
+
+    _, pub, _ = generate_keypair(tmp_path / "builder")
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        tokens={"admin-token": "admin"},
+        resp_port=0,
+        trusted_keys=[pub],
+        remote_cache_unsigned_writes=opt_in,
+    )
+    with start_server(settings) as handle:
+        out = run_client(
+            VERSIONS[-1],
+            f"""
+r = redis.Redis.from_url({url(handle, "admin-token")!r})
+out['set'] = r.set('k', b'unsigned code')
+time.sleep(0.3)
+out['get'] = r.get('k') == b'unsigned code'
+""",
+        )
+        offer = httpx.get(
+            f"{handle.url}/v1/remote-cache", headers={"Authorization": "Bearer admin-token"}
+        ).json()
+        dropped = metric(
+            handle, "cachekeeper_remote_cache_puts_total", result="signatures_required"
+        )
+    assert out["set"] is True  # never an error torch would raise on
+    assert out["get"] is opt_in and offer["writable"] is opt_in
+    assert dropped == (0 if opt_in else 1)
+
+
+def test_sets_past_the_pending_budget_are_answered_ok_and_dropped(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data", resp_port=0, remote_cache_pending_bytes=1000)
+    with start_server(settings) as handle:
+        assert handle.resp_port is not None
+        value = b"v" * 2000  # under the cap, over what may wait to be stored
+        answer = _raw(
+            handle.resp_port,
+            b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$2000\r\n" + value + b"\r\n*1\r\n$4\r\nQUIT\r\n",
+        )
+        assert answer == b"+OK\r\n+OK\r\n"
+        assert metric(handle, "cachekeeper_remote_cache_puts_total", result="busy") == 1
+        assert handle.app.state.tier.totals()[0] == 0
+
+
+def test_serve_refuses_a_resp_port_it_cannot_bind_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [str(Path(sys.executable).with_name("cachekeeper")), "serve", "--data",
+             str(tmp_path / "data"), "--port", "0", "--resp-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot serve the per-key tier on 127.0.0.1:{port} (--resp-port)" in proc.stderr
+    assert proc.stderr.count("\n") == 1
