@@ -1,4 +1,5 @@
-"""``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses.
+"""``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses;
+``GET /v1/remote-cache``: the per-key tier as offered to the caller.
 
 The ranking is ``server/resolver.py``'s. A miss is a value (200 with ``"snapshot": null``),
 never an error; its ``reason`` says which miss it is: no snapshot matches, the workload
@@ -36,7 +37,10 @@ def resolve_route(
     """
     devices = None if body.devices is None else list(body.devices)
     try:
-        if body.remote_cache is None:
+        offer = None
+        if body.remote_cache is not None:
+            offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
+        if offer is None:  # an old hook, or no tier here: the job runs as the hook sent it
             answer = storage.resolve(
                 fingerprint=body.fingerprint,
                 workload=body.workload,
@@ -44,16 +48,14 @@ def resolve_route(
                 devices=devices,
             )
         else:
-            offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
             answer, switches = storage.resolve_for_job(
                 fingerprint=body.fingerprint,
-                switches={} if offer is None else offer.switches,
+                switches=offer.switches,
                 workload=body.workload,
                 driver_policy=body.driver_policy,
                 devices=devices,
             )
-            if offer is not None:
-                answer = replace(answer, remote_cache=replace(offer, switches=switches))
+            answer = replace(answer, remote_cache=replace(offer, switches=switches))
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidManifest(f"fingerprint cannot be compared: {exc}") from exc
     outcome = (
