@@ -39,12 +39,10 @@ pool, so a slow store never holds the loop.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +52,7 @@ from cachekeeper.errors import ConfigInvalid
 from .auth import scope_of_token
 from .metrics import Metrics
 from .settings import Settings
-from .tier import TierStore
+from .tier import TierStore, TierWriter
 
 __all__ = ["RespServer", "MAX_CLIENTS"]
 
@@ -66,7 +64,6 @@ MAX_KEY_BYTES = 64 << 10  # any argument but SET's value; torch's keys are ~100 
 MAX_LINE_BYTES = 64 << 10
 _DISCARD_CHUNK = 1 << 20
 _GET_WORKERS = 8
-_FLUSH_EVERY_S = 2.0
 _CRLF = b"\r\n"
 
 
@@ -201,99 +198,6 @@ async def read_command(
     return args
 
 
-# -- the writer thread ----------------------------------------------------------------------
-
-
-class _Writer:
-    """Stores accepted SETs after they were answered, one at a time, within a byte budget;
-    also flushes the store's last uses every few seconds."""
-
-    def __init__(self, store: TierStore, metrics: Metrics, *, budget_bytes: int) -> None:
-        self.store = store
-        self.metrics = metrics
-        self.budget_bytes = budget_bytes
-        self.pending: collections.OrderedDict[bytes, tuple[bytes, dict[str, Any]]] = (
-            collections.OrderedDict()
-        )
-        self.pending_bytes = 0
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(
-            target=self._run, name="cachekeeper-tier-writer", daemon=True
-        )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def offer(self, key: bytes, value: bytes, writer: dict[str, Any]) -> bool:
-        """Queue a value; False (dropped) when the budget is full."""
-        with self._cond:
-            if self._stopping or self.pending_bytes + len(value) > self.budget_bytes:
-                return False
-            old = self.pending.pop(key, None)
-            if old is not None:
-                self.pending_bytes -= len(old[0])
-            self.pending[key] = (value, writer)
-            self.pending_bytes += len(value)
-            self._cond.notify()
-            return True
-
-    def peek(self, key: bytes) -> bytes | None:
-        with self._cond:
-            found = self.pending.get(key)
-            return None if found is None else found[0]
-
-    def _run(self) -> None:
-        next_flush = time.monotonic() + _FLUSH_EVERY_S
-        while True:
-            with self._cond:
-                while not self.pending and not self._stopping:
-                    if not self._cond.wait(timeout=max(0.0, next_flush - time.monotonic())):
-                        break
-                if self._stopping and not self.pending:
-                    break
-                item = next(iter(self.pending.items()), None)
-            if item is not None:
-                key, (value, writer) = item
-                self._store(key, value, writer)
-                with self._cond:
-                    if self.pending.get(key, (None,))[0] is value:  # else a newer SET replaced it
-                        del self.pending[key]
-                        self.pending_bytes -= len(value)
-            if time.monotonic() >= next_flush:
-                next_flush = time.monotonic() + _FLUSH_EVERY_S
-                self._flush()
-        self._flush()
-
-    def _store(self, key: bytes, value: bytes, writer: dict[str, Any]) -> None:
-        try:
-            done = self.store.put(key, value, writer=writer)
-        except Exception:  # noqa: BLE001 - a store that fails drops the value, never the tier
-            _log.exception("per-key tier: storing a value of %d bytes failed", len(value))
-            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="store_failed")
-            return
-        if done.stored:
-            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="stored")
-            self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="in")
-        else:
-            self.metrics.inc("cachekeeper_remote_cache_puts_total", result=done.reason or "dropped")
-        if done.evicted:
-            self.metrics.inc("cachekeeper_remote_cache_evictions_total", done.evicted)
-
-    def _flush(self) -> None:
-        try:
-            self.store.flush_uses()
-        except Exception:  # noqa: BLE001 - last uses are advice for eviction; retried later
-            _log.exception("per-key tier: recording last uses failed")
-
-    def stop(self, *, timeout_s: float) -> None:
-        """Store what is queued (within ``timeout_s``), then end the thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
-
-
 # -- the server -----------------------------------------------------------------------------
 
 
@@ -313,7 +217,7 @@ class RespServer:
         self._reads = concurrent.futures.ThreadPoolExecutor(
             max_workers=_GET_WORKERS, thread_name_prefix="cachekeeper-tier-get"
         )
-        self._writer = _Writer(store, metrics, budget_bytes=settings.remote_cache_pending_bytes)
+        self._writer = TierWriter(store, metrics, budget_bytes=settings.remote_cache_pending_bytes)
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> int:

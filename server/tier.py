@@ -12,6 +12,10 @@ least recently used keys are evicted until the distinct values' stored bytes fit
 ``remote_cache_max_bytes`` (as bazel-remote bounds its cache). Last uses are kept in
 memory and written in batches (``flush_uses``), so a GET never writes to the catalog.
 
+``TierWriter`` is the one thread that stores the values the listener accepted (a SET is
+answered before its value is stored), within a budget of bytes waiting, and writes the
+last uses every two seconds.
+
 Ordering rules that keep a crash harmless: a value becomes visible (the backend's atomic
 put) before its key row points at it; eviction deletes rows first, then, after the
 commit, only values no key points at any more. A row whose value is gone reads as a miss
@@ -20,8 +24,11 @@ and is dropped.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +42,18 @@ from .metrics import Metrics
 from .settings import Settings
 from .storage import BlobBackend
 
-__all__ = ["TierStore", "TierPut", "TierSummary", "EVICT_BATCH", "offer_for", "summary"]
+__all__ = [
+    "EVICT_BATCH",
+    "TierPut",
+    "TierStore",
+    "TierSummary",
+    "TierWriter",
+    "offer_for",
+    "summary",
+]
+
+_log = logging.getLogger("cachekeeper.server.tier")
+_FLUSH_EVERY_S = 2.0
 
 EVICT_BATCH = 256  # keys looked at per eviction query
 
@@ -216,3 +234,93 @@ class TierStore:
         with self.catalog.writing() as tx:
             if (found := self.catalog.tier_key(key)) is not None and found.digest == digest:
                 tx.delete_tier_keys([key])
+
+
+class TierWriter:
+    """Stores accepted SETs after they were answered, one at a time, within a byte budget;
+    also flushes the store's last uses every few seconds."""
+
+    def __init__(self, store: TierStore, metrics: Metrics, *, budget_bytes: int) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.budget_bytes = budget_bytes
+        self.pending: collections.OrderedDict[bytes, tuple[bytes, dict[str, Any]]] = (
+            collections.OrderedDict()
+        )
+        self.pending_bytes = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._run, name="cachekeeper-tier-writer", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, key: bytes, value: bytes, writer: dict[str, Any]) -> bool:
+        """Queue a value; False (dropped) when the budget is full."""
+        with self._cond:
+            if self._stopping or self.pending_bytes + len(value) > self.budget_bytes:
+                return False
+            old = self.pending.pop(key, None)
+            if old is not None:
+                self.pending_bytes -= len(old[0])
+            self.pending[key] = (value, writer)
+            self.pending_bytes += len(value)
+            self._cond.notify()
+            return True
+
+    def peek(self, key: bytes) -> bytes | None:
+        with self._cond:
+            found = self.pending.get(key)
+            return None if found is None else found[0]
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + _FLUSH_EVERY_S
+        while True:
+            with self._cond:
+                while not self.pending and not self._stopping:
+                    if not self._cond.wait(timeout=max(0.0, next_flush - time.monotonic())):
+                        break
+                if self._stopping and not self.pending:
+                    break
+                item = next(iter(self.pending.items()), None)
+            if item is not None:
+                key, (value, writer) = item
+                self._store(key, value, writer)
+                with self._cond:
+                    if self.pending.get(key, (None,))[0] is value:  # else a newer SET replaced it
+                        del self.pending[key]
+                        self.pending_bytes -= len(value)
+            if time.monotonic() >= next_flush:
+                next_flush = time.monotonic() + _FLUSH_EVERY_S
+                self._flush()
+        self._flush()
+
+    def _store(self, key: bytes, value: bytes, writer: dict[str, Any]) -> None:
+        try:
+            done = self.store.put(key, value, writer=writer)
+        except Exception:  # noqa: BLE001 - a store that fails drops the value, never the tier
+            _log.exception("per-key tier: storing a value of %d bytes failed", len(value))
+            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="store_failed")
+            return
+        if done.stored:
+            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="stored")
+            self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="in")
+        else:
+            self.metrics.inc("cachekeeper_remote_cache_puts_total", result=done.reason or "dropped")
+        if done.evicted:
+            self.metrics.inc("cachekeeper_remote_cache_evictions_total", done.evicted)
+
+    def _flush(self) -> None:
+        try:
+            self.store.flush_uses()
+        except Exception:  # noqa: BLE001 - last uses are advice for eviction; retried later
+            _log.exception("per-key tier: recording last uses failed")
+
+    def stop(self, *, timeout_s: float) -> None:
+        """Store what is queued (within ``timeout_s``), then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
