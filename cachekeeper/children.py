@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import remote_tier
 from cachekeeper._child import PROGRESS_PREFIX
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.reports import DeviceRun, ErrorInfo, Progress, ProgressEvent
@@ -63,8 +64,10 @@ def child_environ(omp_num_threads: int | None) -> dict[str, str]:
     ``omp_num_threads`` (the workload's ``[process] omp_num_threads``) sets both
     ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (torch takes MKL's first): Inductor's CPU
     kernels are keyed on the thread count, so the child compiles as training's ranks do.
+    The per-key tier's switches are kept (two are in torch's keys) but the tier is never
+    reached (``remote_tier.isolated``): verify proves the local dir alone.
     """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env = {k: v for k, v in remote_tier.isolated(os.environ).items() if k != "TRITON_CACHE_DIR"}
     if omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(omp_num_threads)
     return env

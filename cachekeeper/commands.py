@@ -6,6 +6,8 @@ in ``command.cwd``, with the builder's environment plus exactly::
     command.env                          # what the workload says
     TORCHINDUCTOR_CACHE_DIR=<cache_dir>  # the staging (prewarm) or fresh (verify) dir
     TRITON_CACHE_DIR                     # removed: Triton's cache lands in <cache_dir>/triton
+    TORCHINDUCTOR_REDIS_URL, ...         # the per-key tier's switches kept, never reached
+                                         # (remote_tier.isolated: verify proves the dir alone)
     PYTHONPATH=<evidence hook>:$PYTHONPATH
     CACHEKEEPER_EVIDENCE_DIR=<work>/evidence-<mode>-<index>/
 
@@ -30,7 +32,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from cachekeeper import config
+from cachekeeper import config, remote_tier
 from cachekeeper.reports import CommandRun, ErrorInfo, ProcessEvidence, Progress, ProgressEvent
 from cachekeeper.workload import Command
 
@@ -47,9 +49,9 @@ def command_environ(
     command: Command, *, cache_dir: Path, evidence: Path, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The environment ``command`` runs with (see the module docstring)."""
-    env = {k: v for k, v in (os.environ if base is None else base).items()}
+    env = dict(os.environ if base is None else base)
     env.pop("TRITON_CACHE_DIR", None)
-    env.update(command.env)
+    env = remote_tier.isolated({**env, **command.env})  # the workload's switches too
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     env[config.EVIDENCE_DIR] = str(evidence)
     previous = env.get("PYTHONPATH")

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from cachekeeper import config, cpu
+from cachekeeper import config, cpu, remote_tier
 from cachekeeper.devices import coverage_advice
 from cachekeeper.wire import Mismatch
 
@@ -55,11 +55,14 @@ _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
 # Outside those prefixes: TORCH_ALLOW_TF32_CUBLAS_OVERRIDE turns TF32 matmuls on at start-up,
 # and the CUDA matmul precision is in Inductor's FX graph key (torch 2.13).
 _ENV_NAMES = frozenset({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"})
+# The per-key tier's switches that are in no key, and its URL (which holds a token), stay
+# out; its key-relevant switches are recorded like any variable (cachekeeper.remote_tier).
 _ENV_IGNORED = frozenset(
     {
         "TORCHINDUCTOR_CACHE_DIR",
         "TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT",
         "TORCH_COMPILE_DEBUG_DIR",
+        *remote_tier.NOT_IN_KEYS,
     }
 )
 

@@ -57,7 +57,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
-from cachekeeper import config, wire
+from cachekeeper import config, remote_tier, wire
 from cachekeeper._proc import pid_alive
 from cachekeeper.allowlist import Allowlist
 from cachekeeper.devices import format_devices
@@ -279,6 +279,10 @@ def run_round(
     say = log or (lambda line: None)
     started = time.monotonic()
     started_at = _utc_now()
+    # This process runs with the remote-cache switches nodes get (two are in torch's keys):
+    # its prewarm/verify children inherit them, and its fingerprint records them.
+    offer = client.remote_cache()
+    remote_tier.set_builder_switches(os.environ, {} if offer is None else offer.switches)
     fingerprint = collect()
     digest = digest_of(fingerprint)
     changed = previous_digest is not None and previous_digest != digest

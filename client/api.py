@@ -28,6 +28,7 @@ from cachekeeper.archive import open_archive_stream
 from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
+    NotFound,
     ServerError,
     ServerUnavailable,
     Unauthorized,
@@ -48,6 +49,7 @@ from cachekeeper.wire import (
     PublishAnswer,
     PutAnswer,
     RegisterAnswer,
+    RemoteCacheOffer,
     ResolveAnswer,
     ResolveRequest,
     SnapshotList,
@@ -325,6 +327,15 @@ class CacheClient:
         """Every registered workload (name, digest, updated_at)."""
         response = self._send("GET", "/v1/workloads", deadline=deadline)
         return _answer(response, WorkloadList, "workloads").workloads
+
+    def remote_cache(self, *, deadline: Deadline | None = None) -> RemoteCacheOffer | None:
+        """The per-key tier as the server offers it to this token; None when it serves
+        none (older servers too)."""
+        try:
+            response = self._send("GET", "/v1/remote-cache", deadline=deadline)
+        except NotFound:
+            return None
+        return _answer(response, RemoteCacheOffer, "remote-cache")
 
     def get_workload(self, name: str, *, deadline: Deadline | None = None) -> str:
         """The TOML text of workload ``name`` as registered."""

@@ -23,6 +23,11 @@
    wait on it), checks again, and fetches only the blobs the dir lacks, in one archive
    stream.
 
+4. The per-key tier (``client/tier.py``): when the server offers it (resolve's
+   ``remote_cache``), the exports also carry torch's remote-cache switches and the tier's
+   URL with this node's token, after a one-second probe of its port; snapshots stay the
+   first tier (restored files are local hits, the tier is asked only for what they lack).
+
 Every call runs under one deadline (``timeout_s``); the work also runs in a daemon thread
 that the hook stops waiting for at the deadline, so a stuck filesystem or server cannot
 hold the job. Whatever goes wrong, the outcome is ``cold`` with a one-line reason, and the
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from cachekeeper import config
+from cachekeeper import config, remote_tier
 from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
@@ -55,10 +60,18 @@ from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.marker import is_restored
 from cachekeeper.signing import load_trusted_keys
-from cachekeeper.wire import JobReport, ResolveAnswer, ResolveRequest, from_dict, to_dict
+from cachekeeper.wire import (
+    JobReport,
+    RemoteCacheOffer,
+    ResolveAnswer,
+    ResolveRequest,
+    from_dict,
+    to_dict,
+)
 
 from .calls import Deadline
 from .reporting import node_name, post_json, send_report, utc_now
+from .tier import PROBE_TIMEOUT_S, tier_exports
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
 
@@ -88,6 +101,10 @@ class PrejobReport:
     reported: bool = False  # the server stored this outcome (POST /v1/reports)
     deltas: tuple[str, ...] = ()  # harvested deltas restored after the snapshot
     delta_problems: tuple[str, ...] = ()  # deltas not restored, one line each (why)
+    # The per-key tier: "on" (the job uses it), "off" (offered, not used: remote_cache_reason
+    # says why), None (the server offers none).
+    remote_cache: str | None = None
+    remote_cache_reason: str | None = None
 
     @property
     def cold(self) -> bool:
@@ -107,6 +124,8 @@ class PrejobReport:
             "reported": self.reported,
             "deltas": list(self.deltas),
             "delta_problems": list(self.delta_problems),
+            "remote_cache": self.remote_cache,
+            "remote_cache_reason": self.remote_cache_reason,
         }
 
 
@@ -146,6 +165,7 @@ class _Outcome:
     error: CachekeeperError | None = None
     deltas: tuple[str, ...] = ()
     delta_problems: tuple[str, ...] = ()
+    offer: RemoteCacheOffer | None = None  # the per-key tier, from the quick answer
 
 
 def _work(
@@ -161,6 +181,7 @@ def _work(
     deadline: Any,
     timeout_s: float,
     trust: Sequence[str | os.PathLike[str]],
+    remote_cache: str,
 ) -> None:
     try:
         # A trust file that cannot be read refuses every snapshot (a cold start saying so).
@@ -175,9 +196,13 @@ def _work(
                 workload=workload,
                 driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
                 devices=devices,
+                remote_cache=cast(Any, remote_cache),  # "auto", "on" or "off"
             ),
             timeout_s=deadline.bound(timeout_s) / 2,  # leave the full client time to retry
         )
+        # The tier's switches are in torch's keys: the snapshot was ranked for them, so they
+        # are exported only with this answer (a resolve without it ranks without them).
+        result.offer = None if quick is None else quick.remote_cache
         # The fast path: the restore's own already-restored check, on the quick answer
         # (the snapshot and every harvested delta the server offers after it).
         if quick is not None and quick.snapshot_id is not None:
@@ -243,8 +268,12 @@ def prejob(
     fingerprint: dict[str, Any] | None = None,
     trust: Sequence[str | os.PathLike[str]] = (),
     report: bool = True,
+    remote_cache: str = "auto",
 ) -> PrejobReport:
     """Run the hook; never raises for server or restore problems (see ``outcome``).
+
+    ``remote_cache`` ("auto": the server's default, "on", "off") is whether the job uses
+    the per-key tier when the server offers it.
 
     With ``trust`` (public key files), a snapshot not signed by one of them is not restored (a cold
     start whose reason says why), and the no-op path accepts only a dir that a restore
@@ -280,6 +309,7 @@ def prejob(
             deadline=deadline,
             timeout_s=timeout_s,
             trust=tuple(trust),
+            remote_cache=remote_cache,
         ),
     )
     worker.start()
@@ -292,6 +322,15 @@ def prejob(
         )
     error = result.error
     outcome = "cold" if error is not None else result.outcome
+    tier = tier_exports(
+        result.offer,
+        server=server or "",
+        token=token,
+        wish=remote_cache,
+        client_name=remote_tier.client_name(node_name(), digest_of(fingerprint)),
+        timeout_s=min(PROBE_TIMEOUT_S, max(0.1, deadline.remaining() or PROBE_TIMEOUT_S)),
+    )
+    exports.update(tier.exports)
     reason = None if error is None else _reason(error)
     left = deadline.remaining()
     reported = (
@@ -328,6 +367,8 @@ def prejob(
         reported=reported,
         deltas=result.deltas,
         delta_problems=result.delta_problems,
+        remote_cache=None if result.offer is None else ("on" if tier.used else "off"),
+        remote_cache_reason=tier.reason,
     )
 
 

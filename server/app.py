@@ -11,6 +11,11 @@ page: /, /ui). To add one: write the module with an ``APIRouter`` named
 methods (``server/catalog.py``) behind a ``Storage`` method, and include it in
 ``create_app``.
 
+The per-key tier (``settings.resp_port`` set): ``open_tier`` picks its blob backend (beside
+the snapshots' own, never the same folder or prefix, so GC of one never touches the
+other) and ``app.state.resp`` is its listener (``server/resp.py``), which ``serve``
+starts and stops with uvicorn; ``app.state.tier`` is None without it.
+
 Every request body is bounded in size and idle time, and JSON bodies are screened (depth,
 non-finite numbers) before a route sees them: ``limits.RequestLimits``.
 
@@ -45,11 +50,13 @@ from . import (
 from .catalog import Catalog
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
+from .resp import RespServer
 from .s3store import S3BlobStore
 from .settings import Settings
 from .storage import BlobBackend, Storage
+from .tier import TierStore
 
-__all__ = ["create_app", "open_storage"]
+__all__ = ["create_app", "open_storage", "open_tier"]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -133,6 +140,24 @@ def open_storage(settings: Settings) -> Storage:
     return storage
 
 
+def open_tier(settings: Settings, storage: Storage) -> TierStore:
+    """The per-key tier: keys in ``storage``'s catalog, values in ``<data>/tier-blobs`` or
+    under ``tier/`` of the object store's prefix."""
+    blobs: BlobBackend
+    if settings.blob_store is not None:
+        blobs = S3BlobStore.from_url(f"{settings.blob_store.rstrip('/')}/tier")
+    else:
+        local = LocalBlobStore(settings.data_dir / "tier-blobs")
+        local.sweep_temp(older_than_s=0)
+        blobs = local
+    return TierStore(
+        catalog=storage.catalog,
+        blobs=blobs,
+        max_value_bytes=settings.remote_cache_max_value_bytes,
+        max_bytes=settings.remote_cache_max_bytes,
+    )
+
+
 def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI:
     """A fresh app serving ``settings.data_dir`` (or the given ``storage``)."""
     app = FastAPI(
@@ -143,6 +168,12 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
     app.state.settings = settings
     app.state.storage = storage if storage is not None else open_storage(settings)
     app.state.metrics = Metrics()
+    app.state.tier = None if settings.resp_port is None else open_tier(settings, app.state.storage)
+    app.state.resp = (
+        None
+        if app.state.tier is None
+        else RespServer(store=app.state.tier, settings=settings, metrics=app.state.metrics)
+    )
     _install_error_handlers(app)
     for module in (
         routes_admin,

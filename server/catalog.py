@@ -1,13 +1,14 @@
 """The server's metadata, and ALL of its SQL: one SQLite file (WAL mode) through sqlite-utils.
 
 This module is the catalog layer's one import point (``Catalog``, ``Transaction``,
-``agent_id_for``); the layer is four modules, and no other module of the
+``agent_id_for``); the layer is five modules, and no other module of the
 server holds SQL:
 
     server/catalog.py        Catalog (connections, transactions) and the snapshot, blob,
                              workload and start-up check queries
     server/catalog_fleet.py  agents, their build events, job reports, the fleet's facts
                              (mixed into Catalog and Transaction)
+    server/catalog_tier.py   the per-key tier's key table (mixed in the same way)
     server/catalog_base.py   ``IN (...)`` batches, the Reads/Writes bases
     server/schema.py         the tables (drawn there), indexes and in-place migrations
 
@@ -41,6 +42,7 @@ from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
 from .catalog_base import BATCH, chunks
 from .catalog_fleet import FleetReads, FleetWrites, agent_id_for
+from .catalog_tier import TierReads, TierWrites
 from .records import BlobInfo, BlobUsage, Candidate, Counts
 from .schema import ensure_schema
 
@@ -75,7 +77,7 @@ def _disk_full(exc: sqlite3.OperationalError) -> bool:
     return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
 
 
-class Transaction(FleetWrites):
+class Transaction(FleetWrites, TierWrites):
     """The queries that run inside one ``Catalog.writing()`` block (reads see its writes)."""
 
     # -- blobs ------------------------------------------------------------------------
@@ -252,7 +254,7 @@ class Transaction(FleetWrites):
         )
 
 
-class Catalog(FleetReads):
+class Catalog(FleetReads, TierReads):
     """Connections to the metadata database; reads here, writes in ``writing()``."""
 
     def __init__(self, path: Path) -> None:

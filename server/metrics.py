@@ -42,6 +42,36 @@ _HELP = {
         "counter",
         "Bytes of the entries jobs compiled on top of the restore, by workload.",
     ),
+    "cachekeeper_remote_cache_gets_total": (
+        "counter",
+        "Per-key tier GETs by result: hit, miss, slow (answered nil past the bound), failed.",
+    ),
+    "cachekeeper_remote_cache_puts_total": (
+        "counter",
+        "Per-key tier SETs by result: stored, or answered OK and dropped: read_only_token,"
+        " signatures_required, too_large, busy, store_failed.",
+    ),
+    "cachekeeper_remote_cache_bytes_total": (
+        "counter",
+        "Per-key tier value bytes by direction: in (stored), out (served).",
+    ),
+    "cachekeeper_remote_cache_evictions_total": (
+        "counter",
+        "Per-key tier keys evicted (least recently used) to fit its budget.",
+    ),
+    "cachekeeper_remote_cache_protocol_errors_total": (
+        "counter",
+        "Per-key tier connections closed for sending something that is not RESP.",
+    ),
+    "cachekeeper_remote_cache_auth_failures_total": (
+        "counter",
+        "Per-key tier AUTHs with a token the server does not know.",
+    ),
+    "cachekeeper_remote_cache_keys": ("gauge", "Keys in the per-key tier."),
+    "cachekeeper_remote_cache_stored_bytes": (
+        "gauge",
+        "Stored bytes of the per-key tier's values.",
+    ),
     "cachekeeper_store_bytes": ("gauge", "Stored (compressed) blob bytes."),
     "cachekeeper_store_blobs": ("gauge", "Blobs in the store."),
     "cachekeeper_store_snapshots": ("gauge", "Snapshots in the store."),

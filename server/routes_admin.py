@@ -30,6 +30,10 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
         "cachekeeper_store_blobs": float(counts.blobs),
         "cachekeeper_store_snapshots": float(counts.snapshots),
     }
+    if (tier := request.app.state.tier) is not None:
+        keys, stored = tier.totals()
+        gauges["cachekeeper_remote_cache_keys"] = float(keys)
+        gauges["cachekeeper_remote_cache_stored_bytes"] = float(stored)
     registry = metrics_of(request)
     evicted = storage.evictions - registry.value("cachekeeper_evictions_total")
     if evicted:

@@ -1,4 +1,5 @@
-"""``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses.
+"""``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses;
+``GET /v1/remote-cache``: the per-key tier as offered to the caller.
 
 The ranking is ``server/resolver.py``'s. A miss is a value (200 with ``"snapshot": null``),
 never an error; its ``reason`` says which miss it is: no snapshot matches, the workload
@@ -7,17 +8,18 @@ has no snapshot yet, or no workload of that name is registered.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from cachekeeper.errors import InvalidManifest
-from cachekeeper.wire import ResolveAnswer, ResolveRequest
+from cachekeeper.errors import InvalidManifest, NotFound
+from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
 from .auth import ReadScope
 from .deps import StorageDep, metrics_of
 from .responses import error_responses
+from .tier import offer_for
 
 __all__ = ["router"]
 
@@ -26,16 +28,34 @@ router = APIRouter(prefix="/v1", tags=["resolve"])
 
 @router.post("/resolve", response_model=ResolveAnswer, responses=error_responses(InvalidManifest))
 def resolve_route(
-    body: ResolveRequest, request: Request, storage: StorageDep, _: ReadScope
+    body: ResolveRequest, request: Request, storage: StorageDep, scope: ReadScope
 ) -> dict[str, Any]:
-    """The best snapshot for a node's fingerprint and workload, plus the nearest misses."""
+    """The best snapshot for a node's fingerprint and workload, plus the nearest misses.
+
+    A hook that sends ``remote_cache`` gets the per-key tier's offer, and its snapshots are
+    ranked for the environment its job runs in (the tier's switches are in torch's keys).
+    """
+    devices = None if body.devices is None else list(body.devices)
     try:
-        answer = storage.resolve(
-            fingerprint=body.fingerprint,
-            workload=body.workload,
-            driver_policy=body.driver_policy,
-            devices=None if body.devices is None else list(body.devices),
-        )
+        offer = None
+        if body.remote_cache is not None:
+            offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
+        if offer is None:  # an old hook, or no tier here: the job runs as the hook sent it
+            answer = storage.resolve(
+                fingerprint=body.fingerprint,
+                workload=body.workload,
+                driver_policy=body.driver_policy,
+                devices=devices,
+            )
+        else:
+            answer, switches = storage.resolve_for_job(
+                fingerprint=body.fingerprint,
+                switches=offer.switches,
+                workload=body.workload,
+                driver_policy=body.driver_policy,
+                devices=devices,
+            )
+            answer = replace(answer, remote_cache=replace(offer, switches=switches))
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidManifest(f"fingerprint cannot be compared: {exc}") from exc
     outcome = (
@@ -43,3 +63,32 @@ def resolve_route(
     )
     metrics_of(request).inc("cachekeeper_resolves_total", outcome=outcome)
     return asdict(answer)
+
+
+def remote_cache_offer(
+    request: Request, *, scope: str, wish: str | None
+) -> RemoteCacheOffer | None:
+    """The per-key tier as this server offers it to the caller (None: it serves none)."""
+    resp = request.app.state.resp
+    return offer_for(
+        request.app.state.settings,
+        port=None if resp is None else resp.port,
+        scope=scope,
+        wish=wish,
+    )
+
+
+@router.get(
+    "/remote-cache",
+    response_model=RemoteCacheOffer,
+    responses=error_responses(NotFound),
+    tags=["remote-cache"],
+)
+def remote_cache_route(request: Request, scope: ReadScope) -> RemoteCacheOffer:
+    """The per-key tier (torch's remote caches through redis-py) as this server offers it
+    to the caller: its RESP port, whether jobs use it by default, whether this token may
+    write, and the torch switches jobs and builders run with. 404 when it serves none."""
+    offer = remote_cache_offer(request, scope=scope, wish="auto")
+    if offer is None:
+        raise NotFound("this server serves no per-key tier (serve --resp-port PORT)")
+    return offer

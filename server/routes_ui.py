@@ -35,6 +35,7 @@ from cachekeeper.errors import SnapshotNotFound
 from .auth import scope_of_token
 from .deps import StorageDep, read_body, storage_of
 from .settings import Settings
+from .tier import summary as tier_summary
 from .ui_view import STATES, fingerprint_json, human_bytes, page_data, plain, size_plot_svg
 
 __all__ = ["router"]
@@ -153,6 +154,12 @@ def index(request: Request, storage: StorageDep) -> Response:
         [plain(s) for s in storage.list_snapshots(limit=10_000)],
         storage.restores_by_day(),
     )
+    state = request.app.state
+    tier = (
+        None
+        if state.tier is None
+        else tier_summary(state.tier, state.metrics, state.settings, port=state.resp.port)
+    )
     return _render(
         request,
         "index.html",
@@ -160,6 +167,7 @@ def index(request: Request, storage: StorageDep) -> Response:
         states=STATES,
         scope=scope,
         plot=plot,
+        tier=tier,
     )
 
 

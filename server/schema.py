@@ -21,6 +21,9 @@ Tables::
                     service because blobs they reference are gone (re-push to restore)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
                     skipped, cold_compile_broken, failed (see server/fleet.py)
+    tier_keys       the per-key tier (server/tier.py): key (torch's, as bytes), digest of
+                    the value in the tier's blob store, size_bytes, stored_bytes,
+                    created_at, last_used_at, writer (JSON: who wrote it, from where)
 
 Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
 text. Part of the catalog layer: only ``server/catalog.py`` calls ``ensure_schema``.
@@ -189,6 +192,25 @@ def _create_quarantine(db: sqlite_utils.Database) -> None:
     )
 
 
+def _create_tier_keys(db: sqlite_utils.Database) -> None:
+    db.table("tier_keys").create(
+        {
+            "key": bytes,
+            "digest": str,
+            "size_bytes": int,
+            "stored_bytes": int,
+            "created_at": str,
+            "last_used_at": str,
+            "writer": str,
+        },
+        pk="key",
+        not_null=["digest", "size_bytes", "stored_bytes", "created_at", "last_used_at"],
+        if_not_exists=True,
+    )
+    db.table("tier_keys").create_index(["last_used_at"], if_not_exists=True)
+    db.table("tier_keys").create_index(["digest"], if_not_exists=True)
+
+
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,
@@ -198,4 +220,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_job_reports,
     _add_harvest_columns,
     _create_quarantine,
+    _create_tier_keys,
 ]

@@ -65,6 +65,8 @@ _SIZE_FIELDS = (
     "max_workload_bytes",
     "max_json_bytes",
     "max_store_bytes",
+    "remote_cache_max_value_bytes",
+    "remote_cache_max_bytes",
 )
 
 
@@ -178,6 +180,24 @@ class Settings(BaseSettings):
     # as CACHEKEEPER_TRUSTED_KEYS, paths separated by os.pathsep, like the client.
     trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     require_signatures: bool = False
+    # -- the per-key tier (server/tier.py, server/resp.py; docs/server.md) ----------------
+    # The port of ``host`` on which the server speaks the Redis protocol subset torch's
+    # remote caches use (redis-py). None: no tier; 0: any free port (tests).
+    resp_port: int | None = None
+    # Whether a node's job uses the tier when its prejob says neither --remote-cache nor
+    # --no-remote-cache. The switches stay on either way (one is in torch's keys).
+    remote_cache_default: bool = True
+    # A value larger than this is not stored (its SET is answered OK and dropped).
+    remote_cache_max_value_bytes: int = 128 << 20
+    # The tier's stored bytes: least recently used keys are evicted down to it. None: no cap.
+    remote_cache_max_bytes: int | None = 20 << 30
+    # A GET the store cannot answer within this is answered nil (a miss), never late.
+    remote_cache_get_timeout_s: float = 1.0
+    # Values that wait to be stored (SETs are answered at once); past this, SETs are dropped.
+    remote_cache_pending_bytes: int = 512 << 20
+    # With trusted_keys configured, the tier is read-only (its values are unsigned code
+    # torch runs, docs/security.md) unless this is set.
+    remote_cache_unsigned_writes: bool = False
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -198,7 +218,14 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("body_timeout_s", "upload_workers", "presign_expires_s")
+    @field_validator(
+        "body_timeout_s",
+        "upload_workers",
+        "presign_expires_s",
+        "remote_cache_get_timeout_s",
+        "remote_cache_max_value_bytes",
+        "remote_cache_pending_bytes",
+    )
     @classmethod
     def _positive(cls, value: Any) -> Any:
         if value <= 0:
@@ -220,9 +247,22 @@ class Settings(BaseSettings):
             load_trusted_keys(self.trusted_keys)  # an unreadable key fails at start-up
         return self
 
+    @field_validator("resp_port")
+    @classmethod
+    def _port(cls, value: Any) -> Any:
+        if value is not None and not 0 <= value <= 65535:
+            raise ValueError(f"{value} is not a port (0-65535)")
+        return value
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.tokens)
+
+    @property
+    def remote_cache_writable(self) -> bool:
+        """Whether write-scope tokens may write to the per-key tier (read-only while
+        snapshots must be signed, unless the operator opted in)."""
+        return not self.trusted_keys or self.remote_cache_unsigned_writes
 
 
 def _env_name(field: str) -> str:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, Protocol
 
+from cachekeeper import remote_tier
 from cachekeeper.blobstore import BlobStat, PutResult
 from cachekeeper.errors import (
     AgentNotFound,
@@ -296,6 +297,38 @@ class Storage:
             return found
         deltas = self.catalog.harvested_deltas(hit.id, fingerprint_digest=hit.fingerprint_digest)
         return replace(found, deltas=tuple(deltas))
+
+    def resolve_for_job(
+        self,
+        *,
+        fingerprint: dict[str, Any],
+        switches: Mapping[str, str],
+        workload: str | None,
+        driver_policy: DriverPolicy = "newer",
+        devices: list[str] | None = None,
+    ) -> tuple[ResolveAnswer, dict[str, str]]:
+        """``resolve`` for a job that will export the per-key tier's ``switches``: ranked
+        for the environment the job runs in (``remote_tier.with_key_switches``). A snapshot
+        built before the tier was on (without the key-relevant switches) still serves it:
+        then the job runs without them. (answer, the switches the job must export)."""
+        keyed = remote_tier.key_switches(switches)
+        answer = self.resolve(
+            fingerprint=remote_tier.with_key_switches(fingerprint, keyed),
+            workload=workload,
+            driver_policy=driver_policy,
+            devices=devices,
+        )
+        if answer.snapshot is not None or not keyed:
+            return answer, dict(switches)
+        older = self.resolve(
+            fingerprint=remote_tier.with_key_switches(fingerprint, {}),
+            workload=workload,
+            driver_policy=driver_policy,
+            devices=devices,
+        )
+        if older.snapshot is None:
+            return answer, dict(switches)
+        return older, {k: v for k, v in switches.items() if k not in keyed}
 
     def set_pinned(self, snapshot_id: str, *, pinned: bool) -> Summary:
         with self.catalog.writing() as tx:

@@ -33,6 +33,14 @@ __all__ = ["serve_cmd"]
     " <data>/blobs; nodes then download and upload directly with presigned URLs.",
 )
 @click.option(
+    "--resp-port",
+    type=int,
+    default=None,
+    metavar="PORT",
+    help="Also serve the per-key tier (torch's remote FX graph, AOTAutograd, autotune and"
+    " PGO caches, through redis-py) on this port of --host [default: off].",
+)
+@click.option(
     "--config",
     "config_file",
     type=PathParam(dir_okay=False, exists=True, path_type=Path),
@@ -66,6 +74,7 @@ def serve_cmd(
     port: int | None,
     data_dir: Path | None,
     blob_store: str | None,
+    resp_port: int | None,
     config_file: Path | None,
     tokens: tuple[str, ...],
     anonymous_read: bool | None,
@@ -109,6 +118,7 @@ def serve_cmd(
         port=port,
         data_dir=data_dir,
         blob_store=blob_store,
+        resp_port=resp_port,
         anonymous_read=anonymous_read,
         insecure_no_auth=insecure_no_auth,
         serve_harvested=serve_harvested,
@@ -124,10 +134,16 @@ def serve_cmd(
         raise ConfigInvalid(f"data dir {settings.data_dir} is not usable: {meta}: {exc}") from exc
     except OSError as exc:
         raise ConfigInvalid(f"data dir {settings.data_dir} is not usable: {exc}") from exc
+    resp = app.state.resp
+    tier = "" if resp is None else f", per-key tier on port {resp.start()}"
     click.echo(
         f"cachekeeper server on http://{settings.host}:{settings.port} (data {settings.data_dir},"
         f" blobs {settings.blob_store or settings.data_dir / 'blobs'},"
-        f" auth {'on' if settings.auth_enabled else 'off'})",
+        f" auth {'on' if settings.auth_enabled else 'off'}{tier})",
         err=True,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    finally:
+        if resp is not None:
+            resp.stop()  # stores what is queued

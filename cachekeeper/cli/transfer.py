@@ -313,6 +313,12 @@ def pull_cmd(
     help="Do not report the outcome to the server (POST /v1/reports).",
 )
 @click.option(
+    "--remote-cache/--no-remote-cache",
+    default=None,
+    help="Whether the job uses the server's per-key tier (torch's remote caches) when it"
+    " offers one [default: the server's remote_cache_default].",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -332,6 +338,7 @@ def prejob_cmd(
     devices: str | None,
     trust: tuple[Path, ...],
     no_report: bool,
+    remote_cache: bool | None,
     as_json: bool,
 ) -> None:
     """Pre-job hook: restore this node's cache of --workload NAME; print the env to export.
@@ -343,7 +350,9 @@ def prejob_cmd(
     tampered snapshot is not restored: that too is a cold start with its reason.
     An --env-file that cannot be written is one line on stderr; the exports still go to
     stdout (with --strict it exits 1). The outcome (restored, or cold and why) is reported
-    to the server, best-effort (--no-report: not).
+    to the server, best-effort (--no-report: not). When the server serves the per-key
+    tier, the exports also switch torch's remote caches on against it with this token
+    (after a one-second probe of its port; --no-remote-cache: not).
     """
     report = prejob(
         workload=workload,
@@ -355,8 +364,13 @@ def prejob_cmd(
         devices=_devices(device, devices),
         trust=trust_paths(trust),
         report=not no_report,
+        remote_cache={None: "auto", True: "on", False: "off"}[remote_cache],
     )
     lines = export_lines(report.exports)
+    if report.remote_cache == "off" and remote_cache is not False:
+        echo_err(
+            f"cachekeeper: the per-key tier is off for this job ({report.remote_cache_reason})"
+        )
     for problem in report.delta_problems:
         echo_err(f"cachekeeper: a harvested delta was not restored: {problem}")
     if report.cold:

@@ -63,7 +63,14 @@ if TYPE_CHECKING:  # the shapes, for type checkers; at run time __getattr__ load
         StatusRow,
     )
     from .reports import JobReport, JobReportAnswer, JobStats
-    from .resolve import Mismatch, NearMiss, ResolveAnswer, ResolveRequest, Summary
+    from .resolve import (
+        Mismatch,
+        NearMiss,
+        RemoteCacheOffer,
+        ResolveAnswer,
+        ResolveRequest,
+        Summary,
+    )
     from .snapshots import (
         ArchiveRequest,
         MissingAnswer,
@@ -96,6 +103,7 @@ __all__ = [
     "Mismatch",
     "Summary",
     "ResolveRequest",
+    "RemoteCacheOffer",
     "NearMiss",
     "ResolveAnswer",
     "MissingRequest",
@@ -132,6 +140,7 @@ _MODULE_OF = {
     "Mismatch": "resolve",
     "Summary": "resolve",
     "ResolveRequest": "resolve",
+    "RemoteCacheOffer": "resolve",
     "NearMiss": "resolve",
     "ResolveAnswer": "resolve",
     "MissingRequest": "snapshots",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from ._core import Check, Digest, DriverPolicy, to_dict
+
+# A node's wish for the per-key tier: "auto" = the server's default (remote_cache_default).
+RemoteCacheWish = Literal["auto", "on", "off"]
 
 # -- resolve ----------------------------------------------------------------------------------
 
@@ -49,6 +52,23 @@ class ResolveRequest:
     workload: str | None = None
     driver_policy: DriverPolicy = "newer"
     devices: Annotated[list[str], Check(max_length=1024)] | None = None
+    # Sent by hooks that export the per-key tier's switches (cachekeeper.remote_tier): the
+    # server then ranks snapshots for the environment the job will run in, switches
+    # included, and answers ``remote_cache``. None (older hooks): ranked as sent.
+    remote_cache: RemoteCacheWish | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteCacheOffer:
+    """The per-key tier as a server offers it to one node (``GET /v1/remote-cache``, and
+    resolve's ``remote_cache``)."""
+
+    port: int  # the RESP port, on the server's host
+    use: bool  # whether this job uses it: the node's wish, else the server's default
+    writable: bool  # whether this token's SETs are stored (else answered OK and dropped)
+    # torch's switches the job runs with (cachekeeper.remote_tier.site_switches): with
+    # ``use``, all of them and the tier's URL; without, only those in torch's keys.
+    switches: dict[str, str]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +99,9 @@ class ResolveAnswer:
     # Harvested deltas of ``snapshot`` for this environment (oldest first), restored after
     # it; only from a server run with --serve-harvested, else empty.
     deltas: tuple[Summary, ...] = ()
+    # The per-key tier, for a request that sent ``remote_cache``; None from a server that
+    # serves none (and from old servers).
+    remote_cache: RemoteCacheOffer | None = None
 
     @property
     def snapshot_id(self) -> str | None:

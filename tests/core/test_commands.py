@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cachekeeper import remote_tier
 from cachekeeper.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
 from cachekeeper.report_text import format_verify
 from cachekeeper.reports import CommandRun, ProcessEvidence, VerifyReport
@@ -44,6 +45,16 @@ def test_the_environment_is_the_builders_plus_what_the_workload_says(tmp_path: P
         "CACHEKEEPER_EVIDENCE_DIR": str(tmp_path / "e"),
         "PYTHONPATH": f"{EVIDENCE_HOOK}{os.pathsep}/site",  # the hook first, the site's kept
     }
+    # the per-key tier's switches stay (they are in torch's keys), the tier is never reached
+    tiered = Command(argv=("x",), env={"TORCHINDUCTOR_REDIS_URL": "redis://cache:6379"})
+    env = command_environ(
+        tiered,
+        cache_dir=tmp_path / "c",
+        evidence=tmp_path / "e",
+        base={**base, "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1"},
+    )
+    assert env["TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE"] == "1"
+    assert env["TORCHINDUCTOR_REDIS_URL"] == remote_tier.OFF_URL
 
 
 def test_every_python_process_reports_its_rank_and_how_it_ended(tmp_path: Path) -> None:

@@ -106,3 +106,25 @@ def test_a_node_with_more_gpus_than_the_builder_is_told_which_indices_and_what_t
     (alone,) = compare(node, builder, devices=["cuda:0"], node_devices=["cuda:1"])
     advice = describe_mismatch(alone)
     assert "cuda:1 never built" in advice and ">= 2 GPUs" in advice
+
+
+def test_the_tier_switches_in_torch_keys_are_recorded_and_its_url_and_other_switches_are_not() -> (
+    None
+):
+    # The URL carries the node's token: it must never reach a manifest or a job report.
+    fp = collect(
+        environ={
+            "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
+            "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1",
+            "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE": "1",
+            "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE": "0",
+            "TORCHINDUCTOR_REDIS_URL": "redis://:secret-token@host:6379/0",
+            "TORCHINDUCTOR_REDIS_HOST": "host",
+            "TORCHINDUCTOR_REDIS_PORT": "6379",
+        }
+    )
+    assert fp["env"] == {
+        "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
+        "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE": "0",
+    }
+    assert "secret-token" not in json.dumps(fp)

@@ -65,6 +65,12 @@ def test_round_trip_keeps_every_field_in_order():
         "reason": "no snapshot matches",
         "archive_url": None,
         "deltas": [{**summary(), "id": "e" * 64}],
+        "remote_cache": {
+            "port": 6380,
+            "use": True,
+            "writable": False,
+            "switches": {"TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1"},
+        },
     }
     parsed = from_dict(ResolveAnswer, answer)
     assert parsed.near_misses[0].snapshot_id == DIGEST

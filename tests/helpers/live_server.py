@@ -3,6 +3,9 @@
 handle = start_server(Settings(data_dir=tmp_path / "data"))
 httpx.get(f"{handle.url}/healthz")
 handle.stop()
+
+With ``resp_port`` set (0: any free port) the per-key tier's listener starts too, as
+``serve`` starts it; ``handle.resp_port`` is its port.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ class LiveServer:
     settings: Settings
     server: uvicorn.Server
     thread: threading.Thread
+    resp_port: int | None = None
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)
+        if self.app.state.resp is not None:
+            self.app.state.resp.stop(timeout_s=timeout_s)
 
     def __enter__(self) -> LiveServer:
         return self
@@ -66,6 +72,7 @@ def start_server(settings: Settings, *, timeout_s: float = 15.0) -> LiveServer:
             raise RuntimeError("the live cachekeeper server did not start")
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
+    resp_port = None if app.state.resp is None else app.state.resp.start()
     return LiveServer(
         url=f"http://127.0.0.1:{port}",
         port=port,
@@ -73,4 +80,5 @@ def start_server(settings: Settings, *, timeout_s: float = 15.0) -> LiveServer:
         settings=settings,
         server=server,
         thread=thread,
+        resp_port=resp_port,
     )

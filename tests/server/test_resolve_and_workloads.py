@@ -65,6 +65,7 @@ def test_ranking_verified_exact_newest(client: httpx.Client) -> None:
         " names it",
         "archive_url": None,
         "deltas": [],
+        "remote_cache": None,
     }
 
 

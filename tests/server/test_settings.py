@@ -209,3 +209,17 @@ def test_blob_store_must_be_an_s3_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHEKEEPER_BLOB_STORE", "s3://bucket/prefix")
     assert load_settings().blob_store == "s3://bucket/prefix"
     assert load_settings(blob_store="s3://other/p").blob_store == "s3://other/p"
+
+
+def test_the_per_key_tiers_settings_are_checked_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEKEEPER_REMOTE_CACHE_MAX_BYTES", "5GiB")
+    settings = load_settings(resp_port=6380)
+    assert settings.resp_port == 6380 and settings.remote_cache_max_bytes == 5 << 30
+    assert settings.remote_cache_writable  # no trust list: write-scope tokens may write
+    with pytest.raises(ConfigInvalid, match=r"--resp-port = 70000: 70000 is not a port"):
+        load_settings(resp_port=70000)
+    monkeypatch.setenv("CACHEKEEPER_REMOTE_CACHE_GET_TIMEOUT_S", "0")
+    with pytest.raises(
+        ConfigInvalid, match="CACHEKEEPER_REMOTE_CACHE_GET_TIMEOUT_S = '0': 0.0 is not a positive"
+    ):
+        load_settings()

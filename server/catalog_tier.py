@@ -1,0 +1,124 @@
+"""The catalog's per-key tier queries: the ``tier_keys`` table (``server/schema.py``).
+
+One row per key torch wrote (its own key, as bytes, never rewritten): the digest of the
+value in the tier's blob store, its sizes, when it was written and last read, and who
+wrote it (the writer's environment as JSON). The tier itself (``server/tier.py``) is the
+only caller; ``Catalog`` and ``Transaction`` mix these classes in, so callers import only
+``server.catalog``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .catalog_base import Reads, Writes
+
+__all__ = ["TierEntry", "TierReads", "TierTotals", "TierWrites"]
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    key: bytes
+    digest: str
+    size_bytes: int  # the value's bytes
+    stored_bytes: int  # as the blob store holds them
+    created_at: str
+    last_used_at: str
+    writer: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TierTotals:
+    keys: int
+    stored_bytes: int
+
+
+def _entry(row: Mapping[str, Any]) -> TierEntry:
+    return TierEntry(
+        key=bytes(row["key"]),
+        digest=row["digest"],
+        size_bytes=int(row["size_bytes"]),
+        stored_bytes=int(row["stored_bytes"]),
+        created_at=row["created_at"],
+        last_used_at=row["last_used_at"] or row["created_at"],
+        writer=json.loads(row["writer"] or "{}"),
+    )
+
+
+class TierWrites(Writes):
+    """The key table's writes (mixed into ``catalog.Transaction``)."""
+
+    def put_tier_key(
+        self,
+        *,
+        key: bytes,
+        digest: str,
+        size_bytes: int,
+        stored_bytes: int,
+        at: str,
+        writer: Mapping[str, Any],
+    ) -> str | None:
+        """Point ``key`` at ``digest`` (a later write of a key wins); the digest it pointed
+        at before, or None."""
+        old = self._one("SELECT digest FROM tier_keys WHERE key = ?", [key])
+        self.db.execute(
+            "INSERT INTO tier_keys (key, digest, size_bytes, stored_bytes, created_at,"
+            " last_used_at, writer) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET"
+            " digest = excluded.digest, size_bytes = excluded.size_bytes,"
+            " stored_bytes = excluded.stored_bytes, created_at = excluded.created_at,"
+            " last_used_at = excluded.last_used_at, writer = excluded.writer",
+            [
+                key,
+                digest,
+                size_bytes,
+                stored_bytes,
+                at,
+                at,
+                json.dumps(dict(writer), sort_keys=True),
+            ],
+        )
+        return None if old is None or old == digest else str(old)
+
+    def touch_tier_keys(self, used: Mapping[bytes, str]) -> None:
+        """Record the last use of each key (only ever later)."""
+        self.db.conn.executemany(
+            "UPDATE tier_keys SET last_used_at = ? WHERE key = ? AND last_used_at < ?",
+            [(at, key, at) for key, at in used.items()],
+        )
+
+    def delete_tier_keys(self, keys: Iterable[bytes]) -> None:
+        self.db.conn.executemany("DELETE FROM tier_keys WHERE key = ?", [(k,) for k in keys])
+
+    def unreferenced_tier_digests(self, digests: Iterable[str]) -> list[str]:
+        """The ``digests`` no key points at any more (their values may be deleted)."""
+        return [
+            d
+            for d in sorted(set(digests))
+            if self._one("SELECT 1 FROM tier_keys WHERE digest = ? LIMIT 1", [d]) is None
+        ]
+
+
+class TierReads(Reads):
+    """The key table's reads (mixed into ``catalog.Catalog``)."""
+
+    def tier_key(self, key: bytes) -> TierEntry | None:
+        rows = self._rows("SELECT * FROM tier_keys WHERE key = ?", [key])
+        return _entry(rows[0]) if rows else None
+
+    def tier_totals(self) -> TierTotals:
+        row = self._rows(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(stored_bytes), 0) AS b FROM"
+            " (SELECT digest, MAX(stored_bytes) AS stored_bytes FROM tier_keys GROUP BY digest)"
+        )[0]
+        keys = self._rows("SELECT COUNT(*) AS n FROM tier_keys")[0]
+        return TierTotals(keys=int(keys["n"]), stored_bytes=int(row["b"]))
+
+    def tier_lru(self, *, limit: int) -> list[TierEntry]:
+        """The ``limit`` least recently used keys, oldest first."""
+        rows = self._rows(
+            "SELECT * FROM tier_keys ORDER BY last_used_at, created_at LIMIT ?", [limit]
+        )
+        return [_entry(r) for r in rows]

@@ -1,0 +1,326 @@
+"""The per-key tier's store: torch's own cache keys, each naming one value in a blob store.
+
+``TierStore`` is what the protocol server (``server/resp.py``) calls; it never sees SQL or
+a backend type. A value is stored in the tier's ``BlobBackend`` by the sha256 of its bytes
+(``<data>/tier-blobs`` beside the snapshots' ``<data>/blobs``, or ``PREFIX/tier/`` of the
+object store: ``server/app.py`` picks it), and its key in the catalog's ``tier_keys``
+table (``server/catalog_tier.py``) with its sizes, last use and writer. Keys are torch's
+own (they already hash torch, Triton, CUDA, the GPU and the graph): never rewritten.
+
+Bounds: a value over ``remote_cache_max_value_bytes`` is not stored; after each put the
+least recently used keys are evicted until the distinct values' stored bytes fit in
+``remote_cache_max_bytes`` (as bazel-remote bounds its cache). Last uses are kept in
+memory and written in batches (``flush_uses``), so a GET never writes to the catalog.
+
+``TierWriter`` is the one thread that stores the values the listener accepted (a SET is
+answered before its value is stored), within a budget of bytes waiting, and writes the
+last uses every two seconds.
+
+Ordering rules that keep a crash harmless: a value becomes visible (the backend's atomic
+put) before its key row points at it; eviction deletes rows first, then, after the
+commit, only values no key points at any more. A row whose value is gone reads as a miss
+and is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cachekeeper import remote_tier
+from cachekeeper.errors import BlobMissing
+from cachekeeper.wire import RemoteCacheOffer, utc_now
+
+from .catalog import Catalog
+from .metrics import Metrics
+from .settings import Settings
+from .storage import BlobBackend
+
+__all__ = [
+    "EVICT_BATCH",
+    "TierPut",
+    "TierStore",
+    "TierSummary",
+    "TierWriter",
+    "offer_for",
+    "summary",
+]
+
+_log = logging.getLogger("cachekeeper.server.tier")
+_FLUSH_EVERY_S = 2.0
+
+EVICT_BATCH = 256  # keys looked at per eviction query
+
+
+def offer_for(
+    settings: Settings, *, port: int | None, scope: str, wish: str | None
+) -> RemoteCacheOffer | None:
+    """The tier as offered to a caller with ``scope`` whose hook wishes ``wish`` ("auto",
+    "on", "off"); None when this server serves no tier (``port`` None)."""
+    if port is None:
+        return None
+    use = settings.remote_cache_default if wish in (None, "auto") else wish == "on"
+    switches = remote_tier.site_switches(tier=True)
+    return RemoteCacheOffer(
+        port=port,
+        use=use,
+        writable=settings.remote_cache_writable and scope in ("write", "admin"),
+        switches=switches if use else remote_tier.key_switches(switches),
+    )
+
+
+@dataclass(frozen=True)
+class TierSummary:
+    """The tier as the status page shows it: its size, and its counters since start."""
+
+    port: int | None
+    keys: int
+    stored_bytes: int
+    max_bytes: int | None
+    hits: int
+    misses: int  # every GET answered nil: not there, past the bound, a failing store
+    puts_stored: int
+    puts_dropped: dict[str, int]  # why -> how many (answered OK, not stored)
+    evictions: int
+    writable: bool
+
+
+_DROPS = ("read_only_token", "signatures_required", "too_large", "busy", "store_failed")
+
+
+def summary(
+    store: TierStore, metrics: Metrics, settings: Settings, *, port: int | None
+) -> TierSummary:
+    """The status page's view of the tier, from the store and the ``/metrics`` counters."""
+    keys, stored = store.totals()
+
+    def count(name: str, **labels: str) -> int:
+        return int(metrics.value(f"cachekeeper_remote_cache_{name}", **labels))
+
+    return TierSummary(
+        port=port,
+        keys=keys,
+        stored_bytes=stored,
+        max_bytes=settings.remote_cache_max_bytes,
+        hits=count("gets_total", result="hit"),
+        misses=sum(count("gets_total", result=r) for r in ("miss", "slow", "failed")),
+        puts_stored=count("puts_total", result="stored"),
+        puts_dropped={r: n for r in _DROPS if (n := count("puts_total", result=r))},
+        evictions=count("evictions_total"),
+        writable=settings.remote_cache_writable,
+    )
+
+
+@dataclass(frozen=True)
+class TierPut:
+    """What one put did: ``stored`` (False: dropped, ``reason`` says why) and evictions."""
+
+    stored: bool
+    reason: str | None = None  # "too_large"
+    evicted: int = 0
+    stored_bytes: int = 0
+
+
+class TierStore:
+    """Keys in the catalog, values in a blob backend; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        catalog: Catalog,
+        blobs: BlobBackend,
+        max_value_bytes: int,
+        max_bytes: int | None,
+    ) -> None:
+        self.catalog = catalog
+        self.blobs = blobs
+        self.max_value_bytes = max_value_bytes
+        self.max_bytes = max_bytes
+        self._uses: dict[bytes, str] = {}
+        self._uses_lock = threading.Lock()
+        self.evictions = 0  # keys evicted since start (for /metrics)
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value stored under ``key``, or None (a miss is a value)."""
+        entry = self.catalog.tier_key(key)
+        if entry is None:
+            return None
+        try:
+            with self.blobs.open(entry.digest) as fh:
+                value = fh.read()
+        except BlobMissing:
+            self._drop_dangling(key, entry.digest)
+            return None
+        if hashlib.sha256(value).hexdigest() != entry.digest:
+            return None  # never hand torch bytes that are not what was written
+        with self._uses_lock:
+            self._uses[key] = utc_now()
+        return value
+
+    def put(self, key: bytes, value: bytes, *, writer: Mapping[str, Any]) -> TierPut:
+        """Store ``value`` under ``key`` (a later put of a key replaces it), then evict."""
+        if len(value) > self.max_value_bytes:
+            return TierPut(stored=False, reason="too_large")
+        digest = hashlib.sha256(value).hexdigest()
+        stat = self.blobs.stat(digest)
+        if stat is None:
+            self.blobs.put([value], digest=digest, size_bytes=len(value))
+            stat = self.blobs.stat(digest)
+            if stat is None:  # pragma: no cover - a backend that loses what it just stored
+                raise BlobMissing(f"tier value {digest} vanished after it was stored")
+        with self.catalog.writing() as tx:
+            replaced = tx.put_tier_key(
+                key=key,
+                digest=digest,
+                size_bytes=len(value),
+                stored_bytes=stat.stored_bytes,
+                at=utc_now(),
+                writer=writer,
+            )
+            if replaced is not None:
+                self._delete_after_commit(tx, [replaced])
+        with self._uses_lock:
+            self._uses.pop(key, None)
+        return TierPut(stored=True, evicted=self.evict(), stored_bytes=stat.stored_bytes)
+
+    def evict(self) -> int:
+        """Evict least recently used keys until the stored bytes fit the budget; how many."""
+        if self.max_bytes is None:
+            return 0
+        self.flush_uses()
+        evicted = 0
+        while (total := self.catalog.tier_totals().stored_bytes) > self.max_bytes:
+            oldest = self.catalog.tier_lru(limit=EVICT_BATCH)
+            if not oldest:
+                break
+            chosen, freed = [], 0
+            for entry in oldest:
+                chosen.append(entry)
+                freed += entry.stored_bytes
+                if total - freed <= self.max_bytes:
+                    break
+            with self.catalog.writing() as tx:
+                tx.delete_tier_keys(e.key for e in chosen)
+                self._delete_after_commit(tx, [e.digest for e in chosen])
+            evicted += len(chosen)
+        self.evictions += evicted
+        return evicted
+
+    def flush_uses(self) -> int:
+        """Write the last uses seen since the previous flush; how many keys."""
+        with self._uses_lock:
+            uses, self._uses = self._uses, {}
+        if uses:
+            with self.catalog.writing() as tx:
+                tx.touch_tier_keys(uses)
+        return len(uses)
+
+    def totals(self) -> tuple[int, int]:
+        """(keys, stored bytes of their distinct values)."""
+        found = self.catalog.tier_totals()
+        return found.keys, found.stored_bytes
+
+    def _delete_after_commit(self, tx: Any, digests: list[str]) -> None:
+        doomed = tx.unreferenced_tier_digests(digests)
+        tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
+
+    def _drop_dangling(self, key: bytes, digest: str) -> None:
+        with self.catalog.writing() as tx:
+            if (found := self.catalog.tier_key(key)) is not None and found.digest == digest:
+                tx.delete_tier_keys([key])
+
+
+class TierWriter:
+    """Stores accepted SETs after they were answered, one at a time, within a byte budget;
+    also flushes the store's last uses every few seconds."""
+
+    def __init__(self, store: TierStore, metrics: Metrics, *, budget_bytes: int) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.budget_bytes = budget_bytes
+        self.pending: collections.OrderedDict[bytes, tuple[bytes, dict[str, Any]]] = (
+            collections.OrderedDict()
+        )
+        self.pending_bytes = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._run, name="cachekeeper-tier-writer", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, key: bytes, value: bytes, writer: dict[str, Any]) -> bool:
+        """Queue a value; False (dropped) when the budget is full."""
+        with self._cond:
+            if self._stopping or self.pending_bytes + len(value) > self.budget_bytes:
+                return False
+            old = self.pending.pop(key, None)
+            if old is not None:
+                self.pending_bytes -= len(old[0])
+            self.pending[key] = (value, writer)
+            self.pending_bytes += len(value)
+            self._cond.notify()
+            return True
+
+    def peek(self, key: bytes) -> bytes | None:
+        with self._cond:
+            found = self.pending.get(key)
+            return None if found is None else found[0]
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + _FLUSH_EVERY_S
+        while True:
+            with self._cond:
+                while not self.pending and not self._stopping:
+                    if not self._cond.wait(timeout=max(0.0, next_flush - time.monotonic())):
+                        break
+                if self._stopping and not self.pending:
+                    break
+                item = next(iter(self.pending.items()), None)
+            if item is not None:
+                key, (value, writer) = item
+                self._store(key, value, writer)
+                with self._cond:
+                    if self.pending.get(key, (None,))[0] is value:  # else a newer SET replaced it
+                        del self.pending[key]
+                        self.pending_bytes -= len(value)
+            if time.monotonic() >= next_flush:
+                next_flush = time.monotonic() + _FLUSH_EVERY_S
+                self._flush()
+        self._flush()
+
+    def _store(self, key: bytes, value: bytes, writer: dict[str, Any]) -> None:
+        try:
+            done = self.store.put(key, value, writer=writer)
+        except Exception:  # noqa: BLE001 - a store that fails drops the value, never the tier
+            _log.exception("per-key tier: storing a value of %d bytes failed", len(value))
+            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="store_failed")
+            return
+        if done.stored:
+            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="stored")
+            self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="in")
+        else:
+            self.metrics.inc("cachekeeper_remote_cache_puts_total", result=done.reason or "dropped")
+        if done.evicted:
+            self.metrics.inc("cachekeeper_remote_cache_evictions_total", done.evicted)
+
+    def _flush(self) -> None:
+        try:
+            self.store.flush_uses()
+        except Exception:  # noqa: BLE001 - last uses are advice for eviction; retried later
+            _log.exception("per-key tier: recording last uses failed")
+
+    def stop(self, *, timeout_s: float) -> None:
+        """Store what is queued (within ``timeout_s``), then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
