@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachekeeper import cpu
-from cachekeeper.children import child_environ, run_children, slug, work_area
+from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.reports import ErrorInfo, PrewarmReport, Progress
@@ -106,6 +105,6 @@ def prewarm(
         workload_digest=workload.digest,
         devices=list(devices),
         stats=report.stats,
-        cpu=cpu.state(child_environ(workload.omp_num_threads)),
+        cpu=child_cpu_state(workload.omp_num_threads),
     )
     return report

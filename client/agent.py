@@ -6,7 +6,9 @@ One round (``run_round``):
    digest) and register with the server; registration is idempotent per name + digest, so
    a changed environment is simply a new agent id.
 2. List the registered workloads. For each, in name order: ask the server to resolve it
-   for this fingerprint and these devices. A *verified* snapshot built from the same
+   for the fingerprint its build compiles under (the agent's, with the CPU state of the
+   workload's ``[process] omp_num_threads``: what the snapshot carries and the workload's
+   events name) and these devices. A *verified* snapshot built from the same
    workload text counts as warm: report ``skipped`` and compile nothing. Otherwise build:
    report ``building``, prewarm on every selected device (one fresh process per device,
    cold, then a verify run), push only when verified, and report ``built``,
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cachekeeper import config, wire
 from cachekeeper._proc import pid_alive
+from cachekeeper.children import child_cpu_state
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import collect, digest_of
@@ -327,9 +330,21 @@ class _Builder:
         self.agent_id = agent_id
         self.fingerprint = fingerprint
         self.digest = digest
+        # The agent's own environment; per workload, what its build compiles under
+        # (``_built_with``): the fingerprint its resolve asks with, its snapshot carries
+        # and its events name.
+        self.agent_fingerprint, self.agent_digest = fingerprint, digest
+
+    def _built_with(self, workload: Any) -> None:
+        """Take the fingerprint of what a build of ``workload`` compiles: the agent's, with
+        the CPU state of its children (its ``[process] omp_num_threads``)."""
+        cpu_state = child_cpu_state(workload.omp_num_threads)
+        self.fingerprint = {**self.agent_fingerprint, "cpu": cpu_state}
+        self.digest = digest_of(self.fingerprint)
 
     def keep_warm(self, name: str) -> WorkloadOutcome:
         started = time.monotonic()
+        self.fingerprint, self.digest = self.agent_fingerprint, self.agent_digest
         try:
             outcome = self._skip_or_build(name, started)
         except AgentStopped:
@@ -349,6 +364,7 @@ class _Builder:
 
     def _skip_or_build(self, name: str, started: float) -> WorkloadOutcome:
         workload = parse_workload(self.client.get_workload(name), source=f"{name} (server)")
+        self._built_with(workload)
         warm = self._warm_snapshot(name, workload.digest)
         if warm is not None:
             self.say(f"{name}: warm (snapshot {warm[:12]}), nothing to compile")

@@ -244,10 +244,8 @@ class FleetReads(Reads):
 
     def _status_facts(self) -> StatusFacts:
         workloads = tuple(r["name"] for r in self._rows("SELECT name FROM workloads ORDER BY name"))
-        agents = tuple(
-            (r["name"], r["fingerprint_digest"])
-            for r in self._rows("SELECT name, fingerprint_digest FROM agents ORDER BY name, id")
-        )
+        agent_rows = self._rows("SELECT id, name, fingerprint_digest FROM agents ORDER BY name, id")
+        agents = tuple((r["name"], r["fingerprint_digest"]) for r in agent_rows)
         latest = [
             _event(r)
             for r in self._rows(
@@ -279,4 +277,5 @@ class FleetReads(Reads):
             stored=frozenset(stored),
             covers=covers,
             jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
+            agent_of={r["id"]: (r["name"], r["fingerprint_digest"]) for r in agent_rows},
         )

@@ -72,6 +72,17 @@ def fleet_status(
     for name, digest in facts.agents:
         names_by_digest.setdefault(digest, []).append(name)
     pairs = {(w, d) for w in facts.workloads for d in names_by_digest}
+    # An agent builds a workload under the fingerprint its children compile with (the
+    # workload's [process] omp_num_threads changes the CPU part), and its events name that
+    # digest: the workload's row is that one, not a "missing" row of the agent's own.
+    builders: dict[tuple[str, str], set[str]] = {}
+    for (w, d), newest in facts.latest.items():
+        if newest.agent_id not in facts.agent_of:
+            continue
+        builder, own = facts.agent_of[newest.agent_id]
+        builders.setdefault((w, d), set()).add(builder)
+        if own != d and (w, own) not in facts.latest:
+            pairs.discard((w, own))
     pairs |= set(facts.latest)
     pairs |= {key for key in facts.verified if key[0] in facts.workloads}
     pairs |= {key for key in facts.jobs if key[0] in facts.workloads}
@@ -94,7 +105,7 @@ def fleet_status(
                 snapshot_id=snapshot_id,
                 updated_at=updated_at,
                 last_event=event,
-                agents=tuple(names_by_digest.get(d, [])),
+                agents=tuple(sorted(set(names_by_digest.get(d, [])) | builders.get((w, d), set()))),
                 devices=tuple(covered),
                 uncovered=tuple(uncovered),
                 note=note,

@@ -5,7 +5,7 @@ agent, an event, a workload), the catalog returns ``cachekeeper.wire``'s datacla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cachekeeper.wire import EventOut, JobStats, Summary
@@ -58,3 +58,4 @@ class StatusFacts:
     stored: frozenset[str]  # snapshot ids named by ``latest`` that still exist
     covers: dict[str, tuple[str, ...]]  # devices of those and of the verified snapshots
     jobs: dict[tuple[str, str], JobStats]  # what jobs reported, per (workload, digest)
+    agent_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (name, digest)

@@ -259,3 +259,39 @@ def test_a_report_with_an_impossible_count_is_refused(authed_server: LiveServer)
         too_big = c.post("/v1/reports", json={**body, "new_bytes": 10**30})
         assert too_big.status_code == 422 and "new_bytes" in too_big.json()["detail"]
         assert c.post("/v1/reports", json={**body, "new_bytes": 2**48}).status_code == 201
+
+
+def test_a_harvested_delta_carries_its_parents_fingerprint(tmp_path: Path) -> None:
+    """One fingerprint per snapshot (issue 25): a node may match a snapshot and still differ
+    from its builder (a newer driver, the 'newer' policy); what it harvests is layered on
+    that snapshot and offered only with it, so it carries the parent's fingerprint. Under
+    the node's own it was never served (resolve offers deltas of the parent's digest)."""
+    built = {**collect(), "driver": "580.10"}
+    node = {**built, "driver": "590.1"}  # newer than the builder's: it matches
+    src = tmp_path / "src"
+    make_cache(src)
+    settings = Settings(data_dir=tmp_path / "data", tokens=TOKENS, serve_harvested=True)
+    with start_server(settings) as live:
+        with CacheClient(base_url=live.url, token="write-token") as client:
+            base = push(src, client=client, workload="wl", fingerprint=built)
+        node_a = tmp_path / "a"
+        pre = prejob(
+            workload="wl", server=live.url, token="read-token", cache_dir=node_a, fingerprint=node
+        )
+        assert pre.outcome == "restored", pre
+        compile_more(node_a, "d")
+        done = postjob(
+            workload="wl",
+            server=live.url,
+            token="write-token",
+            cache_dir=node_a,
+            fingerprint=node,
+            push=True,
+        )
+        assert done.pushed_snapshot_id is not None, done
+        with CacheClient(base_url=live.url, token="read-token") as client:
+            delta = client.get_manifest(done.pushed_snapshot_id)
+            parent = client.get_manifest(base.snapshot_id)
+            assert delta.fingerprint == parent.fingerprint and delta.parent == parent.id
+            offered = client.resolve(node, workload="wl")
+        assert [d.id for d in offered.deltas] == [done.pushed_snapshot_id]
