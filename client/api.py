@@ -61,7 +61,7 @@ from cachekeeper.wire import (
     to_dict,
 )
 
-from .calls import Deadline, server_root  # public here since 0.1
+from .calls import Deadline, endpoint, server_root, tls_context  # the first two public since 0.1
 
 if TYPE_CHECKING:
     import httpx
@@ -123,7 +123,7 @@ class CacheClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         # Plain http needs no TLS context; building one loads the CA bundle (~100 ms).
-        verify = self.base_url.lower().startswith("https://")
+        verify: Any = tls_context() if self.base_url.lower().startswith("https://") else False
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -413,7 +413,7 @@ class CacheClient:
         ``deadline``."""
         httpx = _import_httpx()
         deadline = deadline or Deadline(None)
-        url = f"{self.base_url}{path}"
+        url = endpoint(self.base_url, path)
         attempt = 0
         while True:
             timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
@@ -421,7 +421,7 @@ class CacheClient:
             try:
                 request = self._http.build_request(
                     method,
-                    path,
+                    url,
                     json=json_body,
                     content=body,
                     headers=headers,

@@ -13,7 +13,10 @@ import os
 import socket
 from typing import Any
 
+from cachekeeper.errors import CachekeeperError
 from cachekeeper.wire import JobReport, to_dict, utc_now
+
+from .calls import endpoint, tls_context
 
 __all__ = ["post_json", "send_report", "node_name", "utc_now"]
 
@@ -30,29 +33,32 @@ def node_name() -> str:
 def post_json(
     server: str | None, path: str, body: dict[str, Any], *, token: str | None, timeout_s: float
 ) -> tuple[int, bytes] | None:
-    """POST ``body`` as JSON to ``server`` + ``path``: (status, body), or None on any trouble."""
+    """POST ``body`` as JSON to route ``path`` of ``server`` (``calls.endpoint``): (status,
+    body), or None on any trouble."""
     if not server or timeout_s <= 0:
         return None
     import http.client  # only with a server set: the hook's start-up budget
     from urllib.parse import urlsplit
 
     try:
-        url = urlsplit(server)
+        url = urlsplit(endpoint(server, path))
         if url.scheme == "http":
             conn: http.client.HTTPConnection = http.client.HTTPConnection(
                 url.hostname or "", url.port, timeout=timeout_s
             )
         elif url.scheme == "https":
-            conn = http.client.HTTPSConnection(url.hostname or "", url.port, timeout=timeout_s)
+            conn = http.client.HTTPSConnection(
+                url.hostname or "", url.port, timeout=timeout_s, context=tls_context()
+            )
         else:
             return None
-    except ValueError:
+    except (ValueError, CachekeeperError):  # a bad URL, or a CA bundle that cannot be read
         return None
     headers = {"Content-Type": "application/json", "User-Agent": "cachekeeper-client"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     try:
-        conn.request("POST", url.path.rstrip("/") + path, json.dumps(body).encode(), headers)
+        conn.request("POST", url.path, json.dumps(body).encode(), headers)
         response = conn.getresponse()
         return response.status, response.read()
     except (OSError, http.client.HTTPException, ValueError):
