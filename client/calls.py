@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import functools
 import os
-import ssl
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from cachekeeper import config
 from cachekeeper.errors import ConfigInvalid, ServerUnavailable
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["Deadline", "endpoint", "server_root", "tls_context"]
 
@@ -84,6 +87,8 @@ def tls_context(environ: Mapping[str, str] | None = None) -> ssl.SSLContext:
 
 @functools.lru_cache(maxsize=4)
 def _tls_context(bundle: str | None, cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    import ssl  # only for https: ~18 ms the hook's plain-http no-op path does not pay
+
     try:
         if cert_file or cert_dir:
             context = ssl.create_default_context(cafile=cert_file, capath=cert_dir)
