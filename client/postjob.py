@@ -38,7 +38,7 @@ from cachekeeper.marker import STATE_DIR
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
-from .reporting import node_name, send_report, utc_now
+from .reporting import node_name, report_answer, utc_now
 
 __all__ = [
     "KINDS",
@@ -179,6 +179,7 @@ class PostjobReport:
     error: str | None = None  # why nothing could be counted; None otherwise
     warning: str | None = None  # counted, but the count could not be recorded
     pushed_snapshot_id: str | None = None  # postjob --push: the harvested delta
+    unknown_workload: str | None = None  # the server knows no such workload (did you mean)
 
     @property
     def new_bytes(self) -> int:
@@ -200,6 +201,7 @@ class PostjobReport:
             "error": self.error,
             "warning": self.warning,
             "pushed_snapshot_id": self.pushed_snapshot_id,
+            "unknown_workload": self.unknown_workload,
         }
 
 
@@ -278,7 +280,7 @@ def postjob(
             error=f"cannot read {target}: {detail}",
         )
     outcome = "compiled" if diff.compiled else "clean"
-    reported = report and send_report(
+    answer = report and report_answer(
         server,
         JobReport(
             phase="postjob",
@@ -299,6 +301,7 @@ def postjob(
         token=token,
         timeout_s=timeout_s,
     )
+    reported = bool(answer)
     warning = None
     pushed = None
     if push:
@@ -330,6 +333,7 @@ def postjob(
         reported=reported,
         warning=warning,
         pushed_snapshot_id=pushed,
+        unknown_workload=answer.warning if answer else None,
     )
 
 

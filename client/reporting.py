@@ -14,11 +14,11 @@ import socket
 from typing import Any
 
 from cachekeeper.errors import CachekeeperError
-from cachekeeper.wire import JobReport, to_dict, utc_now
+from cachekeeper.wire import JobReport, JobReportAnswer, from_dict, to_dict, utc_now
 
 from .calls import endpoint, tls_context
 
-__all__ = ["post_json", "send_report", "node_name", "utc_now"]
+__all__ = ["post_json", "send_report", "report_answer", "node_name", "utc_now"]
 
 
 def node_name() -> str:
@@ -71,5 +71,18 @@ def send_report(
     server: str | None, report: JobReport, *, token: str | None, timeout_s: float
 ) -> bool:
     """Send one job report; True when the server stored it."""
+    return report_answer(server, report, token=token, timeout_s=timeout_s) is not None
+
+
+def report_answer(
+    server: str | None, report: JobReport, *, token: str | None, timeout_s: float
+) -> JobReportAnswer | None:
+    """Send one job report; the server's answer when it stored it (its ``warning`` says when
+    the report names a workload the server does not know), else None."""
     answer = post_json(server, "/v1/reports", to_dict(report), token=token, timeout_s=timeout_s)
-    return answer is not None and answer[0] == 201
+    if answer is None or answer[0] != 201:
+        return None
+    try:
+        return from_dict(JobReportAnswer, json.loads(answer[1]))
+    except ValueError:  # stored, but the answer is not the promised shape (an old server)
+        return JobReportAnswer(id=0, at="")

@@ -243,8 +243,11 @@ class FleetReads(Reads):
             return self._status_facts()
 
     def _status_facts(self) -> StatusFacts:
-        workloads = tuple(r["name"] for r in self._rows("SELECT name FROM workloads ORDER BY name"))
-        agent_rows = self._rows("SELECT id, name, fingerprint_digest FROM agents ORDER BY name, id")
+        workload_rows = self._rows("SELECT name, digest FROM workloads ORDER BY name")
+        workloads = tuple(r["name"] for r in workload_rows)
+        agent_rows = self._rows(
+            "SELECT id, name, fingerprint_digest, last_seen_at FROM agents ORDER BY name, id"
+        )
         agents = tuple((r["name"], r["fingerprint_digest"]) for r in agent_rows)
         latest = [
             _event(r)
@@ -254,21 +257,27 @@ class FleetReads(Reads):
             )
         ]
         verified: dict[tuple[str, str], tuple[str, str]] = {}
+        unverified: dict[tuple[str, str], tuple[str, str]] = {}
         covers: dict[str, tuple[str, ...]] = {}
-        for snap in self._rows(
-            "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
-            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
+        built_for: dict[str, str | None] = {}
+        for snap in self._rows(  # harvested deltas are never a pair's snapshot
+            "SELECT id, workload, fingerprint_digest, created_at, devices, workload_digest,"
+            " verified FROM snapshots WHERE workload IS NOT NULL AND source IS NOT 'harvest'"
+            " ORDER BY created_at"
         ):
             key = (snap["workload"], snap["fingerprint_digest"])
-            verified[key] = (snap["id"], snap["created_at"])  # newest wins
+            newest = verified if snap["verified"] else unverified
+            newest[key] = (snap["id"], snap["created_at"])  # newest wins
             covers[snap["id"]] = tuple(json.loads(snap["devices"] or "[]"))
+            built_for[snap["id"]] = snap["workload_digest"]
         named = sorted({e.snapshot_id for e in latest if e.snapshot_id})
         stored: set[str] = set()
         for part, marks in chunks(named):
-            sql = f"SELECT id, devices FROM snapshots WHERE id IN ({marks})"
+            sql = f"SELECT id, devices, workload_digest FROM snapshots WHERE id IN ({marks})"
             for r in self._rows(sql, part):
                 stored.add(r["id"])
                 covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+                built_for[r["id"]] = r["workload_digest"]
         return StatusFacts(
             workloads=workloads,
             agents=agents,
@@ -277,5 +286,9 @@ class FleetReads(Reads):
             stored=frozenset(stored),
             covers=covers,
             jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
+            unverified=unverified,
             agent_of={r["id"]: (r["name"], r["fingerprint_digest"]) for r in agent_rows},
+            agent_seen={r["id"]: r["last_seen_at"] for r in agent_rows},
+            workload_digests={r["name"]: r["digest"] for r in workload_rows},
+            built_for=built_for,
         )

@@ -5,7 +5,8 @@ Tables::
     snapshots       id (manifest sha256), workload, fingerprint_digest, fingerprint (JSON),
                     devices (JSON), verified, signed, stats (JSON), size_bytes, file_count,
                     created_at, last_used_at, pinned, manifest (JSON text, signature included),
-                    source ("harvest" or NULL), parent (a harvested delta's parent id)
+                    source ("harvest" or NULL), parent (a harvested delta's parent id),
+                    workload_digest (the manifest's: the workload TOML it was built from)
     blobs           digest, size_bytes (uncompressed), stored_bytes (zstd at rest),
                     created_at, last_access_at
     snapshot_blobs  (snapshot_id, digest): which blobs each snapshot references
@@ -183,6 +184,16 @@ def _add_harvest_columns(db: sqlite_utils.Database) -> None:
     table.create_index(["parent"], if_not_exists=True)
 
 
+def _add_workload_digest_column(db: sqlite_utils.Database) -> None:
+    """``workload_digest`` (the status's staleness test), filled from the manifests once."""
+    table = db.table("snapshots")
+    if "workload_digest" not in table.columns_dict:
+        table.add_column("workload_digest", str)
+        db.execute(
+            "UPDATE snapshots SET workload_digest = json_extract(manifest, '$.workload_digest')"
+        )
+
+
 def _create_quarantine(db: sqlite_utils.Database) -> None:
     db.table("quarantine").create(
         {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
@@ -198,4 +209,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_job_reports,
     _add_harvest_columns,
     _create_quarantine,
+    _add_workload_digest_column,
 ]

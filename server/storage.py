@@ -53,7 +53,7 @@ from .catalog import Catalog
 from .fleet import fleet_status
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts
-from .resolver import miss_reason, rank
+from .resolver import miss_reason, rank, unknown_workload
 from .s3store import S3BlobStore, checksum_b64
 from .settings import Settings
 
@@ -283,8 +283,8 @@ class Storage:
             candidates, fingerprint=fingerprint, driver_policy=driver_policy, devices=devices
         )
         if found.snapshot is None:
-            registered = workload is not None and self.catalog.workload_toml(workload) is not None
-            reason = miss_reason(workload, has_snapshots=bool(candidates), registered=registered)
+            unknown = None if candidates or workload is None else self.unknown_workload(workload)
+            reason = miss_reason(workload, has_snapshots=bool(candidates), unknown=unknown)
             return replace(found, reason=reason)
         with self.catalog.writing() as tx:
             tx.touch_snapshot(found.snapshot.id)
@@ -486,6 +486,12 @@ class Storage:
 
     def has_workload(self, name: str) -> bool:
         return self.catalog.workload_toml(name) is not None
+
+    def unknown_workload(self, name: str) -> str | None:
+        """Why ``name`` names nothing here, with a did-you-mean; None when it is known."""
+        named = bool(self.catalog.candidates(name, limit=1))
+        registered = [w.name for w in self.catalog.list_workloads()]
+        return unknown_workload(name, registered=registered, named=named)
 
     def counts(self) -> Counts:
         return self.catalog.counts()

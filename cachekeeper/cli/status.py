@@ -7,6 +7,10 @@ lacks some of them is followed by one line saying which and what to do: the devi
 is in Inductor's key, so a builder with fewer GPUs than the nodes cannot build the higher
 indices (docs/operations.md, "GPU counts").
 
+A row whose state is out of date says why (``stale``: the workload file changed since its
+snapshot was built, or its builder went silent mid-build). A ``--workload`` the server
+does not know is an error with a did-you-mean.
+
 A row that training jobs reported on (``cachekeeper prejob`` / ``postjob``) gets a
 ``jobs:`` line: restores, cold starts by reason, jobs that compiled anyway; and when
 restored jobs compiled anyway, a line saying the workload file does not match training.
@@ -25,7 +29,7 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.devices import format_devices, requested_devices
-from cachekeeper.errors import CachekeeperError
+from cachekeeper.errors import CachekeeperError, WorkloadNotFound, did_you_mean
 from cachekeeper.wire import JobStats
 
 __all__ = ["status_cmd"]
@@ -64,11 +68,18 @@ def status_cmd(
         raise click.BadParameter(exc.detail, param_hint="--device") from exc
     with CacheClient(base_url=server, token=token) as client:
         rows = client.fleet_status(workload=workload, devices=wanted)
+        registered = [] if rows else [w.name for w in client.list_workloads()]
+        if not rows and workload is not None and workload not in registered:
+            raise WorkloadNotFound(
+                f"no workload {workload!r} is registered on {client.base_url}"
+                f"{did_you_mean(workload, registered)}"
+                f" (registered: {', '.join(registered) or 'none'})"
+            )
     if as_json:
         emit_json({"status": [to_dict(row) for row in rows]})
         return
     if not rows:
-        click.echo("no workloads registered and no agents seen")
+        click.echo(_nothing_yet(registered))
         return
     click.echo(f"{'workload':<24}{'environment':<14}{'status':<10}{'covers':<14}agents")
     for row in rows:
@@ -78,12 +89,25 @@ def status_cmd(
             f"{row.workload[:23]:<24}{row.fingerprint_digest[:12]:<14}{row.status:<10}"
             f"{covers[:13]:<14}{agents}"
         )
+        if row.stale:
+            click.echo(f"  ! stale: {row.stale}")
         if row.note:
             click.echo(f"  ! {row.note}")
         if row.jobs is not None:
             click.echo(f"  jobs: {jobs_line(row.jobs)}")
         if row.jobs_note:
             click.echo(f"  ! {row.jobs_note}")
+
+
+def _nothing_yet(registered: list[str]) -> str:
+    """What an empty status means: nothing registered, or nothing built for what is."""
+    if not registered:
+        return "no workloads registered and no agents seen"
+    return (
+        f"{len(registered)} workload(s) registered ({', '.join(registered)}), but no agent"
+        " has registered and no snapshot of them is stored: start `cachekeeper agent` on a"
+        " builder, or `cachekeeper push` a prewarmed dir"
+    )
 
 
 def jobs_line(jobs: JobStats) -> str:

@@ -96,6 +96,7 @@ class StatusRow:
     note: str | None = None  # what to do about ``uncovered``
     jobs: JobStats | None = None  # what jobs reported (POST /v1/reports); None: no report
     jobs_note: str | None = None  # "restored, but N jobs compiled anyway", what to do
+    stale: str | None = None  # why a warm/building state is out of date (server/fleet.py)
 
 
 @dataclass(frozen=True, kw_only=True)

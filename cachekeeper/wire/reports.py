@@ -44,6 +44,9 @@ class JobReport:
 class JobReportAnswer:
     id: int
     at: str
+    # The report names a workload nobody registered and no snapshot names (a misspelt
+    # ``--workload``): why, with a did-you-mean. It is stored, and counts in no status row.
+    warning: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.ui_view import STALE_AFTER_S, _state
 
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ui_data import ADMIN, DIGEST, EXPECTED, TOKENS, seed
@@ -194,22 +192,3 @@ def test_page_is_open_with_auth_off(tmp_path: Path) -> None:
         r = httpx.get(f"{live.url}/")
         assert r.status_code == 200 and "No workloads" in r.text
         assert "no snapshots stored yet" in r.text
-
-
-def test_a_build_whose_agent_went_silent_is_stale() -> None:
-    """The one state that needs a clock: ``building`` with its agent unseen for too long."""
-    seen = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    row = {"status": "building", "agents": ["builder-a"], "last_event": None}
-
-    def state(minutes_later: int) -> str:
-        return _state(
-            row,
-            None,
-            workload_updated_at=None,
-            agents_seen={"builder-a": seen},
-            now=seen + timedelta(minutes=minutes_later),
-            stale_after_s=STALE_AFTER_S,
-        )[0]
-
-    assert state(1) == "building"
-    assert state(STALE_AFTER_S // 60 + 1) == "stale"

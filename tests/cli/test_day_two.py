@@ -1,0 +1,113 @@
+"""Issue 25, "day two": status that can be believed, against a real server on loopback.
+
+- staleness compares digests, not times: re-registering the identical TOML keeps a warm
+  row warm; a changed one makes it stale, in the JSON, in ``cachekeeper status`` and on
+  the page;
+- an unknown ``--workload`` is an error with a did-you-mean (``status``), a line on stderr
+  (``postjob``, which never fails the job unless ``--strict``) and the cold reason
+  (``prejob``);
+- a registered workload whose only snapshot is unverified (pushed by hand, no agent yet)
+  is a row, and the page shows it instead of "No workloads or environments yet".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from tests.cli.conftest import run
+from tests.cli.test_first_day import ck
+from tests.helpers.live_server import LiveServer
+from tests.server.conftest import make_snapshot, push
+
+TOML = 'name = "drafter-gqa"\n[[entrypoint]]\ntarget = "pkg.mod:step"\n'
+
+
+def _register(url: str, text: str) -> None:
+    httpx.put(f"{url}/v1/workloads/drafter-gqa", content=text).raise_for_status()
+
+
+def _publish(url: str, *, verified: bool | None, workload_digest: str | None) -> str:
+    manifest, blobs = make_snapshot({"a.bin": b"a"}, workload="drafter-gqa", verified=verified)
+    manifest = replace(manifest, workload_digest=workload_digest)
+    with httpx.Client(base_url=url) as c:
+        assert push(c, manifest, blobs).status_code == 201
+    return manifest.id
+
+
+def _rows(url: str) -> list[dict]:
+    return json.loads(run("status", "--server", url, "--json"))["status"]
+
+
+def test_an_identical_registration_keeps_cells_warm_and_a_changed_one_is_stale(
+    open_server: LiveServer,
+) -> None:
+    url = open_server.url
+    _register(url, TOML)
+    _publish(url, verified=True, workload_digest=hashlib.sha256(TOML.encode()).hexdigest())
+    (row,) = _rows(url)
+    assert row["status"] == "warm" and row["stale"] is None
+    before = httpx.get(f"{url}/v1/workloads").json()["workloads"][0]["updated_at"]
+
+    _register(url, TOML)  # the same file again: nothing changed
+    (row,) = _rows(url)
+    assert row["status"] == "warm" and row["stale"] is None, row
+    assert httpx.get(f"{url}/v1/workloads").json()["workloads"][0]["updated_at"] == before
+    assert "stale" not in run("status", "--server", url)
+    assert 'data-state="stale"' not in httpx.get(f"{url}/ui").text
+
+    _register(url, TOML + "kwargs = { seq_len = 8192 }\n")  # the workload changed
+    (row,) = _rows(url)
+    assert row["status"] == "warm" and "the workload file changed" in row["stale"], row
+    text = run("status", "--server", url).splitlines()
+    assert text[2].startswith("  ! stale: the workload file changed since snapshot"), text
+    assert 'data-state="stale"' in httpx.get(f"{url}/ui").text
+
+
+def test_an_unknown_workload_is_an_error_with_a_did_you_mean(
+    open_server: LiveServer, tmp_path: Path
+) -> None:
+    url = open_server.url
+    _register(url, TOML)
+    typo = run("status", "--server", url, "--workload", "drafter-gpa", code=1)
+    assert "no workload 'drafter-gpa' is registered" in typo
+    assert "(did you mean 'drafter-gqa'?)" in typo
+    registered = run("status", "--server", url)  # registered, nothing built: says what exists
+    assert "1 workload(s) registered (drafter-gqa), but no agent has registered" in registered
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    pre = ck("prejob", "--workload", "drafter-gpa", "--cache-dir", str(cache), "--server", url,
+             cwd=tmp_path)  # fmt: skip
+    assert pre.returncode == 0 and "(did you mean 'drafter-gqa'?)" in pre.stderr, pre.stderr
+    post = ck("postjob", "--workload", "drafter-gpa", "--cache-dir", str(cache), "--server", url,
+              cwd=tmp_path)  # fmt: skip
+    assert post.returncode == 0, post.stderr
+    assert "error: no workload 'drafter-gpa' is registered on this server (did you mean" in (
+        post.stderr
+    )
+    strict = ck("postjob", "--workload", "drafter-gpa", "--cache-dir", str(cache), "--strict",
+                "--server", url, "--json", cwd=tmp_path)  # fmt: skip
+    assert strict.returncode == 1 and json.loads(strict.stdout)["unknown_workload"]
+    good = ck("postjob", "--workload", "drafter-gqa", "--cache-dir", str(cache), "--server", url,
+              "--strict", cwd=tmp_path)  # fmt: skip
+    assert good.returncode == 0 and "error" not in good.stderr, good.stderr
+
+
+def test_a_registered_workload_with_only_an_unverified_snapshot_is_shown(
+    open_server: LiveServer,
+) -> None:
+    url = open_server.url
+    _register(url, TOML)
+    snapshot_id = _publish(url, verified=None, workload_digest=None)
+    (row,) = _rows(url)
+    assert (row["status"], row["snapshot_id"]) == ("warm", snapshot_id)
+    page = httpx.get(f"{url}/ui").text
+    assert "No workloads or environments yet" not in page
+    assert 'data-state="warm_unverified"' in page
+    plain = run("status", "--server", url).splitlines()
+    assert plain[1].split()[:3] == ["drafter-gqa", row["fingerprint_digest"][:12], "warm"]
