@@ -62,6 +62,7 @@ class Environment:
     driver: str
     gpu: str
     fingerprint: dict[str, Any] | None
+    cpu: str = "-"  # threads and vector ISA: two hosts may differ only there (cachekeeper.cpu)
 
     @property
     def short(self) -> str:
@@ -103,6 +104,11 @@ def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environme
     gpus = fp.get("gpus") or []
     names = sorted({str(g.get("name", "?")) for g in gpus if isinstance(g, dict)})
     gpu = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
+    state = fp.get("cpu") if isinstance(fp.get("cpu"), dict) else {}
+    threads = state.get("threads")
+    cpu = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "threads ?"
+    if state.get("isa"):
+        cpu += f", {state['isa']}"
     return Environment(
         digest=digest,
         torch=str(fp.get("torch") or "?"),
@@ -111,6 +117,7 @@ def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environme
         driver=str(fp.get("driver") or "-"),
         gpu=gpu,
         fingerprint=fingerprint,
+        cpu=cpu if state else "-",
     )
 
 

@@ -192,3 +192,27 @@ def test_page_is_open_with_auth_off(tmp_path: Path) -> None:
         r = httpx.get(f"{live.url}/")
         assert r.status_code == 200 and "No workloads" in r.text
         assert "no snapshots stored yet" in r.text
+
+
+def test_two_environments_that_differ_only_in_cpu_threads_are_told_apart(
+    tmp_path: Path,
+) -> None:
+    """Issue 25: the header showed torch, Triton, CUDA, driver and GPUs only, so a 1-thread
+    and a 2-thread CPU environment (torchrun's ranks and a plain shell) looked the same."""
+    from cachekeeper import cpu
+    from cachekeeper.fingerprint import collect
+
+    base = collect(environ={"OMP_NUM_THREADS": "2"})
+    with start_server(Settings(data_dir=tmp_path / "data")) as live:
+        for name, threads in (("one", 1), ("two", 2)):
+            fingerprint = dict(base, cpu=cpu.with_threads(base["cpu"], threads))
+            agent = {"name": name, "fingerprint": fingerprint, "devices": ["cpu"]}
+            httpx.post(f"{live.url}/v1/agents", json=agent).raise_for_status()
+        httpx.put(
+            f"{live.url}/v1/workloads/w", content='name = "w"\n[[entrypoint]]\ntarget = "p.m:f"\n'
+        ).raise_for_status()
+        page = httpx.get(f"{live.url}/ui").text
+    headers = re.findall(r'<th class="env">(.*?)</th>', page, re.S)
+    assert len(headers) == 2 and headers[0].split("<br>", 1)[1] != headers[1].split("<br>", 1)[1]
+    assert any("CPU 1 thread" in h and "CPU 2 threads" not in h for h in headers), headers
+    assert any("CPU 2 threads" in h for h in headers), headers
