@@ -104,7 +104,8 @@ def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environme
     gpus = fp.get("gpus") or []
     names = sorted({str(g.get("name", "?")) for g in gpus if isinstance(g, dict)})
     gpu = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
-    state = fp.get("cpu") if isinstance(fp.get("cpu"), dict) else {}
+    raw = fp.get("cpu")
+    state: dict[str, Any] = raw if isinstance(raw, dict) else {}
     threads = state.get("threads")
     cpu = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "threads ?"
     if state.get("isa"):
