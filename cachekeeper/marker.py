@@ -3,6 +3,9 @@
     cache_dir/.cachekeeper/          # STATE_DIR: ours; snapshots never include dot-names
       restored/<snapshot id>         # JSON: the id, each path with its size, the signer's key
 
+``markers`` reads every marker (postjob's baseline), ``held_snapshot`` names the newest
+snapshot whose files are all still there (what a job uses when no restore could run).
+
 ``write_marker`` is the restore's last step (``cachekeeper.restore``), after every file of
 the snapshot is in place and verified. ``is_restored`` is the fast already-restored check
 that the pre-job hook runs before every job: it reads the marker and ``stat``-s each path,
@@ -19,12 +22,13 @@ import json
 import os
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import Manifest, is_digest
 from cachekeeper.triton_groups import is_group_path
 
-__all__ = ["STATE_DIR", "write_marker", "is_restored"]
+__all__ = ["STATE_DIR", "write_marker", "is_restored", "markers", "held_snapshot"]
 
 STATE_DIR = ".cachekeeper"
 
@@ -63,3 +67,30 @@ def is_restored(
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
+
+
+def markers(cache_dir: Path) -> list[tuple[float, str, list[list[Any]]]]:
+    """(mtime, snapshot id, files) of every readable restore marker, oldest first."""
+    out = []
+    folder = Path(cache_dir) / STATE_DIR / "restored"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        try:
+            path = folder / name
+            body = json.loads(path.read_bytes())
+            out.append((path.stat().st_mtime, str(body["id"]), list(body["files"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a marker being written, or not ours
+    return sorted(out)
+
+
+def held_snapshot(cache_dir: Path) -> str | None:
+    """The newest snapshot a complete restore left in ``cache_dir`` whose files are all
+    still there (``is_restored``), or None: the cache a job uses when no restore ran."""
+    for _mtime, snapshot_id, _files in reversed(markers(cache_dir)):
+        if is_restored(snapshot_id, cache_dir):
+            return snapshot_id
+    return None

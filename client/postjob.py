@@ -34,7 +34,7 @@ from typing import Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.marker import STATE_DIR
+from cachekeeper.marker import STATE_DIR, markers
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
@@ -88,24 +88,6 @@ class CacheDiff:
         return any(self.entries[k] for k in ("fxgraph", "aotautograd", "triton"))
 
 
-def _markers(state: Path) -> list[tuple[float, str, list[list[Any]]]]:
-    """(mtime, snapshot id, files) of every readable restore marker."""
-    out = []
-    folder = state / "restored"
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        try:
-            path = folder / name
-            body = json.loads(path.read_bytes())
-            out.append((path.stat().st_mtime, str(body["id"]), list(body["files"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a marker being written, or not ours: it is not a baseline
-    return sorted(out)
-
-
 def diff_cache(cache_dir: Path) -> CacheDiff:
     """Compare ``cache_dir`` with its restore markers and the last post-job count.
 
@@ -116,8 +98,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     state = root / STATE_DIR
     baseline: set[str] = set()
     snapshot_id = None
-    markers = _markers(state)
-    for _mtime, marker_id, files in markers:
+    for _mtime, marker_id, files in markers(root):
         paths = {str(p) for p, _size in files}
         baseline |= paths
         if paths <= present.keys():

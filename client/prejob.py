@@ -47,13 +47,14 @@ from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
     NoMatchingSnapshot,
+    ServerError,
     ServerUnavailable,
     SignatureInvalid,
     Unauthorized,
 )
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.marker import is_restored
+from cachekeeper.marker import held_snapshot, is_restored
 from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import JobReport, ResolveAnswer, ResolveRequest, from_dict, to_dict
 
@@ -88,6 +89,9 @@ class PrejobReport:
     reported: bool = False  # the server stored this outcome (POST /v1/reports)
     deltas: tuple[str, ...] = ()  # harvested deltas restored after the snapshot
     delta_problems: tuple[str, ...] = ()  # deltas not restored, one line each (why)
+    # Cold because the server gave no answer, but an earlier restore's snapshot is still
+    # complete in the dir: the job uses it (``cold_line`` says so).
+    held_snapshot_id: str | None = None
 
     @property
     def cold(self) -> bool:
@@ -107,6 +111,7 @@ class PrejobReport:
             "reported": self.reported,
             "deltas": list(self.deltas),
             "delta_problems": list(self.delta_problems),
+            "held_snapshot_id": self.held_snapshot_id,
         }
 
 
@@ -131,8 +136,15 @@ def write_env_file(path: Path, text: str) -> None:
     atomic_write_text(path, text)
 
 
-def cold_line(reason: str) -> str:
-    """The one stderr line a cold outcome prints."""
+def cold_line(reason: str, *, held_snapshot_id: str | None = None) -> str:
+    """The one stderr line a cold outcome prints (``held_snapshot_id``: the dir still holds
+    an earlier restore, which the job uses)."""
+    if held_snapshot_id is not None:
+        return (
+            f"cachekeeper: no cache restored ({reason}); the cache dir still holds snapshot"
+            f" {held_snapshot_id[:12]} from an earlier restore, which this job will use"
+            " (it may not be the newest)"
+        )
     return f"cachekeeper: no cache restored ({reason}); this job will compile cold"
 
 
@@ -293,6 +305,10 @@ def prejob(
     error = result.error
     outcome = "cold" if error is not None else result.outcome
     reason = None if error is None else _reason(error)
+    # No answer from the server (down, hung, refusing the token) says nothing against what
+    # an earlier restore left: the job uses it.
+    unanswered = isinstance(error, ServerUnavailable | ServerError | Unauthorized | Forbidden)
+    held = held_snapshot(target) if unanswered else None
     left = deadline.remaining()
     reported = (
         report
@@ -328,6 +344,7 @@ def prejob(
         reported=reported,
         deltas=result.deltas,
         delta_problems=result.delta_problems,
+        held_snapshot_id=held,
     )
 
 
