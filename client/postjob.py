@@ -38,7 +38,7 @@ from cachekeeper.marker import STATE_DIR, markers
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
-from .reporting import node_name, report_answer, utc_now
+from .reporting import job_id, node_name, report_answer, utc_now
 
 __all__ = [
     "KINDS",
@@ -278,6 +278,7 @@ def postjob(
             new_bytes=diff.new_bytes,
             started_at=started_at,
             finished_at=utc_now(),
+            job=job_id(target, environ=env, start=False),
         ),
         token=token,
         timeout_s=timeout_s,

@@ -59,7 +59,7 @@ from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import JobReport, ResolveAnswer, ResolveRequest, from_dict, to_dict
 
 from .calls import Deadline
-from .reporting import node_name, post_json, send_report, utc_now
+from .reporting import job_id, node_name, post_json, send_report, utc_now
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
 
@@ -326,6 +326,7 @@ def prejob(
                 reason_code=None if error is None else error.code,
                 started_at=started_at,
                 finished_at=utc_now(),
+                job=job_id(target, environ=env, start=True),
             ),
             token=token,
             timeout_s=REPORT_TIMEOUT_S if left is None else min(REPORT_TIMEOUT_S, left),

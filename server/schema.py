@@ -17,7 +17,8 @@ Tables::
     job_reports     what training jobs report (POST /v1/reports): phase (prejob, postjob),
                     outcome, workload, fingerprint_digest, snapshot_id, node, devices
                     (JSON), reason_code, reason, new_fxgraph, new_aotautograd, new_triton,
-                    new_other, new_bytes, started_at, finished_at, at (received)
+                    new_other, new_bytes, started_at, finished_at, at (received),
+                    job (the job's identity: reports of one job on one node count once)
     quarantine      id, at, reason, manifest: snapshots the start-up check took out of
                     service because blobs they reference are gone (re-push to restore)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
@@ -194,6 +195,13 @@ def _add_workload_digest_column(db: sqlite_utils.Database) -> None:
         )
 
 
+def _add_job_column(db: sqlite_utils.Database) -> None:
+    """``job`` (a report's job identity, ``JobReport.job``), added to older databases."""
+    table = db.table("job_reports")
+    if "job" not in table.columns_dict:
+        table.add_column("job", str)
+
+
 def _create_quarantine(db: sqlite_utils.Database) -> None:
     db.table("quarantine").create(
         {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
@@ -210,4 +218,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_harvest_columns,
     _create_quarantine,
     _add_workload_digest_column,
+    _add_job_column,
 ]

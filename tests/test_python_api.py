@@ -136,7 +136,8 @@ def test_a_server_url_as_copied_from_the_api_docs_takes_the_quick_path_and_repor
         assert after.outcome == "clean" and after.reported, after
         with CacheClient(base_url=server.url) as client:
             (row,) = client.fleet_status(workload="small")
-        assert row.jobs is not None and row.jobs.restores == 2 and row.jobs.postjobs == 1
+        # two prejobs on one dir within the job window are one job's ranks (issue 25)
+        assert row.jobs is not None and row.jobs.restores == 1 and row.jobs.postjobs == 1
 
 
 def test_every_client_url_is_built_in_one_place() -> None:
