@@ -18,7 +18,16 @@ from typing import Any
 import click
 
 from cachekeeper import fingerprint as fingerprint_mod
-from cachekeeper.cli._common import PathParam, echo_err, emit_json, handle_errors, json_option, mb
+from cachekeeper.cli._common import (
+    PathParam,
+    echo_err,
+    emit_json,
+    handle_errors,
+    json_option,
+    mb,
+    server_option,
+    token_option,
+)
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
 from cachekeeper.manifest import Manifest
@@ -47,12 +56,31 @@ def archive_path(ref: str) -> Path | None:
     return None
 
 
-def load_manifest(ref: str) -> tuple[Manifest, str]:
-    """The manifest named by an archive path or a store id; and where it came from."""
+def load_manifest(
+    ref: str, *, server: str | None = None, token: str | None = None
+) -> tuple[Manifest, str]:
+    """The manifest named by an archive path, a local store id, or (with ``server``) an id
+    or unique prefix of the server's; and where it came from (archive, store, server).
+
+    The local store is asked first; a server id it does not hold goes to the server, so
+    the id ``postjob``, ``status`` and ``snapshots ls`` print works as it is.
+    """
     path = archive_path(ref)
     if path is not None:
         return read_archive_manifest(path), "archive"
-    return LocalStore().load_manifest(ref), "store"
+    try:
+        return LocalStore().load_manifest(ref), "store"
+    except SnapshotNotFound as exc:
+        if not server:
+            raise SnapshotNotFound(
+                f"{exc.detail} (a server snapshot: pass --server or set CACHEKEEPER_SERVER)"
+            ) from exc
+    # local import: httpx only when the snapshot is the server's
+    from cachekeeper.cli._common import open_client
+    from cachekeeper.cli.snapshots import resolve_server_id
+
+    with open_client(server, token) as client:
+        return client.get_manifest(resolve_server_id(client, ref)), "server"
 
 
 @contextlib.contextmanager
@@ -246,11 +274,19 @@ def _check_environment(manifest: Manifest, *, force: bool) -> None:
 @click.command("inspect")
 @click.argument("snapshot")
 @click.option("--files", "show_files", is_flag=True, help="List every file.")
+@server_option
+@token_option
 @json_option
 @handle_errors
-def inspect_cmd(snapshot: str, show_files: bool, as_json: bool) -> None:
-    """Show a snapshot's manifest summary (archive file or local store id)."""
-    manifest, origin = load_manifest(snapshot)
+def inspect_cmd(
+    snapshot: str, show_files: bool, server: str | None, token: str | None, as_json: bool
+) -> None:
+    """Show a snapshot's manifest summary.
+
+    SNAPSHOT is an archive file, a local store id, or a server's snapshot id or unique
+    prefix (with --server or CACHEKEEPER_SERVER; read scope).
+    """
+    manifest, origin = load_manifest(snapshot, server=server, token=token)
     if as_json:
         body = manifest.to_dict()
         body["id"] = manifest.id

@@ -18,9 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.push import push as push_dir
 
+from cachekeeper.store import LocalStore
 from tests.cli.conftest import run
 from tests.cli.test_first_day import ck
+from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push
 
@@ -111,3 +115,28 @@ def test_a_registered_workload_with_only_an_unverified_snapshot_is_shown(
     assert 'data-state="warm_unverified"' in page
     plain = run("status", "--server", url).splitlines()
     assert plain[1].split()[:3] == ["drafter-gqa", row["fingerprint_digest"][:12], "warm"]
+
+
+def test_explain_and_inspect_take_the_servers_snapshot_id(
+    open_server: LiveServer, tmp_path: Path, monkeypatch
+) -> None:
+    """postjob points at `cachekeeper explain` with the server's snapshot id; explain took
+    only archives and local ids. A match now says the difference must be in the calls."""
+    monkeypatch.setenv("CACHEKEEPER_HOME", str(tmp_path / "empty-home"))  # not in the store
+    src = tmp_path / "src"
+    make_cache(src)
+    with CacheClient(base_url=open_server.url) as client:
+        pushed = push_dir(src, client=client, workload="w", store=LocalStore(home=tmp_path / "b"))
+    ref = pushed.snapshot_id[:10]
+    local_only = run("explain", ref, code=1)
+    assert "pass --server or set CACHEKEEPER_SERVER" in local_only
+    text = run("explain", ref, "--server", open_server.url, "--device", "cpu")
+    assert f"snapshot {pushed.snapshot_id[:12]} suits this node: the fingerprints match" in text
+    assert "the difference is in the calls" in text and "mask/score code" in text
+    body = json.loads(run("explain", ref, "--server", open_server.url, "--device", "cpu", "--json"))
+    assert body["compatible"] is True and "shapes" in body["advice"]
+    shown = run("inspect", ref, "--server", open_server.url).splitlines()
+    assert shown[0].split() == ["id", pushed.snapshot_id] and shown[1].split() == [
+        "source",
+        "server",
+    ]
