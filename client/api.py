@@ -99,6 +99,7 @@ class CacheClient:
     """A synchronous client for one cache server. Use as a context manager, or ``close()``.
 
     ``transport`` replaces httpx's network transport (tests pass ``httpx.MockTransport``).
+    ``deadline_s`` bounds every call of the client together, retries included.
     """
 
     def __init__(
@@ -110,8 +111,12 @@ class CacheClient:
         retries: int = 3,
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         httpx = _import_httpx()
+        # One deadline for every call of this client (an operator command's --timeout);
+        # a call's own ``deadline`` replaces it.
+        self._deadline = Deadline(deadline_s) if deadline_s is not None else None
         if not base_url:
             raise ServerUnavailable("no server configured (use --server or CACHEKEEPER_SERVER)")
         self.base_url = server_root(base_url)
@@ -412,11 +417,14 @@ class CacheClient:
         Each attempt waits ``timeout_s`` (default: the client's) at most, bounded by
         ``deadline``."""
         httpx = _import_httpx()
-        deadline = deadline or Deadline(None)
+        deadline = deadline or self._deadline or Deadline(None)
         url = endpoint(self.base_url, path)
         attempt = 0
         while True:
-            timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
+            try:
+                timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
+            except ServerUnavailable as exc:
+                raise ServerUnavailable(f"{method} {url}: {exc.detail}") from None
             body = open_body() if open_body is not None else None
             try:
                 request = self._http.build_request(

@@ -54,4 +54,8 @@ def gc(storage: StorageDep, _: AdminScope, body: GcRequest | None = None) -> GcA
         blobs_deleted=len(plan.blobs) + len(plan.orphan_files),
         bytes_freed=plan.bytes_freed,
         dry_run=dry_run,
+        blobs_in_grace=len(plan.in_grace),
+        bytes_in_grace=plan.in_grace_bytes,
+        grace_ends_at=plan.grace_ends_at,
+        grace_s=storage.settings.gc_grace_s,
     )

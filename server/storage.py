@@ -129,6 +129,12 @@ class GcPlan:
     # Archive objects (object store) whose snapshot is gone: evicted, deleted, or a
     # publish refused after its archive was written. Named by snapshot id.
     orphan_archives: tuple[str, ...] = field(default=())
+    # Unreferenced blob rows kept because they were used less than gc_grace_s ago (an
+    # upload waiting for its publish, or a snapshot just removed): a GC after
+    # ``grace_ends_at`` frees them, unless a snapshot references them again.
+    in_grace: tuple[str, ...] = field(default=())
+    in_grace_bytes: int = 0
+    grace_ends_at: str | None = None
 
 
 class Storage:
@@ -512,6 +518,7 @@ class Storage:
         stored = {u.digest: u.stored_bytes for u in usage}
         cutoff = _iso_ago(self.settings.gc_grace_s)
         dead = {u.digest for u in usage if u.refs == 0 and u.last_access_at < cutoff}
+        waiting = [u for u in usage if u.refs == 0 and u.last_access_at >= cutoff]
         total = sum(stored.values())
         freed = sum(stored[d] for d in dead)
         evicted: list[str] = []
@@ -538,6 +545,7 @@ class Storage:
                 ):
                     archives.append(found.digest)
                     freed += found.stored_bytes
+        waiting = [u for u in waiting if u.digest not in dead]  # eviction frees them now
         return GcPlan(
             tuple(evicted),
             tuple(sorted(dead)),
@@ -545,6 +553,11 @@ class Storage:
             tuple(s.digest for s in orphans),
             planned_at=planned_at,
             orphan_archives=tuple(archives),
+            in_grace=tuple(sorted(u.digest for u in waiting)),
+            in_grace_bytes=sum(u.stored_bytes for u in waiting),
+            grace_ends_at=_iso_after(
+                max((u.last_access_at for u in waiting), default=None), self.settings.gc_grace_s
+            ),  # fmt: skip
         )
 
     def execute_gc(self, plan: GcPlan) -> GcPlan:
@@ -581,18 +594,24 @@ class Storage:
                 tx.after_commit(lambda: [store.delete_archive(a) for a in archives])
         self.evictions += len(evicted)
         rows = tuple(sorted(d for d in freed if d not in orphans))
-        return GcPlan(
-            tuple(evicted),
-            rows,
-            sum(freed.values()),
-            tuple(orphans),
-            plan.planned_at,
+        return replace(
+            plan,
+            snapshots_evicted=tuple(evicted),
+            blobs=rows,
+            bytes_freed=sum(freed.values()),
+            orphan_files=tuple(orphans),
             orphan_archives=tuple(archives),
         )
 
 
 def _iso_ago(seconds: float) -> str:
     return (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat(timespec="microseconds")
+
+
+def _iso_after(at: str | None, seconds: float) -> str | None:
+    if not at:
+        return None
+    return (datetime.fromisoformat(at) + timedelta(seconds=seconds)).isoformat(timespec="seconds")
 
 
 def _uncompressed_size(blobs: BlobBackend, digest: str) -> int:

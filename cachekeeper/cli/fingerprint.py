@@ -14,6 +14,7 @@ from cachekeeper.cli._common import (
     handle_errors,
     json_option,
     server_option,
+    timeout_option,
     token_option,
 )
 from cachekeeper.cli.snapshot import load_manifest
@@ -83,6 +84,7 @@ def _cpu_line(cpu: Any) -> str:
 @device_option
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def explain_cmd(

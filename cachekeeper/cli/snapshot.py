@@ -26,6 +26,7 @@ from cachekeeper.cli._common import (
     json_option,
     mb,
     server_option,
+    timeout_option,
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
@@ -276,6 +277,7 @@ def _check_environment(manifest: Manifest, *, force: bool) -> None:
 @click.option("--files", "show_files", is_flag=True, help="List every file.")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def inspect_cmd(

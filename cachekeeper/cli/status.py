@@ -25,7 +25,9 @@ from cachekeeper.cli._common import (
     emit_json,
     handle_errors,
     json_option,
+    open_client,
     server_option,
+    timeout_option,
     token_option,
 )
 from cachekeeper.devices import format_devices, requested_devices
@@ -38,6 +40,7 @@ __all__ = ["status_cmd"]
 @click.command("status")
 @server_option
 @token_option
+@timeout_option
 @click.option("--workload", metavar="NAME", help="Only this workload's rows.")
 @device_option
 @json_option
@@ -57,16 +60,13 @@ def status_cmd(
     the devices the training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get
     a line saying which indices were never built and what to do. Needs the read scope.
     """
-    from cachekeeper.client.api import CacheClient  # httpx only when the command runs
     from cachekeeper.wire import to_dict
 
-    if not server:
-        raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     try:
         wanted = requested_devices(device)
     except CachekeeperError as exc:
         raise click.BadParameter(exc.detail, param_hint="--device") from exc
-    with CacheClient(base_url=server, token=token) as client:
+    with open_client(server, token) as client:
         rows = client.fleet_status(workload=workload, devices=wanted)
         registered = [] if rows else [w.name for w in client.list_workloads()]
         if not rows and workload is not None and workload not in registered:
