@@ -2,7 +2,12 @@
 
     cache_dir/.cachekeeper/          # STATE_DIR: ours; snapshots never include dot-names
       restored/<snapshot id>         # JSON: the id, each path with its size, the signer's key
+      conflicts/<snapshot id>        # JSON: the paths a restore kept because they differ
+                                     # from the manifest (their digest in the manifest)
 
+``record_conflicts`` is the restore's record of what it kept (a file that differs from the
+manifest: someone's own version, or a corrupt entry), which ``verify`` names when the dir
+misses and ``restore --repair`` replaces; a restore without conflicts removes it.
 ``markers`` reads every marker (postjob's baseline), ``held_snapshot`` names the newest
 snapshot whose files are all still there (what a job uses when no restore could run).
 
@@ -28,7 +33,15 @@ from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import Manifest, is_digest
 from cachekeeper.triton_groups import is_group_path
 
-__all__ = ["STATE_DIR", "write_marker", "is_restored", "markers", "held_snapshot"]
+__all__ = [
+    "STATE_DIR",
+    "write_marker",
+    "is_restored",
+    "markers",
+    "held_snapshot",
+    "record_conflicts",
+    "recorded_conflicts",
+]
 
 STATE_DIR = ".cachekeeper"
 
@@ -94,3 +107,35 @@ def held_snapshot(cache_dir: Path) -> str | None:
         if is_restored(snapshot_id, cache_dir):
             return snapshot_id
     return None
+
+
+def record_conflicts(manifest: Manifest, cache_dir: Path, conflicts: Collection[str]) -> None:
+    """Record (or, with none, clear) the paths a restore of ``manifest`` kept as conflicts."""
+    path = Path(cache_dir) / STATE_DIR / "conflicts" / manifest.id
+    if not conflicts:
+        try:
+            path.unlink()
+        except OSError:
+            pass  # none recorded (the common case), or a dir we cannot change
+        return
+    digests = {e.path: e.digest for e in manifest.files}
+    body = {"id": manifest.id, "files": {p: digests.get(p) for p in sorted(conflicts)}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(body))
+
+
+def recorded_conflicts(cache_dir: Path) -> dict[str, dict[str, str | None]]:
+    """{snapshot id: {path: the manifest's digest}} of every recorded conflict."""
+    folder = Path(cache_dir) / STATE_DIR / "conflicts"
+    out: dict[str, dict[str, str | None]] = {}
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return out
+    for name in names:
+        try:
+            body = json.loads((folder / name).read_bytes())
+            out[str(body["id"])] = dict(body["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out

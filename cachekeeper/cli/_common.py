@@ -91,7 +91,9 @@ _server_url_option = click.option(
 ca_bundle_option = click.option(
     "--ca-bundle",
     envvar=config.CA_BUNDLE,
-    type=click.Path(exists=True, dir_okay=False),
+    # not checked here: a hook must never fail on it (a CA file that cannot be read is a
+    # cold start saying so, an operator command's one-line error: client/calls.tls_context)
+    type=click.Path(dir_okay=False),
     expose_value=False,
     is_eager=True,
     callback=_ca_bundle,
