@@ -36,6 +36,7 @@ build is reported as ``failed`` and the agent returns cleanly.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -86,6 +87,7 @@ MARKER = ".cachekeeper-agent-build"
 _TAIL_LINES = 20
 _TAIL_LINE_CHARS = 500
 _DETAIL_CHARS = 4000
+KEEP_REPORTS = 16  # round reports run_agent keeps in memory (the newest)
 
 
 class AgentStopped(BaseException):
@@ -537,18 +539,20 @@ def run_agent(
     stop: StopSignal | None = None,
     log: Log | None = None,
     on_round: Callable[[RoundReport], None] | None = None,
+    keep_reports: int = KEEP_REPORTS,
 ) -> list[RoundReport]:
     """Run rounds every ``interval_s`` until ``stop`` (or one round with ``once``).
 
     With ``once``, a round that cannot reach the server raises; the daemon logs it and
-    tries again next interval. Returns the rounds' reports.
+    tries again next interval. Returns the last ``keep_reports`` rounds' reports (a daemon
+    runs for months: every round goes to ``on_round``, and only these stay in memory).
     """
     stop = stop or StopSignal()
     say = log or (lambda line: None)
     removed = sweep_stale_builds(options.work_dir)
     if removed:
         say(f"removed {len(removed)} build dir(s) a previous agent left in {options.work_dir}")
-    reports: list[RoundReport] = []
+    reports: collections.deque[RoundReport] = collections.deque(maxlen=max(1, keep_reports))
     previous: str | None = None
     while not stop.is_set():
         try:
@@ -569,4 +573,4 @@ def run_agent(
                     )
                 break
         stop.sleep(interval_s)
-    return reports
+    return list(reports)
