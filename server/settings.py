@@ -178,6 +178,14 @@ class Settings(BaseSettings):
     # as CACHEKEEPER_TRUSTED_KEYS, paths separated by os.pathsep, like the client.
     trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     require_signatures: bool = False
+    # Serve https: the certificate chain and its private key (PEM files, given to uvicorn).
+    # Or terminate TLS in a reverse proxy in front (docs/server.md); either way, never send
+    # bearer tokens over plain http off the host.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # /metrics without a token (a Prometheus that scrapes without one). Off by default:
+    # /metrics needs the read scope like every read route, since its labels name workloads.
+    metrics_public: bool = False
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -220,9 +228,35 @@ class Settings(BaseSettings):
             load_trusted_keys(self.trusted_keys)  # an unreadable key fails at start-up
         return self
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise ValueError(f"{given} is set but {missing} is not: give both (PEM files)")
+        if self.tls_cert is not None and self.tls_key is not None:
+            import ssl  # only when serving https
+
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.tls_cert, self.tls_key
+                )
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(
+                    f"cannot load the TLS certificate {self.tls_cert} with the key"
+                    f" {self.tls_key}: {exc}"
+                ) from exc
+        return self
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.tokens)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` when the server itself serves TLS, else ``http``."""
+        return "https" if self.tls_cert is not None else "http"
 
 
 def _env_name(field: str) -> str:
@@ -305,6 +339,7 @@ _NOT_SERVER_SETTINGS = (
     config.HOME,
     config.SERVER,
     config.TOKEN,
+    config.CA_BUNDLE,
     config.DEBUG,
     config.FINGERPRINT_OVERRIDES,
     config.TEST_FAKE_CUDA,

@@ -142,7 +142,9 @@ def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
     assert "does not match training" in row["jobs_note"]
     assert "cachekeeper explain" in row["jobs_note"]
 
-    metrics = httpx.get(f"{authed_server.url}/metrics").text
+    metrics = httpx.get(
+        f"{authed_server.url}/metrics", headers={"Authorization": "Bearer read-token"}
+    ).text
     assert 'cachekeeper_job_new_entries_total{kind="fxgraph",workload="wl"} 1' in metrics
     assert re.search(
         r'cachekeeper_job_reports_total\{outcome="compiled",phase="postjob",workload="wl"\} 1',
