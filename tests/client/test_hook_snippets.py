@@ -63,6 +63,18 @@ def _run(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedP
     )
 
 
+def fake_torchrun(tmp_path: Path, env: dict[str, str], *, status: int = 0) -> Path:
+    """Put first on ``env``'s PATH a torchrun that touches the returned marker and exits
+    ``status``."""
+    marker = tmp_path / "torchrun-ran"
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "torchrun").write_text(f"#!/bin/sh\ntouch {marker}\nexit {status}\n")
+    (fake_bin / "torchrun").chmod(0o755)
+    env["PATH"] = f"{fake_bin}{os.pathsep}{env['PATH']}"
+    return marker
+
+
 @pytest.fixture
 def wrapper(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     script = tmp_path / "ck-torchrun"
@@ -79,13 +91,8 @@ def test_ck_torchrun_stops_with_a_message_when_the_workload_is_unset(
     wrapper: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     script, env = wrapper
-    marker = tmp_path / "torchrun-ran"
     # A torchrun that records that it ran: the claim is that it is never reached.
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "torchrun").write_text(f"#!/bin/sh\ntouch {marker}\n")
-    (fake_bin / "torchrun").chmod(0o755)
-    env["PATH"] = f"{fake_bin}{os.pathsep}{env['PATH']}"
+    marker = fake_torchrun(tmp_path, env)
     proc = _run(script, env, "train.py")
     assert proc.returncode != 0
     assert "CACHEKEEPER_WORKLOAD" in proc.stderr
@@ -117,11 +124,7 @@ def test_ck_torchrun_keeps_the_jobs_exit_status(
 ) -> None:
     """The post-job line runs after a failed job and the job's status is the wrapper's."""
     script, env = wrapper
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "torchrun").write_text("#!/bin/sh\nexit 3\n")
-    (fake_bin / "torchrun").chmod(0o755)
-    env["PATH"] = f"{fake_bin}{os.pathsep}{env['PATH']}"
+    fake_torchrun(tmp_path, env, status=3)
     env["CACHEKEEPER_WORKLOAD"] = "drafter-gqa"
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
     proc = _run(script, env, "train.py")
@@ -135,13 +138,8 @@ def test_ck_torchrun_starts_the_job_when_the_hook_cannot_run(
     """A bad CACHEKEEPER_TIMEOUT made `cachekeeper prejob` a usage error, and `set -e`
     ended the wrapper before torchrun: a hook recipe never stops the job."""
     script, env = wrapper
-    marker = tmp_path / "torchrun-ran"
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "torchrun").write_text(f"#!/bin/sh\ntouch {marker}\nexit 0\n")
-    (fake_bin / "torchrun").chmod(0o755)
-    env.update(PATH=f"{fake_bin}{os.pathsep}{env['PATH']}", CACHEKEEPER_WORKLOAD="w",
-               CACHEKEEPER_TIMEOUT="sixty")  # fmt: skip
+    marker = fake_torchrun(tmp_path, env)
+    env.update(CACHEKEEPER_WORKLOAD="w", CACHEKEEPER_TIMEOUT="sixty")
     proc = _run(script, env, "train.py")
     assert proc.returncode == 0 and marker.exists(), proc.stderr
     assert "cachekeeper prejob failed; starting without a restored cache" in proc.stderr

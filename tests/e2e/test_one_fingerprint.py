@@ -52,11 +52,8 @@ def _once(url: str, work: Path) -> dict:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
 def test_the_agent_publishes_the_fingerprint_its_children_compiled_with(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shell_threads: None
 ) -> None:
-    pytest.importorskip("torch")
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CACHEKEEPER_TEST_FAKE_CUDA"):
-        monkeypatch.delenv(name, raising=False)
     for name in ("CACHEKEEPER_SERVER", "CACHEKEEPER_TOKEN", "CACHEKEEPER_FINGERPRINT_OVERRIDES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CACHEKEEPER_HOME", str(tmp_path / "home"))
