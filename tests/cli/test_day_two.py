@@ -200,3 +200,12 @@ def test_operator_commands_give_up_on_a_hung_server_at_the_timeout(tmp_path: Pat
     finally:
         hung.close()
     assert "default: 10.0" in run("snapshots", "ls", "--help")
+
+
+def test_the_page_names_registered_workloads_before_any_environment(
+    open_server: LiveServer,
+) -> None:
+    _register(open_server.url, TOML)
+    page = httpx.get(f"{open_server.url}/ui").text
+    assert "No workloads or environments yet" not in page
+    assert "Registered: drafter-gqa. No environment yet" in page
