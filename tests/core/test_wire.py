@@ -82,7 +82,7 @@ def test_round_trip_keeps_every_field_in_order():
                                    "restores": 3, "cold": 1, "cold_reasons": {"no_match": 1},
                                    "postjobs": 2, "compiled": 1, "compiled_after_restore": 1,
                                    "new_graphs": 4, "new_bytes": 10, "last_report_at": "t"},
-                          "jobs_note": "restored, but ..."}]}  # fmt: skip
+                          "jobs_note": "restored, but ...", "stale": None}]}  # fmt: skip
     assert to_dict(from_dict(StatusAnswer, status)) == status
 
 
