@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachekeeper import remote_tier
+from cachekeeper import cpu, remote_tier
 from cachekeeper._child import PROGRESS_PREFIX
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.reports import DeviceRun, ErrorInfo, Progress, ProgressEvent
 from cachekeeper.workload import Workload
 
-__all__ = ["work_area", "run_children", "slug"]
+__all__ = ["work_area", "run_children", "slug", "child_environ", "child_cpu_state"]
 
 _STDERR_TAIL = 40
 
@@ -71,6 +71,12 @@ def child_environ(omp_num_threads: int | None) -> dict[str, str]:
     if omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(omp_num_threads)
     return env
+
+
+def child_cpu_state(omp_num_threads: int | None) -> dict[str, Any]:
+    """The CPU state (``cachekeeper.cpu.state``) a child with ``omp_num_threads`` compiles
+    under: the ``cpu`` field of the fingerprint of every cache a prewarm of it builds."""
+    return cpu.state(child_environ(omp_num_threads))
 
 
 def slug(device: str) -> str:

@@ -11,6 +11,8 @@ variable                            meaning (default)
                                     (``~/.cache/cachekeeper``)
 ``CACHEKEEPER_SERVER``              the cache server URL for push, pull, prejob, agent
 ``CACHEKEEPER_TOKEN``               the bearer token those commands send
+``CACHEKEEPER_CA_BUNDLE``           a PEM file of CAs to trust for ``https://`` servers,
+                                    besides the default ones (``--ca-bundle``)
 ``CACHEKEEPER_TRUSTED_KEYS``        public key files to trust, ``os.pathsep``-separated
 ``CACHEKEEPER_DEBUG``               any value: a traceback instead of the one-line error
 ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` a JSON object merged into the fingerprint (tests)
@@ -45,6 +47,7 @@ __all__ = [
     "HOME",
     "SERVER",
     "TOKEN",
+    "CA_BUNDLE",
     "TRUSTED_KEYS",
     "DEBUG",
     "FINGERPRINT_OVERRIDES",
@@ -56,6 +59,7 @@ __all__ = [
     "server_data_dir",
     "node_cache_dir",
     "trusted_key_paths",
+    "ca_bundle",
     "debug",
     "fingerprint_overrides",
     "package_version",
@@ -64,6 +68,7 @@ __all__ = [
 HOME = "CACHEKEEPER_HOME"
 SERVER = "CACHEKEEPER_SERVER"
 TOKEN = "CACHEKEEPER_TOKEN"
+CA_BUNDLE = "CACHEKEEPER_CA_BUNDLE"
 TRUSTED_KEYS = "CACHEKEEPER_TRUSTED_KEYS"
 DEBUG = "CACHEKEEPER_DEBUG"
 FINGERPRINT_OVERRIDES = "CACHEKEEPER_FINGERPRINT_OVERRIDES"
@@ -96,6 +101,11 @@ def node_cache_dir(fingerprint_digest: str, environ: Mapping[str, str]) -> Path:
 def trusted_key_paths(environ: Mapping[str, str]) -> list[str]:
     """The public key files named by ``$CACHEKEEPER_TRUSTED_KEYS`` (may be none)."""
     return [p for p in environ.get(TRUSTED_KEYS, "").split(os.pathsep) if p.strip()]
+
+
+def ca_bundle(environ: Mapping[str, str]) -> str | None:
+    """``$CACHEKEEPER_CA_BUNDLE``: extra CAs for ``https://`` servers (None when unset)."""
+    return environ.get(CA_BUNDLE) or None
 
 
 def debug(environ: Mapping[str, str]) -> bool:

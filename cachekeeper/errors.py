@@ -7,6 +7,7 @@ the HTTP status the server answers with, and the exit code the CLI exits with.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "RequestTimeout",
     "ConfigInvalid",
     "error_for_code",
+    "did_you_mean",
     "ERRORS",
 ]
 
@@ -64,6 +66,14 @@ class CachekeeperError(Exception):
         body: dict[str, Any] = {"error": self.code, "detail": self.detail}
         body.update(self.extra)
         return body
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """The ``(did you mean 'x'?)`` of an error about an unknown name, or ``""``."""
+    import difflib  # only when a name is unknown: the hook imports this module
+
+    close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class InvalidManifest(CachekeeperError):

@@ -2,6 +2,14 @@
 
     cache_dir/.cachekeeper/          # STATE_DIR: ours; snapshots never include dot-names
       restored/<snapshot id>         # JSON: the id, each path with its size, the signer's key
+      conflicts/<snapshot id>        # JSON: the paths a restore kept because they differ
+                                     # from the manifest (their digest in the manifest)
+
+``record_conflicts`` is the restore's record of what it kept (a file that differs from the
+manifest: someone's own version, or a corrupt entry), which ``verify`` names when the dir
+misses and ``restore --repair`` replaces; a restore without conflicts removes it.
+``markers`` reads every marker (postjob's baseline), ``held_snapshot`` names the newest
+snapshot whose files are all still there (what a job uses when no restore could run).
 
 ``write_marker`` is the restore's last step (``cachekeeper.restore``), after every file of
 the snapshot is in place and verified. ``is_restored`` is the fast already-restored check
@@ -19,12 +27,21 @@ import json
 import os
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import Manifest, is_digest
 from cachekeeper.triton_groups import is_group_path
 
-__all__ = ["STATE_DIR", "write_marker", "is_restored"]
+__all__ = [
+    "STATE_DIR",
+    "write_marker",
+    "is_restored",
+    "markers",
+    "held_snapshot",
+    "record_conflicts",
+    "recorded_conflicts",
+]
 
 STATE_DIR = ".cachekeeper"
 
@@ -63,3 +80,62 @@ def is_restored(
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
+
+
+def markers(cache_dir: Path) -> list[tuple[float, str, list[list[Any]]]]:
+    """(mtime, snapshot id, files) of every readable restore marker, oldest first."""
+    out = []
+    folder = Path(cache_dir) / STATE_DIR / "restored"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        try:
+            path = folder / name
+            body = json.loads(path.read_bytes())
+            out.append((path.stat().st_mtime, str(body["id"]), list(body["files"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a marker being written, or not ours
+    return sorted(out)
+
+
+def held_snapshot(cache_dir: Path) -> str | None:
+    """The newest snapshot a complete restore left in ``cache_dir`` whose files are all
+    still there (``is_restored``), or None: the cache a job uses when no restore ran."""
+    for _mtime, snapshot_id, _files in reversed(markers(cache_dir)):
+        if is_restored(snapshot_id, cache_dir):
+            return snapshot_id
+    return None
+
+
+def record_conflicts(manifest: Manifest, cache_dir: Path, conflicts: Collection[str]) -> None:
+    """Record (or, with none, clear) the paths a restore of ``manifest`` kept as conflicts."""
+    path = Path(cache_dir) / STATE_DIR / "conflicts" / manifest.id
+    if not conflicts:
+        try:
+            path.unlink()
+        except OSError:
+            pass  # none recorded (the common case), or a dir we cannot change
+        return
+    digests = {e.path: e.digest for e in manifest.files}
+    body = {"id": manifest.id, "files": {p: digests.get(p) for p in sorted(conflicts)}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(body))
+
+
+def recorded_conflicts(cache_dir: Path) -> dict[str, dict[str, str | None]]:
+    """{snapshot id: {path: the manifest's digest}} of every recorded conflict."""
+    folder = Path(cache_dir) / STATE_DIR / "conflicts"
+    out: dict[str, dict[str, str | None]] = {}
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return out
+    for name in names:
+        try:
+            body = json.loads((folder / name).read_bytes())
+            out[str(body["id"])] = dict(body["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out

@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachekeeper import cpu
-from cachekeeper.children import child_environ, run_children, slug, work_area
+from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.commands import run_command
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.provenance import record_prewarm
@@ -184,7 +183,7 @@ def compiled_cpu_state(workload: Workload, commands: tuple[CommandRun, ...]) -> 
     thread count their compiling processes had (torchrun gives each rank one thread when
     it starts several), the most common one if they differ.
     """
-    state = cpu.state(child_environ(workload.omp_num_threads))
+    state = child_cpu_state(workload.omp_num_threads)
     threads = collections.Counter(
         proc.threads for run in commands for proc in run.compiling if proc.threads
     )

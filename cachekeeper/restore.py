@@ -60,6 +60,7 @@ Layout of what this module writes into a cache dir (snapshots exclude dot-names)
       staging/<host>-<pid>-<rand>/  # this restore's temp files; removed when it ends, and
                                  # by the next restore when that process is dead
       restored/<snapshot id>     # marker written after a complete, conflict-free restore
+      conflicts/<snapshot id>    # the paths it kept because they differ (marker.py)
 
 **Fast no-op check (``is_restored``, in ``cachekeeper.marker`` with the marker itself)**:
 ``restore_snapshot(..., reuse_marker=True)`` (pull, and through it the pre-job hook, which
@@ -90,7 +91,7 @@ from cachekeeper.errors import (
     UnsafePath,
 )
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.marker import STATE_DIR, is_restored, write_marker
+from cachekeeper.marker import STATE_DIR, is_restored, record_conflicts, write_marker
 from cachekeeper.restore_sources import (
     ArchiveFileSource,
     BlobSource,
@@ -279,6 +280,7 @@ def restore_snapshot(
             manifest, key_id = _accept(source, trusted_keys)
         plan = _plan(manifest, cache_dir, exact=key_id is not None)
         if not plan.todo:
+            record_conflicts(manifest, cache_dir, plan.conflicts)  # what verify names
             if not plan.conflicts:
                 write_marker(manifest, cache_dir, key_id=key_id)
             return _report(manifest, plan, None, dry_run=False)
@@ -298,6 +300,7 @@ def restore_snapshot(
         finally:
             writer.close()
         report = _report(manifest, plan, writer, dry_run=False)
+        record_conflicts(manifest, cache_dir, report.conflicts)  # what verify names
         if not report.conflicts:
             write_marker(manifest, cache_dir, key_id=key_id)
         return report

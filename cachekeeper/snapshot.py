@@ -115,7 +115,8 @@ def snapshot_dir(
 
     With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
     ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``,
-    and its CPU state replaces this shell's in the fingerprint. Without ``workload``, a dir
+    and its CPU state replaces the fingerprint's (this shell's, or the one passed in): a
+    snapshot's fingerprint is the one its caches were built with. Without ``workload``, a dir
     that a prewarm of exactly one workload left its record in is that workload's: the
     snapshot of a freshly prewarmed dir says verified as the same dir pushed does.
     """
@@ -139,8 +140,10 @@ def snapshot_dir(
         wanted = set(only)
         files = [f for f in files if f[0] in wanted]
     fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
-    if fingerprint is None and record is not None and isinstance(record.get("cpu"), dict):
-        fp = {**fp, "cpu": record["cpu"]}  # what the prewarm's children compiled under
+    if record is not None and isinstance(record.get("cpu"), dict):
+        # What the prewarm's children compiled under, whoever asks: a fingerprint passed in
+        # (the agent's, a push's) says where the caller runs, not what built the caches.
+        fp = {**fp, "cpu": record["cpu"]}
     entries = []
     for rel, path, mode in files:
         digest, size = _store_file(store.blobs, path)

@@ -63,6 +63,7 @@ class StoredSnapshot:
     torch: str | None = None  # the builder's environment, from the manifest's fingerprint
     cuda: str | None = None
     gpu: str | None = None  # the first covered GPU's model; None for a CPU build
+    signed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +75,7 @@ class StoredSnapshot:
             "fingerprint_digest": self.fingerprint_digest,
             "devices": list(self.devices),
             "verified": self.verified,
+            "signed": self.signed,
             "size_bytes": self.size_bytes,
             "file_count": self.file_count,
             "created_at": self.created_at.isoformat(),
@@ -111,10 +113,11 @@ class DeletePlan:
         return freed
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan in the CLI's gc/rm vocabulary (``bytes_freed``: what it would free)."""
         return {
-            "snapshot_ids": list(self.snapshot_ids),
-            "blob_count": len(self.blob_digests),
-            "freed_bytes": self.freed_bytes,
+            "snapshots_removed": list(self.snapshot_ids),
+            "blobs_deleted": len(self.blob_digests),
+            "bytes_freed": self.freed_bytes,
         }
 
 
@@ -195,6 +198,7 @@ class LocalStore:
                     torch=manifest.fingerprint.get("torch"),
                     cuda=manifest.fingerprint.get("cuda"),
                     gpu=_gpu_model(manifest),
+                    signed=manifest.signature is not None,
                 )
             )
         rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)

@@ -6,7 +6,9 @@ One round (``run_round``):
    digest) and register with the server; registration is idempotent per name + digest, so
    a changed environment is simply a new agent id.
 2. List the registered workloads. For each, in name order: ask the server to resolve it
-   for this fingerprint and these devices. A *verified* snapshot built from the same
+   for the fingerprint its build compiles under (the agent's, with the CPU state of the
+   workload's ``[process] omp_num_threads``: what the snapshot carries and the workload's
+   events name) and these devices. A *verified* snapshot built from the same
    workload text counts as warm: report ``skipped`` and compile nothing. Otherwise build:
    report ``building``, prewarm on every selected device (one fresh process per device,
    cold, then a verify run; each ``[[command]]`` once cold, then again in a fresh copy),
@@ -42,6 +44,7 @@ build is reported as ``failed`` and the agent returns cleanly.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -60,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from cachekeeper import config, remote_tier, wire
 from cachekeeper._proc import pid_alive
 from cachekeeper.allowlist import Allowlist
+from cachekeeper.children import child_cpu_state
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import collect, digest_of
@@ -94,6 +98,7 @@ MARKER = ".cachekeeper-agent-build"
 _TAIL_LINES = 20
 _TAIL_LINE_CHARS = 500
 _DETAIL_CHARS = 4000
+KEEP_REPORTS = 16  # round reports run_agent keeps in memory (the newest)
 
 
 class AgentStopped(BaseException):
@@ -355,9 +360,21 @@ class _Builder:
         self.agent_id = agent_id
         self.fingerprint = fingerprint
         self.digest = digest
+        # The agent's own environment; per workload, what its build compiles under
+        # (``_built_with``): the fingerprint its resolve asks with, its snapshot carries
+        # and its events name.
+        self.agent_fingerprint, self.agent_digest = fingerprint, digest
+
+    def _built_with(self, workload: Any) -> None:
+        """Take the fingerprint of what a build of ``workload`` compiles: the agent's, with
+        the CPU state of its children (its ``[process] omp_num_threads``)."""
+        cpu_state = child_cpu_state(workload.omp_num_threads)
+        self.fingerprint = {**self.agent_fingerprint, "cpu": cpu_state}
+        self.digest = digest_of(self.fingerprint)
 
     def keep_warm(self, name: str) -> WorkloadOutcome:
         started = time.monotonic()
+        self.fingerprint, self.digest = self.agent_fingerprint, self.agent_digest
         try:
             outcome = self._skip_or_build(name, started)
         except AgentStopped:
@@ -377,6 +394,7 @@ class _Builder:
 
     def _skip_or_build(self, name: str, started: float) -> WorkloadOutcome:
         workload = parse_workload(self.client.get_workload(name), source=f"{name} (server)")
+        self._built_with(workload)
         warm = self._warm_snapshot(name, workload.digest)
         if warm is not None:
             assert warm.snapshot_id is not None
@@ -633,18 +651,20 @@ def run_agent(
     stop: StopSignal | None = None,
     log: Log | None = None,
     on_round: Callable[[RoundReport], None] | None = None,
+    keep_reports: int = KEEP_REPORTS,
 ) -> list[RoundReport]:
     """Run rounds every ``interval_s`` until ``stop`` (or one round with ``once``).
 
     With ``once``, a round that cannot reach the server raises; the daemon logs it and
-    tries again next interval. Returns the rounds' reports.
+    tries again next interval. Returns the last ``keep_reports`` rounds' reports (a daemon
+    runs for months: every round goes to ``on_round``, and only these stay in memory).
     """
     stop = stop or StopSignal()
     say = log or (lambda line: None)
     removed = sweep_stale_builds(options.work_dir)
     if removed:
         say(f"removed {len(removed)} build dir(s) a previous agent left in {options.work_dir}")
-    reports: list[RoundReport] = []
+    reports: collections.deque[RoundReport] = collections.deque(maxlen=max(1, keep_reports))
     previous: str | None = None
     memory = AgentMemory()
     while not stop.is_set():
@@ -673,4 +693,4 @@ def run_agent(
                     )
                 break
         stop.sleep(interval_s)
-    return reports
+    return list(reports)

@@ -63,7 +63,7 @@ from cachekeeper.wire import (
     to_dict,
 )
 
-from .calls import Deadline, server_root  # public here since 0.1
+from .calls import Deadline, endpoint, server_root, tls_context  # the first two public since 0.1
 
 if TYPE_CHECKING:
     import httpx
@@ -101,6 +101,7 @@ class CacheClient:
     """A synchronous client for one cache server. Use as a context manager, or ``close()``.
 
     ``transport`` replaces httpx's network transport (tests pass ``httpx.MockTransport``).
+    ``deadline_s`` bounds every call of the client together, retries included.
     """
 
     def __init__(
@@ -112,8 +113,12 @@ class CacheClient:
         retries: int = 3,
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         httpx = _import_httpx()
+        # One deadline for every call of this client (an operator command's --timeout);
+        # a call's own ``deadline`` replaces it.
+        self._deadline = Deadline(deadline_s) if deadline_s is not None else None
         if not base_url:
             raise ServerUnavailable("no server configured (use --server or CACHEKEEPER_SERVER)")
         self.base_url = server_root(base_url)
@@ -125,7 +130,7 @@ class CacheClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         # Plain http needs no TLS context; building one loads the CA bundle (~100 ms).
-        verify = self.base_url.lower().startswith("https://")
+        verify: Any = tls_context() if self.base_url.lower().startswith("https://") else False
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -437,16 +442,19 @@ class CacheClient:
         Each attempt waits ``timeout_s`` (default: the client's) at most, bounded by
         ``deadline``."""
         httpx = _import_httpx()
-        deadline = deadline or Deadline(None)
-        url = f"{self.base_url}{path}"
+        deadline = deadline or self._deadline or Deadline(None)
+        url = endpoint(self.base_url, path)
         attempt = 0
         while True:
-            timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
+            try:
+                timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
+            except ServerUnavailable as exc:
+                raise ServerUnavailable(f"{method} {url}: {exc.detail}") from None
             body = open_body() if open_body is not None else None
             try:
                 request = self._http.build_request(
                     method,
-                    path,
+                    url,
                     json=json_body,
                     content=body,
                     headers=headers,

@@ -27,6 +27,7 @@ from cachekeeper.archive import ReadAhead
 from cachekeeper.errors import ServerUnavailable
 
 from .api import Deadline, _import_httpx
+from .calls import tls_context
 
 if TYPE_CHECKING:
     import httpx
@@ -58,6 +59,7 @@ class ObjectStore:
         self.timeout_s = timeout_s
         self._http = httpx.Client(
             transport=transport,
+            verify=tls_context(),  # the server's CAs and --ca-bundle's (client/calls.py)
             timeout=timeout_s,
             follow_redirects=False,
             headers={"User-Agent": "cachekeeper-client"},

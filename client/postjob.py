@@ -34,11 +34,11 @@ from typing import Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.marker import STATE_DIR
+from cachekeeper.marker import STATE_DIR, markers
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
-from .reporting import node_name, send_report, utc_now
+from .reporting import job_id, node_name, report_answer, utc_now
 
 __all__ = [
     "KINDS",
@@ -88,24 +88,6 @@ class CacheDiff:
         return any(self.entries[k] for k in ("fxgraph", "aotautograd", "triton"))
 
 
-def _markers(state: Path) -> list[tuple[float, str, list[list[Any]]]]:
-    """(mtime, snapshot id, files) of every readable restore marker."""
-    out = []
-    folder = state / "restored"
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        try:
-            path = folder / name
-            body = json.loads(path.read_bytes())
-            out.append((path.stat().st_mtime, str(body["id"]), list(body["files"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a marker being written, or not ours: it is not a baseline
-    return sorted(out)
-
-
 def diff_cache(cache_dir: Path) -> CacheDiff:
     """Compare ``cache_dir`` with its restore markers and the last post-job count.
 
@@ -116,8 +98,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     state = root / STATE_DIR
     baseline: set[str] = set()
     snapshot_id = None
-    markers = _markers(state)
-    for _mtime, marker_id, files in markers:
+    for _mtime, marker_id, files in markers(root):
         paths = {str(p) for p, _size in files}
         baseline |= paths
         if paths <= present.keys():
@@ -180,6 +161,7 @@ class PostjobReport:
     warning: str | None = None  # counted, but the count could not be recorded
     pushed_snapshot_id: str | None = None  # postjob --push: the harvested delta
     pushed_offered: bool = True  # the server hands it to nodes (see summary_line)
+    unknown_workload: str | None = None  # the server knows no such workload (did you mean)
 
     @property
     def new_bytes(self) -> int:
@@ -202,6 +184,7 @@ class PostjobReport:
             "warning": self.warning,
             "pushed_snapshot_id": self.pushed_snapshot_id,
             "pushed_offered": self.pushed_offered,
+            "unknown_workload": self.unknown_workload,
         }
 
 
@@ -286,7 +269,7 @@ def postjob(
             error=f"cannot read {target}: {detail}",
         )
     outcome = "compiled" if diff.compiled else "clean"
-    reported = report and send_report(
+    answer = report and report_answer(
         server,
         JobReport(
             phase="postjob",
@@ -303,10 +286,12 @@ def postjob(
             new_bytes=diff.new_bytes,
             started_at=started_at,
             finished_at=utc_now(),
+            job=job_id(target, environ=env, start=False),
         ),
         token=token,
         timeout_s=timeout_s,
     )
+    reported = bool(answer)
     warning = None
     pushed = None
     offered = True
@@ -340,6 +325,7 @@ def postjob(
         warning=warning,
         pushed_snapshot_id=pushed,
         pushed_offered=offered,
+        unknown_workload=answer.warning if answer else None,
     )
 
 

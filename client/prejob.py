@@ -52,13 +52,14 @@ from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
     NoMatchingSnapshot,
+    ServerError,
     ServerUnavailable,
     SignatureInvalid,
     Unauthorized,
 )
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.marker import is_restored
+from cachekeeper.marker import held_snapshot, is_restored
 from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import (
     JobReport,
@@ -70,7 +71,7 @@ from cachekeeper.wire import (
 )
 
 from .calls import Deadline
-from .reporting import node_name, post_json, send_report, utc_now
+from .reporting import job_id, node_name, post_json, send_report, utc_now
 from .tier import PROBE_TIMEOUT_S, tier_exports
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
@@ -105,6 +106,9 @@ class PrejobReport:
     # says why), None (the server offers none).
     remote_cache: str | None = None
     remote_cache_reason: str | None = None
+    # Cold because the server gave no answer, but an earlier restore's snapshot is still
+    # complete in the dir: the job uses it (``cold_line`` says so).
+    held_snapshot_id: str | None = None
 
     @property
     def cold(self) -> bool:
@@ -126,6 +130,7 @@ class PrejobReport:
             "delta_problems": list(self.delta_problems),
             "remote_cache": self.remote_cache,
             "remote_cache_reason": self.remote_cache_reason,
+            "held_snapshot_id": self.held_snapshot_id,
         }
 
 
@@ -150,8 +155,15 @@ def write_env_file(path: Path, text: str) -> None:
     atomic_write_text(path, text)
 
 
-def cold_line(reason: str) -> str:
-    """The one stderr line a cold outcome prints."""
+def cold_line(reason: str, *, held_snapshot_id: str | None = None) -> str:
+    """The one stderr line a cold outcome prints (``held_snapshot_id``: the dir still holds
+    an earlier restore, which the job uses)."""
+    if held_snapshot_id is not None:
+        return (
+            f"cachekeeper: no cache restored ({reason}); the cache dir still holds snapshot"
+            f" {held_snapshot_id[:12]} from an earlier restore, which this job will use"
+            " (it may not be the newest)"
+        )
     return f"cachekeeper: no cache restored ({reason}); this job will compile cold"
 
 
@@ -332,6 +344,10 @@ def prejob(
     )
     exports.update(tier.exports)
     reason = None if error is None else _reason(error)
+    # No answer from the server (down, hung, refusing the token) says nothing against what
+    # an earlier restore left: the job uses it.
+    unanswered = isinstance(error, ServerUnavailable | ServerError | Unauthorized | Forbidden)
+    held = held_snapshot(target) if unanswered else None
     left = deadline.remaining()
     reported = (
         report
@@ -349,6 +365,7 @@ def prejob(
                 reason_code=None if error is None else error.code,
                 started_at=started_at,
                 finished_at=utc_now(),
+                job=job_id(target, environ=env, start=True),
             ),
             token=token,
             timeout_s=REPORT_TIMEOUT_S if left is None else min(REPORT_TIMEOUT_S, left),
@@ -369,6 +386,7 @@ def prejob(
         delta_problems=result.delta_problems,
         remote_cache=None if result.offer is None else ("on" if tier.used else "off"),
         remote_cache_reason=tier.reason,
+        held_snapshot_id=held,
     )
 
 

@@ -184,7 +184,12 @@ def push(
     waits, just before.
 
     With ``only`` and ``parent``: a harvested delta of only those paths, parented on the
-    snapshot ``parent`` (``cachekeeper postjob --push``; see ``snapshot_dir``).
+    snapshot ``parent`` (``cachekeeper postjob --push``; see ``snapshot_dir``), under the
+    parent's fingerprint (``fingerprint`` is then not used).
+
+    A snapshot's fingerprint is the one its caches were built with: a prewarm's record in
+    ``cache_dir`` sets its CPU part (the workload's ``[process] omp_num_threads``) whatever
+    ``fingerprint`` says (``snapshot_dir``).
 
     With ``sign_key``, the published manifest carries an Ed25519 signature by that key.
     With ``require_registered``, a workload the server has no registration of is refused
@@ -267,6 +272,12 @@ def _push(
     if require_registered:
         check_registered(client, workload)
     store = store if store is not None else LocalStore()
+    if parent is not None:
+        # A harvested delta was compiled on a node that resolved its parent, and resolve
+        # offers it only with the parent, to nodes of the parent's fingerprint digest: it
+        # carries the parent's fingerprint (the one its caches match), not the node's own,
+        # which may differ in what matching allows (a newer driver, idle GPU indices).
+        fingerprint = client.get_manifest(parent).fingerprint
     manifest = snapshot_dir(
         Path(cache_dir),
         store=store,

@@ -4,18 +4,40 @@ The hooks (``prejob``, ``postjob``) report what they saw; a report must never sl
 the job, so it is one plain ``http.client`` request (importing httpx alone costs ~130 ms
 of the hook's start-up budget) under the caller's time bound, and any trouble is a False
 return, never an exception. ``post_json`` is also the hook's quick resolve.
+
+A job is counted once (``job_id``): every report carries the job it belongs to, so the
+server counts the prejob of each rank, or a postjob run twice, as one job of that node:
+
+- ``slurm:<SLURM_JOB_ID>`` under SLURM (a task prolog runs once per task),
+- ``torchelastic:<TORCHELASTIC_RUN_ID>`` in a rank torchrun started,
+- else the id the job's first prejob left in the cache dir, ``.cachekeeper/job.json``: a
+  prejob reuses one written less than ``JOB_WINDOW_S`` ago (the ranks of one job start
+  together) and otherwise writes a new one; a postjob reuses it whatever its age (the job
+  it follows may have run for days). Without one (a read-only dir) a report is a job.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from cachekeeper.wire import JobReport, to_dict, utc_now
+from cachekeeper.errors import CachekeeperError
+from cachekeeper.fsutil import atomic_write_text
+from cachekeeper.marker import STATE_DIR
+from cachekeeper.wire import JobReport, JobReportAnswer, from_dict, to_dict, utc_now
 
-__all__ = ["post_json", "send_report", "node_name", "utc_now"]
+from .calls import endpoint, tls_context
+
+__all__ = ["post_json", "send_report", "report_answer", "node_name", "job_id", "utc_now"]
+
+JOB_WINDOW_S = 120.0  # prejobs on one dir this close together are the ranks of one job
+JOB_FILE = "job.json"
 
 
 def node_name() -> str:
@@ -27,32 +49,72 @@ def node_name() -> str:
     return socket.gethostname()[:256]
 
 
+def job_id(cache_dir: Path, *, environ: Mapping[str, str], start: bool) -> str | None:
+    """The job a report belongs to (see the module docstring); ``start``: a prejob's (it
+    may write a new id), else a postjob's. None when there is none to find or write."""
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm:{environ['SLURM_JOB_ID']}"[:128]
+    if environ.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
+        return f"torchelastic:{environ['TORCHELASTIC_RUN_ID']}"[:128]
+    state = Path(cache_dir) / STATE_DIR
+    path = state / JOB_FILE
+    try:
+        found = json.loads(path.read_bytes())
+        job, at = str(found["job"]), float(found["at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        job, at = None, 0.0
+    if not start or (job is not None and time.time() - at < JOB_WINDOW_S):
+        return job
+    if not Path(cache_dir).is_dir():
+        return None  # never create the cache dir for this
+    import fcntl  # the ranks of one job arriving together agree on one id
+
+    try:
+        state.mkdir(exist_ok=True)
+        with open(state / "job.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:  # another rank may have written it while this one waited
+                found = json.loads(path.read_bytes())
+                if time.time() - float(found["at"]) < JOB_WINDOW_S:
+                    return str(found["job"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            job = f"local:{secrets.token_hex(8)}"
+            atomic_write_text(path, json.dumps({"job": job, "at": time.time()}))
+            return job
+    except OSError:  # a read-only dir: each report is its own job
+        return None
+
+
 def post_json(
     server: str | None, path: str, body: dict[str, Any], *, token: str | None, timeout_s: float
 ) -> tuple[int, bytes] | None:
-    """POST ``body`` as JSON to ``server`` + ``path``: (status, body), or None on any trouble."""
+    """POST ``body`` as JSON to route ``path`` of ``server`` (``calls.endpoint``): (status,
+    body), or None on any trouble."""
     if not server or timeout_s <= 0:
         return None
     import http.client  # only with a server set: the hook's start-up budget
     from urllib.parse import urlsplit
 
     try:
-        url = urlsplit(server)
+        url = urlsplit(endpoint(server, path))
         if url.scheme == "http":
             conn: http.client.HTTPConnection = http.client.HTTPConnection(
                 url.hostname or "", url.port, timeout=timeout_s
             )
         elif url.scheme == "https":
-            conn = http.client.HTTPSConnection(url.hostname or "", url.port, timeout=timeout_s)
+            conn = http.client.HTTPSConnection(
+                url.hostname or "", url.port, timeout=timeout_s, context=tls_context()
+            )
         else:
             return None
-    except ValueError:
+    except (ValueError, CachekeeperError):  # a bad URL, or a CA bundle that cannot be read
         return None
     headers = {"Content-Type": "application/json", "User-Agent": "cachekeeper-client"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     try:
-        conn.request("POST", url.path.rstrip("/") + path, json.dumps(body).encode(), headers)
+        conn.request("POST", url.path, json.dumps(body).encode(), headers)
         response = conn.getresponse()
         return response.status, response.read()
     except (OSError, http.client.HTTPException, ValueError):
@@ -65,5 +127,18 @@ def send_report(
     server: str | None, report: JobReport, *, token: str | None, timeout_s: float
 ) -> bool:
     """Send one job report; True when the server stored it."""
+    return report_answer(server, report, token=token, timeout_s=timeout_s) is not None
+
+
+def report_answer(
+    server: str | None, report: JobReport, *, token: str | None, timeout_s: float
+) -> JobReportAnswer | None:
+    """Send one job report; the server's answer when it stored it (its ``warning`` says when
+    the report names a workload the server does not know), else None."""
     answer = post_json(server, "/v1/reports", to_dict(report), token=token, timeout_s=timeout_s)
-    return answer is not None and answer[0] == 201
+    if answer is None or answer[0] != 201:
+        return None
+    try:
+        return from_dict(JobReportAnswer, json.loads(answer[1]))
+    except ValueError:  # stored, but the answer is not the promised shape (an old server)
+        return JobReportAnswer(id=0, at="")

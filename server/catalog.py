@@ -154,6 +154,7 @@ class Transaction(FleetWrites, TierWrites):
                 "manifest": manifest.to_json(),
                 "source": manifest.source,
                 "parent": manifest.parent,
+                "workload_digest": manifest.workload_digest,
             }
         )
         self.add_references(manifest.id, manifest.digests, at=created_at)
@@ -234,14 +235,18 @@ class Transaction(FleetWrites, TierWrites):
 
     # -- workloads --------------------------------------------------------------------
     def put_workload(self, *, name: str, toml: str, digest: str) -> WorkloadInfo:
-        now = utc_now()
+        """Register or replace; ``updated_at`` moves only when the text changes (an identical
+        re-registration changes nothing)."""
         self.db.execute(
             "INSERT INTO workloads (name, toml, digest, updated_at) VALUES (?, ?, ?, ?)"
             " ON CONFLICT(name) DO UPDATE SET toml = excluded.toml,"
-            " digest = excluded.digest, updated_at = excluded.updated_at",
-            [name, toml, digest, now],
+            " updated_at = CASE WHEN workloads.digest = excluded.digest"
+            " THEN workloads.updated_at ELSE excluded.updated_at END,"
+            " digest = excluded.digest",
+            [name, toml, digest, utc_now()],
         )
-        return WorkloadInfo(name=name, digest=digest, updated_at=now)
+        updated_at = self._one("SELECT updated_at FROM workloads WHERE name = ?", [name])
+        return WorkloadInfo(name=name, digest=digest, updated_at=updated_at)
 
     def delete_workload(self, name: str) -> bool:
         return self.db.execute("DELETE FROM workloads WHERE name = ?", [name]).rowcount > 0

@@ -55,6 +55,15 @@ def _event(row: dict[str, Any]) -> EventOut:
     )
 
 
+# One job on one node: its reports share ``job`` (a report without one is its own job).
+_JOB_KEY = "CASE WHEN job IS NULL THEN 'report:' || id ELSE node || '|' || job END"
+
+
+def _jobs(condition: str) -> str:
+    """SQL counting the distinct jobs among the reports that meet ``condition``."""
+    return f"COUNT(DISTINCT CASE WHEN {condition} THEN {_JOB_KEY} END)"
+
+
 class FleetWrites(Writes):
     """Agents and job reports: the writes (mixed into ``catalog.Transaction``)."""
 
@@ -145,8 +154,8 @@ class FleetWrites(Writes):
         cursor = self.db.execute(
             "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
             " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
-            " new_triton, new_other, new_bytes, started_at, finished_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " new_triton, new_other, new_bytes, started_at, finished_at, job)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 now,
                 report.phase,
@@ -165,6 +174,7 @@ class FleetWrites(Writes):
                 report.new_bytes,
                 report.started_at,
                 report.finished_at,
+                report.job,
             ],
         )
         return int(cursor.lastrowid or 0), now
@@ -176,7 +186,7 @@ class FleetReads(Reads):
     def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
         """(UTC day, prejob restores that day) for the last ``days`` days with any, oldest first."""
         found = self._rows(
-            "SELECT substr(at, 1, 10) AS day, COUNT(*) AS n FROM job_reports"
+            f"SELECT substr(at, 1, 10) AS day, COUNT(DISTINCT {_JOB_KEY}) AS n FROM job_reports"
             " WHERE phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
             " GROUP BY day ORDER BY day DESC LIMIT ?",
             [days],
@@ -192,16 +202,23 @@ class FleetReads(Reads):
         return [_agent(r) for r in rows]
 
     def job_stats(self, *, workload: str | None = None) -> list[JobStats]:
-        """The job reports added up per (workload, fingerprint digest), sorted by both."""
+        """The job reports added up per (workload, fingerprint digest), sorted by both.
+
+        A job counts once: the reports of one ``job`` on one node (every rank's prejob, a
+        postjob run twice) are one restore, cold start or post-job count; a report without
+        a ``job`` (older clients) is its own job. The entries and bytes are summed over
+        every report (each post-job counts only what appeared since the last one).
+        """
         where, params = ("WHERE workload = ?", [workload]) if workload is not None else ("", [])
+        restored = "phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
+        cold = "phase = 'prejob' AND outcome = 'cold'"
+        postjob = "phase = 'postjob'"
+        compiled = "phase = 'postjob' AND outcome = 'compiled'"
+        after_restore = compiled + " AND snapshot_id IS NOT NULL"
         totals = self._rows(
-            "SELECT workload, fingerprint_digest,"
-            " SUM(phase = 'prejob' AND outcome IN ('restored', 'already_restored')) AS restores,"
-            " SUM(phase = 'prejob' AND outcome = 'cold') AS cold,"
-            " SUM(phase = 'postjob') AS postjobs,"
-            " SUM(phase = 'postjob' AND outcome = 'compiled') AS compiled,"
-            " SUM(phase = 'postjob' AND outcome = 'compiled' AND snapshot_id IS NOT NULL)"
-            " AS compiled_after_restore,"
+            f"SELECT workload, fingerprint_digest, {_jobs(restored)} AS restores,"
+            f" {_jobs(cold)} AS cold, {_jobs(postjob)} AS postjobs,"
+            f" {_jobs(compiled)} AS compiled, {_jobs(after_restore)} AS compiled_after_restore,"
             # TOTAL (a float), not SUM: sums of what clients report never overflow into a 500
             " TOTAL(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
             " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
@@ -213,7 +230,7 @@ class FleetReads(Reads):
         reasons: dict[tuple[str, str], dict[str, int]] = {}
         for row in self._rows(
             "SELECT workload, fingerprint_digest, COALESCE(reason_code, 'unknown') AS code,"
-            " COUNT(*) AS n FROM job_reports"
+            f" COUNT(DISTINCT {_JOB_KEY}) AS n FROM job_reports"
             f" {where + ' AND' if where else 'WHERE'} phase = 'prejob' AND outcome = 'cold'"
             " GROUP BY workload, fingerprint_digest, code",
             params,
@@ -243,11 +260,12 @@ class FleetReads(Reads):
             return self._status_facts()
 
     def _status_facts(self) -> StatusFacts:
-        workloads = tuple(r["name"] for r in self._rows("SELECT name FROM workloads ORDER BY name"))
-        agents = tuple(
-            (r["name"], r["fingerprint_digest"])
-            for r in self._rows("SELECT name, fingerprint_digest FROM agents ORDER BY name, id")
+        workload_rows = self._rows("SELECT name, digest FROM workloads ORDER BY name")
+        workloads = tuple(r["name"] for r in workload_rows)
+        agent_rows = self._rows(
+            "SELECT id, name, fingerprint_digest, last_seen_at FROM agents ORDER BY name, id"
         )
+        agents = tuple((r["name"], r["fingerprint_digest"]) for r in agent_rows)
         latest = [
             _event(r)
             for r in self._rows(
@@ -256,21 +274,27 @@ class FleetReads(Reads):
             )
         ]
         verified: dict[tuple[str, str], tuple[str, str]] = {}
+        unverified: dict[tuple[str, str], tuple[str, str]] = {}
         covers: dict[str, tuple[str, ...]] = {}
-        for snap in self._rows(
-            "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
-            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
+        built_for: dict[str, str | None] = {}
+        for snap in self._rows(  # harvested deltas are never a pair's snapshot
+            "SELECT id, workload, fingerprint_digest, created_at, devices, workload_digest,"
+            " verified FROM snapshots WHERE workload IS NOT NULL AND source IS NOT 'harvest'"
+            " ORDER BY created_at"
         ):
             key = (snap["workload"], snap["fingerprint_digest"])
-            verified[key] = (snap["id"], snap["created_at"])  # newest wins
+            newest = verified if snap["verified"] else unverified
+            newest[key] = (snap["id"], snap["created_at"])  # newest wins
             covers[snap["id"]] = tuple(json.loads(snap["devices"] or "[]"))
+            built_for[snap["id"]] = snap["workload_digest"]
         named = sorted({e.snapshot_id for e in latest if e.snapshot_id})
         stored: set[str] = set()
         for part, marks in chunks(named):
-            sql = f"SELECT id, devices FROM snapshots WHERE id IN ({marks})"
+            sql = f"SELECT id, devices, workload_digest FROM snapshots WHERE id IN ({marks})"
             for r in self._rows(sql, part):
                 stored.add(r["id"])
                 covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+                built_for[r["id"]] = r["workload_digest"]
         harvested = {
             (r["workload"], r["fingerprint_digest"]): int(r["n"])
             for r in self._rows(
@@ -288,4 +312,9 @@ class FleetReads(Reads):
             covers=covers,
             jobs={(j.workload, j.fingerprint_digest): j for j in self.job_stats()},
             harvested=harvested,
+            unverified=unverified,
+            agent_of={r["id"]: (r["name"], r["fingerprint_digest"]) for r in agent_rows},
+            agent_seen={r["id"]: r["last_seen_at"] for r in agent_rows},
+            workload_digests={r["name"]: r["digest"] for r in workload_rows},
+            built_for=built_for,
         )

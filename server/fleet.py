@@ -2,14 +2,15 @@
 
 ``GET /v1/status`` answers one row per (workload, fingerprint digest) the server knows of:
 every registered workload for every registered agent's fingerprint, plus any pair an
-event or a verified snapshot names. Its ``status`` is decided by the newest fact about the
+event or a snapshot of a registered workload names (harvested deltas aside). Its ``status`` is decided by the newest fact about the
 pair, an agent's report or the publication of a verified snapshot with that exact
 fingerprint digest:
 
 - ``building``: the newest fact is an agent's ``building`` report (see ``last_event.at``
   and the agent's ``last_seen_at`` to tell a build in progress from an agent that died);
-- ``warm``: the newest fact is a verified snapshot, or a ``built``/``skipped`` report whose
-  snapshot is still stored;
+- ``warm``: the newest fact is a verified snapshot (an unverified one where the pair has
+  none: resolve answers it then; the page shows which), or a ``built``/``skipped`` report
+  whose snapshot is still stored;
 - ``broken``: the newest report is ``cold_compile_broken`` (the workload raised during a
   cold compile: exactly what a warm cache would hide);
 - ``failed``: the newest report is ``failed`` (crash, timeout, verify not effective,
@@ -18,6 +19,12 @@ fingerprint digest:
   does not admit the workload's command or import path, so it runs nothing (the event's
   ``detail`` names what);
 - ``missing``: nothing was built for the pair (or the snapshot a report named is gone).
+
+``stale`` says, on a ``warm`` or ``building`` row, why that state is out of date: the
+registered workload's digest is not the one its snapshot was built from (the workload file
+changed since: the agent rebuilds it; an identical re-registration changes nothing), or
+the agent that reported the build has not been seen for ``STALE_AFTER_S`` (it likely died
+mid-build). The JSON, ``cachekeeper status`` and the status page all show it.
 
 Each row also says which devices its warm snapshot covers (``devices``); given the
 training nodes' devices, the ones it does not cover (``uncovered``) and a ``note``.
@@ -37,12 +44,40 @@ The facts are read by ``Catalog.status_facts``; this module only decides.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 from cachekeeper.devices import coverage_advice
 from cachekeeper.wire import EventOut, StatusRow
 
 from .records import StatusFacts
 
-__all__ = ["fleet_status"]
+__all__ = ["fleet_status", "STALE_AFTER_S"]
+
+STALE_AFTER_S = 15 * 60  # a building agent silent this long likely died mid-build
+
+
+def _stale(
+    facts: StatusFacts,
+    workload: str,
+    status: str,
+    snapshot_id: str | None,
+    event: EventOut | None,
+    now: datetime,
+) -> str | None:
+    """Why the row's ``warm`` / ``building`` state is out of date, or None."""
+    if status == "warm" and snapshot_id is not None:
+        built, registered = facts.built_for.get(snapshot_id), facts.workload_digests.get(workload)
+        if built and registered and built != registered:
+            return (
+                f"the workload file changed since snapshot {snapshot_id[:12]} was built"
+                f" (built from {built[:12]}, registered now: {registered[:12]});"
+                " an agent of this environment rebuilds it"
+            )
+    if status == "building" and event is not None:
+        seen = facts.agent_seen.get(event.agent_id)
+        if seen and now - datetime.fromisoformat(seen) > timedelta(seconds=STALE_AFTER_S):
+            return f"building, but its agent has not been seen since {seen[:19]}"
+    return None
 
 
 def _decide(
@@ -73,18 +108,33 @@ def fleet_status(
     fingerprint_digest: str | None = None,
     devices: list[str] | None = None,
     serve_harvested: bool = False,
+    now: datetime | None = None,
 ) -> list[StatusRow]:
     """The status rows (see the module docstring), sorted by workload then digest.
 
     ``devices``: the devices training nodes use; rows then say what they leave uncovered.
     ``serve_harvested``: the server's setting, which decides ``harvest_note``.
+    ``now``: the time staleness is judged at (default: now).
     """
+    now = now or datetime.now(UTC)
     names_by_digest: dict[str, list[str]] = {}
     for name, digest in facts.agents:
         names_by_digest.setdefault(digest, []).append(name)
     pairs = {(w, d) for w in facts.workloads for d in names_by_digest}
+    # An agent builds a workload under the fingerprint its children compile with (the
+    # workload's [process] omp_num_threads changes the CPU part), and its events name that
+    # digest: the workload's row is that one, not a "missing" row of the agent's own.
+    builders: dict[tuple[str, str], set[str]] = {}
+    for (w, d), newest in facts.latest.items():
+        if newest.agent_id not in facts.agent_of:
+            continue
+        builder, own = facts.agent_of[newest.agent_id]
+        builders.setdefault((w, d), set()).add(builder)
+        if own != d and (w, own) not in facts.latest:
+            pairs.discard((w, own))
     pairs |= set(facts.latest)
     pairs |= {key for key in facts.verified if key[0] in facts.workloads}
+    pairs |= {key for key in facts.unverified if key[0] in facts.workloads}
     pairs |= {key for key in facts.jobs if key[0] in facts.workloads}
     rows = []
     for w, d in sorted(pairs):
@@ -93,7 +143,10 @@ def fleet_status(
         ):
             continue
         event = facts.latest.get((w, d))
-        status, snapshot_id, updated_at = _decide(event, facts.verified.get((w, d)), facts.stored)
+        # resolve prefers a verified snapshot, and answers an unverified one when it is all
+        # there is (a push of a dir nobody prewarmed): that pair is warm too, and says so
+        best = facts.verified.get((w, d)) or facts.unverified.get((w, d))
+        status, snapshot_id, updated_at = _decide(event, best, facts.stored)
         covered = list(facts.covers.get(snapshot_id or "", ()))
         uncovered = [x for x in devices or [] if x not in covered] if snapshot_id else []
         note = coverage_advice(covered=covered, wanted=devices, who="a node") if uncovered else None
@@ -105,7 +158,7 @@ def fleet_status(
                 snapshot_id=snapshot_id,
                 updated_at=updated_at,
                 last_event=event,
-                agents=tuple(names_by_digest.get(d, [])),
+                agents=tuple(sorted(set(names_by_digest.get(d, [])) | builders.get((w, d), set()))),
                 devices=tuple(covered),
                 uncovered=tuple(uncovered),
                 note=note,
@@ -115,6 +168,7 @@ def fleet_status(
                 harvest_note=harvest_note(
                     facts.harvested.get((w, d), 0), serve_harvested=serve_harvested
                 ),
+                stale=_stale(facts, w, status, snapshot_id, event, now),
             )
         )
     return rows

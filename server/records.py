@@ -59,3 +59,10 @@ class StatusFacts:
     covers: dict[str, tuple[str, ...]]  # devices of those and of the verified snapshots
     jobs: dict[tuple[str, str], JobStats]  # what jobs reported, per (workload, digest)
     harvested: dict[tuple[str, str], int] = field(default_factory=dict)  # deltas per pair
+    unverified: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # as verified
+    agent_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (name, digest)
+    agent_seen: dict[str, str] = field(default_factory=dict)  # id -> last_seen_at
+    workload_digests: dict[str, str] = field(default_factory=dict)  # name -> registered digest
+    built_for: dict[str, str | None] = field(
+        default_factory=dict
+    )  # snapshot -> its workload digest

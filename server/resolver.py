@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from cachekeeper.errors import did_you_mean
 from cachekeeper.fingerprint import DriverPolicy, compare
 from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
 
 from .records import Candidate
 
-__all__ = ["NEAR_MISSES", "miss_reason", "rank"]
+__all__ = ["NEAR_MISSES", "miss_reason", "rank", "unknown_workload"]
 
 NEAR_MISSES = 3
 
@@ -60,14 +61,22 @@ def rank(
     )
 
 
-def miss_reason(workload: str | None, *, has_snapshots: bool, registered: bool) -> str:
-    """Why nothing was found: the workload is unknown, has no snapshot, or none matches."""
+def miss_reason(workload: str | None, *, has_snapshots: bool, unknown: str | None) -> str:
+    """Why nothing was found: the workload is unknown (``unknown``, ``unknown_workload``'s
+    sentence), has no snapshot, or none matches."""
     name = "no workload name" if workload is None else f"workload {workload!r}"
     if has_snapshots:
         return f"no snapshot of {name} matches this node"
-    if workload is not None and not registered:
-        return f"no workload {workload!r} is registered on this server, and no snapshot names it"
-    return f"{name} has no snapshot yet"
+    return unknown or f"{name} has no snapshot yet"
+
+
+def unknown_workload(workload: str, *, registered: list[str], named: bool) -> str | None:
+    """``no workload 'x' is registered on this server (did you mean 'y'?), and no snapshot
+    names it``, or None when ``workload`` is registered or a snapshot names it (``named``)."""
+    if named or workload in registered:
+        return None
+    hint = did_you_mean(workload, registered)
+    return f"no workload {workload!r} is registered on this server{hint}, and no snapshot names it"
 
 
 def _neg(text: str) -> tuple[int, ...]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from cachekeeper.wire import GcAnswer, GcRequest, Health
 
-from .auth import AdminScope
+from .auth import AdminScope, require
 from .deps import StorageDep, metrics_of
 
 __all__ = ["router"]
@@ -21,9 +21,18 @@ def healthz(request: Request) -> Health:
     return Health(status="ok", version=request.app.version)
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+def _metrics_scope(request: Request) -> None:
+    """/metrics needs the read scope (its labels name workloads) unless ``metrics_public``."""
+    if not request.app.state.settings.metrics_public:
+        _read_scope(request)
+
+
+_read_scope = require("read")
+
+
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(_metrics_scope)])
 def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
-    """Prometheus text exposition."""
+    """Prometheus text exposition (read scope, unless the server runs with metrics_public)."""
     counts = storage.counts()
     gauges = {
         "cachekeeper_store_bytes": float(counts.stored_bytes),
@@ -58,4 +67,8 @@ def gc(storage: StorageDep, _: AdminScope, body: GcRequest | None = None) -> GcA
         blobs_deleted=len(plan.blobs) + len(plan.orphan_files),
         bytes_freed=plan.bytes_freed,
         dry_run=dry_run,
+        blobs_in_grace=len(plan.in_grace),
+        bytes_in_grace=plan.in_grace_bytes,
+        grace_ends_at=plan.grace_ends_at,
+        grace_s=storage.settings.gc_grace_s,
     )

@@ -7,7 +7,8 @@ every report (``job_reports``) and adds them up per (workload, fingerprint diges
 
 Read scope: the nodes that run the hooks hold read tokens. A report names a workload the
 server may not know (a misspelt name is a cold start worth seeing), so the metrics label a
-workload that is not registered as ``-`` to keep their label sets bounded.
+workload that is not registered as ``-`` to keep their label sets bounded, and the answer's
+``warning`` says so (with a did-you-mean) when no snapshot names it either.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def post_report(
 ) -> JobReportAnswer:
     """Store one job report (prejob: restored or cold; postjob: compiled or clean)."""
     report_id, at = storage.add_job_report(body)
-    workload = body.workload if storage.has_workload(body.workload) else "-"
+    known = storage.has_workload(body.workload)
+    workload = body.workload if known else "-"
     metrics.inc(
         "cachekeeper_job_reports_total", phase=body.phase, outcome=body.outcome, workload=workload
     )
@@ -46,4 +48,5 @@ def post_report(
                 )
         if body.new_bytes:
             metrics.inc("cachekeeper_job_new_bytes_total", body.new_bytes, workload=workload)
-    return JobReportAnswer(id=report_id, at=at)
+    warning = None if known else storage.unknown_workload(body.workload)
+    return JobReportAnswer(id=report_id, at=at, warning=warning)

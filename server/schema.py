@@ -5,7 +5,8 @@ Tables::
     snapshots       id (manifest sha256), workload, fingerprint_digest, fingerprint (JSON),
                     devices (JSON), verified, signed, stats (JSON), size_bytes, file_count,
                     created_at, last_used_at, pinned, manifest (JSON text, signature included),
-                    source ("harvest" or NULL), parent (a harvested delta's parent id)
+                    source ("harvest" or NULL), parent (a harvested delta's parent id),
+                    workload_digest (the manifest's: the workload TOML it was built from)
     blobs           digest, size_bytes (uncompressed), stored_bytes (zstd at rest),
                     created_at, last_access_at
     snapshot_blobs  (snapshot_id, digest): which blobs each snapshot references
@@ -16,7 +17,8 @@ Tables::
     job_reports     what training jobs report (POST /v1/reports): phase (prejob, postjob),
                     outcome, workload, fingerprint_digest, snapshot_id, node, devices
                     (JSON), reason_code, reason, new_fxgraph, new_aotautograd, new_triton,
-                    new_other, new_bytes, started_at, finished_at, at (received)
+                    new_other, new_bytes, started_at, finished_at, at (received),
+                    job (the job's identity: reports of one job on one node count once)
     quarantine      id, at, reason, manifest: snapshots the start-up check took out of
                     service because blobs they reference are gone (re-push to restore)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
@@ -186,6 +188,23 @@ def _add_harvest_columns(db: sqlite_utils.Database) -> None:
     table.create_index(["parent"], if_not_exists=True)
 
 
+def _add_workload_digest_column(db: sqlite_utils.Database) -> None:
+    """``workload_digest`` (the status's staleness test), filled from the manifests once."""
+    table = db.table("snapshots")
+    if "workload_digest" not in table.columns_dict:
+        table.add_column("workload_digest", str)
+        db.execute(
+            "UPDATE snapshots SET workload_digest = json_extract(manifest, '$.workload_digest')"
+        )
+
+
+def _add_job_column(db: sqlite_utils.Database) -> None:
+    """``job`` (a report's job identity, ``JobReport.job``), added to older databases."""
+    table = db.table("job_reports")
+    if "job" not in table.columns_dict:
+        table.add_column("job", str)
+
+
 def _create_quarantine(db: sqlite_utils.Database) -> None:
     db.table("quarantine").create(
         {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
@@ -221,4 +240,6 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_harvest_columns,
     _create_quarantine,
     _create_tier_keys,
+    _add_workload_digest_column,
+    _add_job_column,
 ]

@@ -198,6 +198,14 @@ class Settings(BaseSettings):
     # With trusted_keys configured, the tier is read-only (its values are unsigned code
     # torch runs, docs/security.md) unless this is set.
     remote_cache_unsigned_writes: bool = False
+    # Serve https: the certificate chain and its private key (PEM files, given to uvicorn).
+    # Or terminate TLS in a reverse proxy in front (docs/server.md); either way, never send
+    # bearer tokens over plain http off the host.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # /metrics without a token (a Prometheus that scrapes without one). Off by default:
+    # /metrics needs the read scope like every read route, since its labels name workloads.
+    metrics_public: bool = False
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -254,6 +262,27 @@ class Settings(BaseSettings):
             raise ValueError(f"{value} is not a port (0-65535)")
         return value
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise ValueError(f"{given} is set but {missing} is not: give both (PEM files)")
+        if self.tls_cert is not None and self.tls_key is not None:
+            import ssl  # only when serving https
+
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.tls_cert, self.tls_key
+                )
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(
+                    f"cannot load the TLS certificate {self.tls_cert} with the key"
+                    f" {self.tls_key}: {exc}"
+                ) from exc
+        return self
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.tokens)
@@ -263,6 +292,10 @@ class Settings(BaseSettings):
         """Whether write-scope tokens may write to the per-key tier (read-only while
         snapshots must be signed, unless the operator opted in)."""
         return not self.trusted_keys or self.remote_cache_unsigned_writes
+
+    def scheme(self) -> str:
+        """``https`` when the server itself serves TLS, else ``http``."""
+        return "https" if self.tls_cert is not None else "http"
 
 
 def _env_name(field: str) -> str:
@@ -345,6 +378,7 @@ _NOT_SERVER_SETTINGS = (
     config.HOME,
     config.SERVER,
     config.TOKEN,
+    config.CA_BUNDLE,
     config.DEBUG,
     config.FINGERPRINT_OVERRIDES,
     config.TEST_FAKE_CUDA,

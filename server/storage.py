@@ -54,7 +54,7 @@ from .catalog import Catalog
 from .fleet import fleet_status
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts
-from .resolver import miss_reason, rank
+from .resolver import miss_reason, rank, unknown_workload
 from .s3store import S3BlobStore, checksum_b64
 from .settings import Settings
 
@@ -130,6 +130,12 @@ class GcPlan:
     # Archive objects (object store) whose snapshot is gone: evicted, deleted, or a
     # publish refused after its archive was written. Named by snapshot id.
     orphan_archives: tuple[str, ...] = field(default=())
+    # Unreferenced blob rows kept because they were used less than gc_grace_s ago (an
+    # upload waiting for its publish, or a snapshot just removed): a GC after
+    # ``grace_ends_at`` frees them, unless a snapshot references them again.
+    in_grace: tuple[str, ...] = field(default=())
+    in_grace_bytes: int = 0
+    grace_ends_at: str | None = None
 
 
 class Storage:
@@ -284,8 +290,8 @@ class Storage:
             candidates, fingerprint=fingerprint, driver_policy=driver_policy, devices=devices
         )
         if found.snapshot is None:
-            registered = workload is not None and self.catalog.workload_toml(workload) is not None
-            reason = miss_reason(workload, has_snapshots=bool(candidates), registered=registered)
+            unknown = None if candidates or workload is None else self.unknown_workload(workload)
+            reason = miss_reason(workload, has_snapshots=bool(candidates), unknown=unknown)
             return replace(found, reason=reason)
         with self.catalog.writing() as tx:
             tx.touch_snapshot(found.snapshot.id)
@@ -521,6 +527,12 @@ class Storage:
     def has_workload(self, name: str) -> bool:
         return self.catalog.workload_toml(name) is not None
 
+    def unknown_workload(self, name: str) -> str | None:
+        """Why ``name`` names nothing here, with a did-you-mean; None when it is known."""
+        named = bool(self.catalog.candidates(name, limit=1))
+        registered = [w.name for w in self.catalog.list_workloads()]
+        return unknown_workload(name, registered=registered, named=named)
+
     def counts(self) -> Counts:
         return self.catalog.counts()
 
@@ -540,6 +552,7 @@ class Storage:
         stored = {u.digest: u.stored_bytes for u in usage}
         cutoff = _iso_ago(self.settings.gc_grace_s)
         dead = {u.digest for u in usage if u.refs == 0 and u.last_access_at < cutoff}
+        waiting = [u for u in usage if u.refs == 0 and u.last_access_at >= cutoff]
         total = sum(stored.values())
         freed = sum(stored[d] for d in dead)
         evicted: list[str] = []
@@ -566,6 +579,7 @@ class Storage:
                 ):
                     archives.append(found.digest)
                     freed += found.stored_bytes
+        waiting = [u for u in waiting if u.digest not in dead]  # eviction frees them now
         return GcPlan(
             tuple(evicted),
             tuple(sorted(dead)),
@@ -573,6 +587,11 @@ class Storage:
             tuple(s.digest for s in orphans),
             planned_at=planned_at,
             orphan_archives=tuple(archives),
+            in_grace=tuple(sorted(u.digest for u in waiting)),
+            in_grace_bytes=sum(u.stored_bytes for u in waiting),
+            grace_ends_at=_iso_after(
+                max((u.last_access_at for u in waiting), default=None), self.settings.gc_grace_s
+            ),  # fmt: skip
         )
 
     def execute_gc(self, plan: GcPlan) -> GcPlan:
@@ -609,18 +628,24 @@ class Storage:
                 tx.after_commit(lambda: [store.delete_archive(a) for a in archives])
         self.evictions += len(evicted)
         rows = tuple(sorted(d for d in freed if d not in orphans))
-        return GcPlan(
-            tuple(evicted),
-            rows,
-            sum(freed.values()),
-            tuple(orphans),
-            plan.planned_at,
+        return replace(
+            plan,
+            snapshots_evicted=tuple(evicted),
+            blobs=rows,
+            bytes_freed=sum(freed.values()),
+            orphan_files=tuple(orphans),
             orphan_archives=tuple(archives),
         )
 
 
 def _iso_ago(seconds: float) -> str:
     return (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat(timespec="microseconds")
+
+
+def _iso_after(at: str | None, seconds: float) -> str | None:
+    if not at:
+        return None
+    return (datetime.fromisoformat(at) + timedelta(seconds=seconds)).isoformat(timespec="seconds")
 
 
 def _uncompressed_size(blobs: BlobBackend, digest: str) -> int:

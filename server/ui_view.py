@@ -8,9 +8,9 @@ row's ``status``, refined only where the row itself leaves it open:
 
 - ``warm`` splits into ``warm_verified`` and ``warm_unverified`` (the snapshot's
   ``verified`` flag: verify found the cache effective, or nobody checked);
-- ``stale``: a ``warm`` row whose workload TOML changed after its snapshot was published
-  (the snapshot was built for the old definition), or a ``building`` row whose agents have
-  not been seen for ``stale_after_s`` (the agent likely died mid-build).
+- ``stale``: the row's ``stale`` (``server/fleet.py``): a ``warm`` row whose snapshot was
+  built from another workload digest than the one registered, or a ``building`` row whose
+  agent went silent. The same rule answers ``GET /v1/status`` and ``cachekeeper status``.
 
 The plot (``size_plot_svg``) is plain SVG text: the stored snapshots' total size over
 time and, where job reports exist, restores per day.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, is_dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from html import escape
 from typing import Any
 
@@ -39,8 +39,6 @@ STATES: tuple[tuple[str, str, str], ...] = (
     ("missing", "missing", "nothing built for this pair"),
     ("stale", "stale", "built for an older workload TOML, or its builder went silent"),
 )
-
-STALE_AFTER_S = 15 * 60
 
 
 def plain(value: Any) -> dict[str, Any]:
@@ -65,6 +63,7 @@ class Environment:
     driver: str
     gpu: str
     fingerprint: dict[str, Any] | None
+    cpu: str = "-"  # threads and vector ISA: two hosts may differ only there (cachekeeper.cpu)
 
     @property
     def short(self) -> str:
@@ -106,6 +105,12 @@ def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environme
     gpus = fp.get("gpus") or []
     names = sorted({str(g.get("name", "?")) for g in gpus if isinstance(g, dict)})
     gpu = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
+    raw = fp.get("cpu")
+    state: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    threads = state.get("threads")
+    cpu = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "threads ?"
+    if state.get("isa"):
+        cpu += f", {state['isa']}"
     return Environment(
         digest=digest,
         torch=str(fp.get("torch") or "?"),
@@ -114,6 +119,7 @@ def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environme
         driver=str(fp.get("driver") or "-"),
         gpu=gpu,
         fingerprint=fingerprint,
+        cpu=cpu if state else "-",
     )
 
 
@@ -128,29 +134,15 @@ def _rates(jobs: dict[str, Any] | None) -> tuple[float | None, float | None]:
     return restore_rate, compiled_rate
 
 
-def _state(
-    row: dict[str, Any],
-    snapshot: dict[str, Any] | None,
-    *,
-    workload_updated_at: str | None,
-    agents_seen: dict[str, datetime],
-    now: datetime,
-    stale_after_s: float,
-) -> tuple[str, str]:
+def _state(row: dict[str, Any], snapshot: dict[str, Any] | None) -> tuple[str, str]:
     status = row["status"]
+    if row.get("stale"):
+        return "stale", str(row["stale"])
     if status == "warm":
-        created = snapshot["created_at"] if snapshot else None
-        if created and workload_updated_at and workload_updated_at > created:
-            return "stale", "the workload TOML changed after this snapshot was published"
         if snapshot is not None and not snapshot["verified"]:
             return "warm_unverified", "the snapshot was never verified effective"
         return "warm_verified", "a verified snapshot serves this pair"
     if status == "building":
-        seen = [agents_seen[a] for a in row.get("agents") or [] if a in agents_seen]
-        if seen and now - max(seen) > timedelta(seconds=stale_after_s):
-            return "stale", "building, but its agent has not been seen since " + max(
-                seen
-            ).isoformat(timespec="seconds")
         return "building", "an agent reported a build in progress"
     event = row.get("last_event") or {}
     return status, str(event.get("detail") or "")
@@ -164,26 +156,14 @@ def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
     summaries = [plain(s) for s in storage.list_snapshots(limit=10_000)]
     by_id = {s["id"]: s for s in summaries}
     workload_rows = [plain(w) for w in storage.list_workloads()]
-    updated = {w["name"]: w["updated_at"] for w in workload_rows}
-    seen: dict[str, datetime] = {}
     fingerprints: dict[str, dict[str, Any]] = {}
     for agent in agents:
-        at = _parse(agent["last_seen_at"])
-        if at is not None:
-            seen[agent["name"]] = max(at, seen.get(agent["name"], at))
         fingerprints.setdefault(agent["fingerprint_digest"], agent["fingerprint"])
     cells: dict[tuple[str, str], Cell] = {}
     builds: dict[str, dict[str, Any]] = {}
     for row in rows:
         snapshot = by_id.get(row["snapshot_id"] or "")
-        state, why = _state(
-            row,
-            snapshot,
-            workload_updated_at=updated.get(row["workload"]),
-            agents_seen=seen,
-            now=now,
-            stale_after_s=STALE_AFTER_S,
-        )
+        state, why = _state(row, snapshot)
         restore_rate, compiled_rate = _rates(row.get("jobs"))
         cells[(row["workload"], row["fingerprint_digest"])] = Cell(
             workload=row["workload"],

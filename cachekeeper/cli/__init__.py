@@ -86,6 +86,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cachekeeper.cli.status:status_cmd",
         "Show which workloads are warm for which environments and devices.",
     ),
+    "cache": (
+        "cachekeeper.cli.cache:cache_cmd",
+        "See and prune this node's per-environment cache dirs.",
+    ),
     "keygen": (
         "cachekeeper.cli.keys:keygen_cmd",
         "Create an Ed25519 key pair for signing snapshots.",

@@ -29,6 +29,8 @@ __all__ = [
     "json_option",
     "device_option",
     "server_option",
+    "ca_bundle_option",
+    "timeout_option",
     "token_option",
     "mb",
     "open_client",
@@ -70,12 +72,60 @@ def _server_url(ctx: click.Context, param: click.Parameter, value: str | None) -
     return server_root(value)
 
 
-server_option = click.option(
+def _ca_bundle(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Trust the CAs of ``--ca-bundle`` for every https request of this process: the
+    variable is what ``cachekeeper.client.calls.tls_context`` reads (the hook's stdlib
+    requests, the HTTP client and the object-store downloads alike)."""
+    if value:
+        os.environ[config.CA_BUNDLE] = value
+
+
+_server_url_option = click.option(
     "--server",
     envvar=config.SERVER,
     metavar="URL",
     callback=_server_url,
-    help="Cache server URL, e.g. http://cache:8750 (default: $CACHEKEEPER_SERVER).",
+    help="Cache server URL, e.g. http://cache:8750 or https://cache.example (default:"
+    " $CACHEKEEPER_SERVER).",
+)
+ca_bundle_option = click.option(
+    "--ca-bundle",
+    envvar=config.CA_BUNDLE,
+    # not checked here: a hook must never fail on it (a CA file that cannot be read is a
+    # cold start saying so, an operator command's one-line error: client/calls.tls_context)
+    type=click.Path(dir_okay=False),
+    expose_value=False,
+    is_eager=True,
+    callback=_ca_bundle,
+    metavar="PEM",
+    help="Also trust the CAs in this PEM file for an https:// server (a site's own CA;"
+    " default: $CACHEKEEPER_CA_BUNDLE; SSL_CERT_FILE replaces the default CAs).",
+)
+
+
+def server_option(fn: F) -> F:
+    """``--server URL`` (``/v1`` and a trailing ``/`` dropped) and ``--ca-bundle PEM``."""
+    return _server_url_option(ca_bundle_option(fn))
+
+
+OPERATOR_TIMEOUT_S = 10.0
+_TIMEOUT_KEY = "cachekeeper.timeout_s"
+
+
+def _timeout(ctx: click.Context, param: click.Parameter, value: float) -> None:
+    ctx.meta[_TIMEOUT_KEY] = value
+
+
+timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=OPERATOR_TIMEOUT_S,
+    show_default=True,
+    expose_value=False,
+    callback=_timeout,
+    metavar="SECONDS",
+    help="Give up on a server that has not answered within this many seconds in all"
+    " (retries included).",
 )
 token_option = click.option(
     "--token",
@@ -94,13 +144,21 @@ device_option = click.option(
 
 
 def open_client(server: str | None, token: str | None) -> CacheClient:
-    """A ``CacheClient`` for --server/--token; a usage error when no server is configured."""
+    """A ``CacheClient`` for --server/--token; a usage error when no server is configured.
+
+    Under a command with ``timeout_option``, every call of the client together (retries
+    included) ends by ``--timeout`` seconds after it opened.
+    """
     if not server:
         raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     # local import: httpx only for the commands that talk to a server
     from cachekeeper.client.api import CacheClient
 
-    return CacheClient(base_url=server, token=token)
+    ctx = click.get_current_context(silent=True)
+    timeout_s = ctx.find_root().meta.get(_TIMEOUT_KEY) if ctx is not None else None
+    if timeout_s is None:
+        return CacheClient(base_url=server, token=token)
+    return CacheClient(base_url=server, token=token, timeout_s=timeout_s, deadline_s=timeout_s)
 
 
 def mb(n: int) -> str:

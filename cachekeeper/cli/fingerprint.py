@@ -8,7 +8,15 @@ from typing import Any
 
 import click
 
-from cachekeeper.cli._common import device_option, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import (
+    device_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    server_option,
+    timeout_option,
+    token_option,
+)
 from cachekeeper.cli.snapshot import load_manifest
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
@@ -74,21 +82,35 @@ def _cpu_line(cpu: Any) -> str:
     help="How the node's NVIDIA driver must relate to the builder's.",
 )
 @device_option
+@server_option
+@token_option
+@timeout_option
 @json_option
 @handle_errors
-def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: bool) -> None:
+def explain_cmd(
+    snapshot: str,
+    driver_policy: str,
+    device: str | None,
+    server: str | None,
+    token: str | None,
+    as_json: bool,
+) -> None:
     """Compare this node's fingerprint with a snapshot's, field by field.
 
-    SNAPSHOT is an archive file or a local store id. Exits 0 when this node can use
-    the snapshot, 1 when it cannot. The device index is in Inductor's key: the snapshot
-    must cover every device the job's ranks compile on (--device, default every visible
-    GPU; a job that gives each rank one visible GPU uses only cuda:0).
+    SNAPSHOT is an archive file, a local store id, or a server's snapshot id or unique
+    prefix (the one postjob and status print; with --server or CACHEKEEPER_SERVER). Exits
+    0 when this node can use the snapshot, 1 when it cannot. The device index is in
+    Inductor's key: the snapshot must cover every device the job's ranks compile on
+    (--device, default every visible GPU; a job that gives each rank one visible GPU uses
+    only cuda:0). When the fingerprints match and a job still compiles on top of the
+    snapshot, the difference is in the calls (shapes, dtypes, mask/score code, compile
+    options), which no fingerprint holds: it says so.
     """
     try:
         node_devices = requested_devices(device)
     except CachekeeperError as exc:
         raise click.BadParameter(exc.detail, param_hint="--device") from exc
-    manifest, _ = load_manifest(snapshot)
+    manifest, _ = load_manifest(snapshot, server=server, token=token)
     node = collect()
     mismatches = compare(
         node,
@@ -104,6 +126,7 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
         else f"{field}: this node's fingerprint does not record it, so it was not checked"
         for field in unchecked(node, manifest.fingerprint, devices=list(manifest.devices))
     ]
+    advice = None if mismatches else _calls_advice(manifest.workload)
     if as_json:
         emit_json(
             {
@@ -111,6 +134,7 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
                 "compatible": not mismatches,
                 "mismatches": [{**m.to_dict(), "reason": describe_mismatch(m)} for m in mismatches],
                 "unchecked": notes,
+                "advice": advice,
             }
         )
     elif mismatches:
@@ -121,7 +145,22 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
             else:
                 click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
     else:
-        click.echo(f"snapshot {manifest.id[:12]} suits this node (driver policy {driver_policy})")
+        click.echo(
+            f"snapshot {manifest.id[:12]} suits this node: the fingerprints match"
+            f" (driver policy {driver_policy})"
+        )
+        click.echo(f"  {advice}")
     for note in notes:
         click.echo(f"  note: {note}")
     sys.exit(1 if mismatches else 0)
+
+
+def _calls_advice(workload: str | None) -> str:
+    """What a match means for a job that compiled anyway: the calls differ."""
+    what = f"the workload file of {workload!r}" if workload else "the workload file"
+    return (
+        "If a job here still compiles on top of it (postjob says so), the difference is in"
+        " the calls, which no fingerprint holds: the shapes, dtypes, mask/score code,"
+        f" compile options or device indices training uses that {what} does not list"
+        " (docs/workloads.md)"
+    )

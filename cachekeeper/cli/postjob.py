@@ -108,8 +108,11 @@ def postjob_cmd(
         click.echo(summary_line(report))
     if report.warning:
         echo_err(f"cachekeeper: postjob: {report.warning}")
+    if report.unknown_workload:
+        echo_err(f"cachekeeper: postjob: error: {report.unknown_workload}; the report counts"
+                 " in no status row (check --workload)")  # fmt: skip
     unreported = not no_report and bool(server) and not report.reported
     if unreported and report.error is None:
         echo_err(f"cachekeeper: postjob: the server at {server} did not take the report")
-    if strict and (report.error is not None or unreported):
+    if strict and (report.error is not None or unreported or report.unknown_workload):
         raise SystemExit(1)

@@ -68,6 +68,24 @@ __all__ = ["serve_cmd"]
     default=None,
     help="Offer harvested deltas (postjob --push) after their parent snapshot [default: off].",
 )
+@click.option(
+    "--tls-cert",
+    type=PathParam(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Serve https with this certificate chain (PEM); needs --tls-key.",
+)
+@click.option(
+    "--tls-key",
+    type=PathParam(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="The private key (PEM) of --tls-cert.",
+)
+@click.option(
+    "--metrics-public/--no-metrics-public",
+    default=None,
+    help="Answer /metrics without a token [default: it needs the read scope, since its"
+    " labels name workloads].",
+)
 @handle_errors
 def serve_cmd(
     host: str | None,
@@ -80,6 +98,9 @@ def serve_cmd(
     anonymous_read: bool | None,
     insecure_no_auth: bool | None,
     serve_harvested: bool | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    metrics_public: bool | None,
 ) -> None:
     """Run the cache server (FastAPI under uvicorn) until interrupted.
 
@@ -95,6 +116,7 @@ def serve_cmd(
         from cachekeeper.server.app import create_app  # optional: needs cachekeeper[server]
         from cachekeeper.server.settings import (  # same
             check_data_dir,
+            is_loopback,
             load_settings,
             parse_tokens,
             stray_variables,
@@ -123,6 +145,9 @@ def serve_cmd(
         insecure_no_auth=insecure_no_auth,
         serve_harvested=serve_harvested,
         tokens=flag_tokens,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        metrics_public=metrics_public,
     )
     for warning in stray_variables(os.environ):
         echo_err(f"warning: {warning}")
@@ -137,13 +162,25 @@ def serve_cmd(
     resp = app.state.resp
     tier = "" if resp is None else f", per-key tier on port {resp.start()}"
     click.echo(
-        f"cachekeeper server on http://{settings.host}:{settings.port} (data {settings.data_dir},"
-        f" blobs {settings.blob_store or settings.data_dir / 'blobs'},"
+        f"cachekeeper server on {settings.scheme}://{settings.host}:{settings.port}"
+        f" (data {settings.data_dir}, blobs {settings.blob_store or settings.data_dir / 'blobs'},"
         f" auth {'on' if settings.auth_enabled else 'off'}{tier})",
         err=True,
     )
+    if settings.auth_enabled and settings.scheme == "http" and not is_loopback(settings.host):
+        echo_err(
+            "warning: bearer tokens travel in clear text over http: serve --tls-cert/--tls-key,"
+            " or put a TLS reverse proxy in front (docs/server.md)"
+        )
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
+        )
     finally:
         if resp is not None:
             resp.stop()  # stores what is queued

@@ -12,17 +12,29 @@ import contextlib
 import re
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
 from cachekeeper import fingerprint as fingerprint_mod
-from cachekeeper.cli._common import PathParam, echo_err, emit_json, handle_errors, json_option, mb
+from cachekeeper.cli._common import (
+    PathParam,
+    echo_err,
+    emit_json,
+    handle_errors,
+    json_option,
+    mb,
+    server_option,
+    timeout_option,
+    token_option,
+)
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
 from cachekeeper.manifest import Manifest
-from cachekeeper.restore import restore, restore_archive
+from cachekeeper.repair import plan_set_aside
+from cachekeeper.restore import RestoreReport, restore, restore_archive
 from cachekeeper.snapshot import read_archive_manifest, snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 
@@ -47,12 +59,31 @@ def archive_path(ref: str) -> Path | None:
     return None
 
 
-def load_manifest(ref: str) -> tuple[Manifest, str]:
-    """The manifest named by an archive path or a store id; and where it came from."""
+def load_manifest(
+    ref: str, *, server: str | None = None, token: str | None = None
+) -> tuple[Manifest, str]:
+    """The manifest named by an archive path, a local store id, or (with ``server``) an id
+    or unique prefix of the server's; and where it came from (archive, store, server).
+
+    The local store is asked first; a server id it does not hold goes to the server, so
+    the id ``postjob``, ``status`` and ``snapshots ls`` print works as it is.
+    """
     path = archive_path(ref)
     if path is not None:
         return read_archive_manifest(path), "archive"
-    return LocalStore().load_manifest(ref), "store"
+    try:
+        return LocalStore().load_manifest(ref), "store"
+    except SnapshotNotFound as exc:
+        if not server:
+            raise SnapshotNotFound(
+                f"{exc.detail} (a server snapshot: pass --server or set CACHEKEEPER_SERVER)"
+            ) from exc
+    # local import: httpx only when the snapshot is the server's
+    from cachekeeper.cli._common import open_client
+    from cachekeeper.cli.snapshots import resolve_server_id
+
+    with open_client(server, token) as client:
+        return client.get_manifest(resolve_server_id(client, ref)), "server"
 
 
 @contextlib.contextmanager
@@ -133,6 +164,12 @@ def snapshot_cmd(
 )
 @click.option("--dry-run", is_flag=True, help="List what would be written; write nothing.")
 @click.option(
+    "--repair",
+    is_flag=True,
+    help="Replace files whose bytes differ from the snapshot (corrupt entries), moving each"
+    " to .cachekeeper/set-aside/<time>/ in the cache dir first; never deletes.",
+)
+@click.option(
     "--force",
     is_flag=True,
     help="Restore a snapshot built for another environment (named on stderr) anyway.",
@@ -145,6 +182,7 @@ def restore_cmd(
     cache_dir: Path,
     dry_run: bool,
     force: bool,
+    repair: bool,
     trust: tuple[Path, ...],
     as_json: bool,
 ) -> None:
@@ -155,39 +193,45 @@ def restore_cmd(
     another environment (torch, Triton, CUDA, Python, GPU model, ...: its entries would
     never hit here) is refused, naming the fields that differ, unless --force. With a trust list
     (--trust or CACHEKEEPER_TRUSTED_KEYS), only a snapshot signed by one of those keys
-    is restored, and all of it or nothing.
+    is restored, and all of it or nothing. With --repair, files whose bytes differ from
+    the snapshot (a corrupt entry) are first moved to .cachekeeper/set-aside/<time>/ in
+    the cache dir, as they were, and the restore writes the snapshot's in their place.
     """
     trusted = trusted_keys(trust)
     path = archive_path(snapshot)
-    if path is not None:
-        archived = read_archive_manifest(path)
-        _check_environment(archived, force=force)
-        total = archived.size_bytes
-        with _progress(total, "restoring") as progress:
-            report = restore_archive(
-                path,
-                cache_dir,
-                dry_run=dry_run,
-                progress=progress,
-                trusted_keys=trusted,
-                manifest=archived,
-            )
-    else:
-        store = LocalStore()
+    manifest = read_archive_manifest(path) if path is not None else None
+    store = LocalStore()
+    if manifest is None:
         manifest = store.load_manifest(snapshot)
-        _check_environment(manifest, force=force)
-        with _progress(manifest.size_bytes, "restoring") as progress:
-            report = restore(
-                manifest,
-                store.blobs,
-                cache_dir,
-                dry_run=dry_run,
-                progress=progress,
-                trusted_keys=trusted,
-            )
+    _check_environment(manifest, force=force)
+
+    def run(*, dry: bool) -> RestoreReport:
+        with _progress(0 if dry else manifest.size_bytes, "restoring") as progress:
+            if path is not None:
+                return restore_archive(path, cache_dir, dry_run=dry, progress=progress,
+                                       trusted_keys=trusted, manifest=manifest)  # fmt: skip
+            return restore(manifest, store.blobs, cache_dir, dry_run=dry, progress=progress,
+                           trusted_keys=trusted)  # fmt: skip
+
+    aside = None
+    if repair:  # the restore's own verdicts: which paths hold something else
+        aside = plan_set_aside(cache_dir, run(dry=True).conflicts)
+        if not dry_run:
+            aside = replace(aside, paths=tuple(aside.execute()))
+    report = run(dry=dry_run)
     if as_json:
-        emit_json(report.to_dict())
+        body = report.to_dict()
+        if aside is not None:
+            body["set_aside"] = list(aside.paths)
+            body["set_aside_dir"] = str(aside.folder) if aside.paths else None
+        emit_json(body)
     else:
+        if aside is not None and aside.paths:
+            verb = "would move" if dry_run else "moved"
+            click.echo(
+                f"repair: {verb} {len(aside.paths)} file(s) whose bytes differ from the"
+                f" snapshot to {aside.folder}"
+            )
         if dry_run:
             for rel in report.planned:
                 click.echo(f"would write {rel}")
@@ -202,7 +246,10 @@ def restore_cmd(
                 f"{len(report.conflicts)} conflicts"
             )
     for rel in report.conflicts:
-        echo_err(f"warning: kept existing {rel} (differs from the snapshot)")
+        if aside is not None and rel in aside.paths:
+            continue  # a dry run: --repair would move it
+        hint = "" if repair else "; --repair replaces it, keeping this one aside"
+        echo_err(f"warning: kept existing {rel} (differs from the snapshot{hint})")
 
 
 def environment_differences(manifest: Manifest) -> list[str]:
@@ -246,11 +293,20 @@ def _check_environment(manifest: Manifest, *, force: bool) -> None:
 @click.command("inspect")
 @click.argument("snapshot")
 @click.option("--files", "show_files", is_flag=True, help="List every file.")
+@server_option
+@token_option
+@timeout_option
 @json_option
 @handle_errors
-def inspect_cmd(snapshot: str, show_files: bool, as_json: bool) -> None:
-    """Show a snapshot's manifest summary (archive file or local store id)."""
-    manifest, origin = load_manifest(snapshot)
+def inspect_cmd(
+    snapshot: str, show_files: bool, server: str | None, token: str | None, as_json: bool
+) -> None:
+    """Show a snapshot's manifest summary.
+
+    SNAPSHOT is an archive file, a local store id, or a server's snapshot id or unique
+    prefix (with --server or CACHEKEEPER_SERVER; read scope).
+    """
+    manifest, origin = load_manifest(snapshot, server=server, token=token)
     if as_json:
         body = manifest.to_dict()
         body["id"] = manifest.id

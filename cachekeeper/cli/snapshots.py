@@ -18,6 +18,7 @@ from cachekeeper.cli._common import (
     mb,
     open_client,
     server_option,
+    timeout_option,
     token_option,
 )
 from cachekeeper.client.api import CacheClient
@@ -69,6 +70,7 @@ def snapshots_cmd() -> None:
 @click.option("--workload", metavar="NAME", help="Only this workload's snapshots.")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def ls_cmd(workload: str | None, server: str | None, token: str | None, as_json: bool) -> None:
@@ -98,6 +100,7 @@ def _set_pinned(ref: str, server: str | None, token: str | None, *, pinned: bool
 @click.argument("snapshot_id")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def pin_cmd(snapshot_id: str, server: str | None, token: str | None, as_json: bool) -> None:
@@ -113,6 +116,7 @@ def pin_cmd(snapshot_id: str, server: str | None, token: str | None, as_json: bo
 @click.argument("snapshot_id")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def unpin_cmd(snapshot_id: str, server: str | None, token: str | None, as_json: bool) -> None:
@@ -129,6 +133,7 @@ def unpin_cmd(snapshot_id: str, server: str | None, token: str | None, as_json: 
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def rm_cmd(
@@ -136,7 +141,9 @@ def rm_cmd(
 ) -> None:
     """Remove snapshots (ids or unique prefixes) from the server. Needs the admin scope.
 
-    Their blobs that no other snapshot uses go at the next server GC (`gc --server`).
+    Their blobs that no other snapshot uses are freed by a server GC (`gc --server`) once
+    they have been unused for the server's grace period (gc_grace_s, 1 h by default);
+    `gc --server --dry-run` says what it would free now and when the rest goes.
     """
     with open_client(server, token) as client:
         ids = [resolve_server_id(client, ref) for ref in snapshot_ids]
@@ -147,7 +154,11 @@ def rm_cmd(
         for snapshot_id in ids:
             client.delete_snapshot(snapshot_id)
     if as_json:
-        emit_json({"removed": ids})
+        emit_json({"snapshots_removed": ids})
         return
     for snapshot_id in ids:
         click.echo(f"removed {snapshot_id}")
+    click.echo(
+        "their blobs no other snapshot uses are freed by a `gc --server` once unused for the"
+        " server's grace period (1 h by default; `gc --server --dry-run` says when)"
+    )

@@ -7,6 +7,10 @@ lacks some of them is followed by one line saying which and what to do: the devi
 is in Inductor's key, so a builder with fewer GPUs than the nodes cannot build the higher
 indices (docs/operations.md, "GPU counts").
 
+A row whose state is out of date says why (``stale``: the workload file changed since its
+snapshot was built, or its builder went silent mid-build). A ``--workload`` the server
+does not know is an error with a did-you-mean.
+
 A row that training jobs reported on (``cachekeeper prejob`` / ``postjob``) gets a
 ``jobs:`` line: restores, cold starts by reason, jobs that compiled anyway; and when
 restored jobs compiled anyway, a line saying the workload file does not match training.
@@ -21,11 +25,13 @@ from cachekeeper.cli._common import (
     emit_json,
     handle_errors,
     json_option,
+    open_client,
     server_option,
+    timeout_option,
     token_option,
 )
 from cachekeeper.devices import format_devices, requested_devices
-from cachekeeper.errors import CachekeeperError
+from cachekeeper.errors import CachekeeperError, WorkloadNotFound, did_you_mean
 from cachekeeper.wire import JobStats
 
 __all__ = ["status_cmd"]
@@ -34,6 +40,7 @@ __all__ = ["status_cmd"]
 @click.command("status")
 @server_option
 @token_option
+@timeout_option
 @click.option("--workload", metavar="NAME", help="Only this workload's rows.")
 @device_option
 @json_option
@@ -53,22 +60,26 @@ def status_cmd(
     the devices the training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get
     a line saying which indices were never built and what to do. Needs the read scope.
     """
-    from cachekeeper.client.api import CacheClient  # httpx only when the command runs
     from cachekeeper.wire import to_dict
 
-    if not server:
-        raise click.UsageError("no server: pass --server URL or set CACHEKEEPER_SERVER")
     try:
         wanted = requested_devices(device)
     except CachekeeperError as exc:
         raise click.BadParameter(exc.detail, param_hint="--device") from exc
-    with CacheClient(base_url=server, token=token) as client:
+    with open_client(server, token) as client:
         rows = client.fleet_status(workload=workload, devices=wanted)
+        registered = [] if rows else [w.name for w in client.list_workloads()]
+        if not rows and workload is not None and workload not in registered:
+            raise WorkloadNotFound(
+                f"no workload {workload!r} is registered on {client.base_url}"
+                f"{did_you_mean(workload, registered)}"
+                f" (registered: {', '.join(registered) or 'none'})"
+            )
     if as_json:
         emit_json({"status": [to_dict(row) for row in rows]})
         return
     if not rows:
-        click.echo("no workloads registered and no agents seen")
+        click.echo(_nothing_yet(registered))
         return
     click.echo(f"{'workload':<24}{'environment':<14}{'status':<10}{'covers':<14}agents")
     for row in rows:
@@ -78,6 +89,8 @@ def status_cmd(
             f"{row.workload[:23]:<24}{row.fingerprint_digest[:12]:<14}{row.status:<10}"
             f"{covers[:13]:<14}{agents}"
         )
+        if row.stale:
+            click.echo(f"  ! stale: {row.stale}")
         if row.note:
             click.echo(f"  ! {row.note}")
         if row.jobs is not None:
@@ -86,6 +99,17 @@ def status_cmd(
             click.echo(f"  ! {row.jobs_note}")
         if row.harvest_note:
             click.echo(f"  ! {row.harvest_note}")
+
+
+def _nothing_yet(registered: list[str]) -> str:
+    """What an empty status means: nothing registered, or nothing built for what is."""
+    if not registered:
+        return "no workloads registered and no agents seen"
+    return (
+        f"{len(registered)} workload(s) registered ({', '.join(registered)}), but no agent"
+        " has registered and no snapshot of them is stored: start `cachekeeper agent` on a"
+        " builder, or `cachekeeper push` a prewarmed dir"
+    )
 
 
 def jobs_line(jobs: JobStats) -> str:

@@ -13,16 +13,18 @@ import click
 
 from cachekeeper import config
 from cachekeeper.cli._common import (
+    ca_bundle_option,
     emit_json,
     handle_errors,
     json_option,
     mb,
     open_client,
+    timeout_option,
     token_option,
 )
 from cachekeeper.client.api import server_root
 from cachekeeper.store import LocalStore
-from cachekeeper.wire import to_dict
+from cachekeeper.wire import GcAnswer, to_dict
 
 __all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
 
@@ -37,8 +39,8 @@ def ls_cmd(as_json: bool) -> None:
     the CUDA torch was built with, the GPU model; '-' for none).
     """
     rows = LocalStore().list()
-    if as_json:
-        emit_json([r.to_dict() for r in rows])
+    if as_json:  # the shape and keys of `snapshots ls --json`
+        emit_json({"snapshots": [r.to_dict() for r in rows]})
         return
     if not rows:
         click.echo("no snapshots in the local store")
@@ -57,17 +59,24 @@ def ls_cmd(as_json: bool) -> None:
 
 
 def _run_plan(plan: Any, *, dry_run: bool, as_json: bool, what: str) -> None:
-    freed = 0 if dry_run else plan.execute()
-    body = {**plan.to_dict(), "dry_run": dry_run}
-    if not dry_run:
-        body["freed_bytes"] = freed
+    """Execute (unless ``dry_run``) a local plan and print it in the gc/rm vocabulary."""
+    freed = plan.freed_bytes if dry_run else plan.execute()
+    key = "snapshots_removed" if what == "rm" else "snapshots_evicted"
+    body: dict[str, Any] = {
+        key: list(plan.snapshot_ids),
+        "blobs_deleted": len(plan.blob_digests),
+        "bytes_freed": freed,
+        "dry_run": dry_run,
+    }
+    if what == "gc":  # the local store keeps no grace period: every unreferenced blob goes
+        body.update(blobs_in_grace=0, bytes_in_grace=0, grace_ends_at=None, grace_s=None)
     if as_json:
         emit_json(body)
         return
     verb = "would free" if dry_run else "freed"
     click.echo(
         f"{what}: {len(plan.snapshot_ids)} snapshots, {len(plan.blob_digests)} blobs; "
-        f"{verb} {mb(body['freed_bytes'])}"
+        f"{verb} {mb(freed)}"
     )
 
 
@@ -101,14 +110,19 @@ def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> Non
     metavar="[URL]",
     help="Run the server's GC instead of the local store's (URL default: $CACHEKEEPER_SERVER).",
 )
+@ca_bundle_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def gc_cmd(dry_run: bool, server: str | None, token: str | None, as_json: bool) -> None:
     """Delete local blobs that no stored snapshot references.
 
     With --server: the server's GC instead (admin scope): evict least recently used unpinned
-    snapshots down to the store cap, then delete blobs no snapshot references.
+    snapshots down to the store cap, then delete blobs no snapshot references and nothing
+    used within the server's grace period (gc_grace_s, 1 h by default: an upload waiting
+    for its publish, the blobs of a snapshot just removed). It says what it keeps and when
+    a later GC frees it, --dry-run too. --json keys are those of POST /v1/gc, for both.
     """
     if server is None:
         _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")
@@ -124,4 +138,18 @@ def gc_cmd(dry_run: bool, server: str | None, token: str | None, as_json: bool) 
     click.echo(
         f"server gc ({where}): {len(answer.snapshots_evicted)} snapshots evicted, "
         f"{answer.blobs_deleted} blobs; {verb} {mb(answer.bytes_freed)}"
+    )
+    if answer.blobs_in_grace:
+        click.echo(f"  {grace_line(answer)}")
+
+
+def grace_line(answer: GcAnswer) -> str:
+    """What a server GC keeps for now, and when a later one frees it."""
+    grace = f"{answer.grace_s / 3600:g} h" if answer.grace_s else "grace"
+    when = (answer.grace_ends_at or "?")[:19].replace("T", " ")
+    return (
+        f"kept: {answer.blobs_in_grace} unreferenced blobs ({mb(answer.bytes_in_grace)}) used"
+        f" within the last {grace} (the grace period, for uploads waiting to publish and"
+        f" snapshots just removed); a gc after {when} UTC frees them, unless a snapshot"
+        " references them again"
     )

@@ -374,7 +374,9 @@ def prejob_cmd(
     for problem in report.delta_problems:
         echo_err(f"cachekeeper: a harvested delta was not restored: {problem}")
     if report.cold:
-        echo_err(cold_line(report.reason or "unknown reason"))
+        echo_err(
+            cold_line(report.reason or "unknown reason", held_snapshot_id=report.held_snapshot_id)
+        )
         if strict:
             if as_json:
                 emit_json(report.to_dict())

@@ -14,7 +14,9 @@ import click
 from cachekeeper.cli._common import PathParam, device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.prewarm import progress_to_stderr
 from cachekeeper.devices import select_devices
+from cachekeeper.marker import recorded_conflicts
 from cachekeeper.report_text import format_verify
+from cachekeeper.store import LocalStore
 from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload
 
@@ -48,7 +50,9 @@ def verify_cmd(
     least one hit. Exit 0 when effective, 1 when not, 2 on error. A run that misses
     compiles what it misses, and Inductor adds those entries to the cache dir. A
     [[command]] runs in a fresh copy of the cache dir instead (the dir is not written),
-    and every process that compiled must be effective; the report names each rank.
+    and every process that compiled must be effective; the report names each rank. When
+    it is not effective, files a restore kept because they differ from its snapshot
+    (corrupt entries) are named, with the `restore --repair` that replaces them.
     """
     parsed = load_workload(workload)
     report = verify(
@@ -58,8 +62,20 @@ def verify_cmd(
         timeout_s=timeout_s,
         progress=progress_to_stderr,  # stderr even with --json: stdout is the report
     )
+    # A miss in a restored dir may be no fault of the workload: a restore kept files that
+    # differ from its snapshot (a corrupt entry), which then miss. Name them.
+    corrupt = {} if report.effective else recorded_conflicts(cache_dir)
     if as_json:
-        emit_json(report.to_dict())
+        emit_json({**report.to_dict(), "conflicts": corrupt})
     else:
         click.echo(format_verify(report))
+        local = {s.id for s in LocalStore().list()} if corrupt else set()
+        for snapshot_id, files in corrupt.items():
+            names = ", ".join(sorted(files)[:5]) + (", ..." if len(files) > 5 else "")
+            what = snapshot_id[:12] if snapshot_id in local else f"ARCHIVE_OF_{snapshot_id[:12]}"
+            click.echo(
+                f"  {len(files)} file(s) of snapshot {snapshot_id[:12]} in {cache_dir} differ"
+                f" from its manifest (corrupt entries? a restore kept them): {names}; replace"
+                f" them: cachekeeper restore {what} --cache-dir {cache_dir} --repair"
+            )
     sys.exit(report.exit_code)

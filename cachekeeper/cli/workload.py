@@ -19,6 +19,7 @@ from cachekeeper.cli._common import (
     json_option,
     open_client,
     server_option,
+    timeout_option,
     token_option,
 )
 from cachekeeper.wire import to_dict
@@ -36,6 +37,7 @@ def workload_cmd() -> None:
 @click.argument("file", type=PathParam(path_type=Path, dir_okay=False))
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def register_cmd(file: Path, server: str | None, token: str | None, as_json: bool) -> None:
@@ -55,6 +57,7 @@ def register_cmd(file: Path, server: str | None, token: str | None, as_json: boo
 @workload_cmd.command("ls")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def ls_cmd(server: str | None, token: str | None, as_json: bool) -> None:
@@ -76,6 +79,7 @@ def ls_cmd(server: str | None, token: str | None, as_json: bool) -> None:
 @click.argument("name")
 @server_option
 @token_option
+@timeout_option
 @json_option
 @handle_errors
 def rm_cmd(name: str, server: str | None, token: str | None, as_json: bool) -> None:

@@ -48,7 +48,15 @@ class GcRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class GcAnswer:
+    """What a GC evicted and freed (would, with ``dry_run``), and what it keeps for now:
+    unreferenced blobs used less than the grace period ago, which a GC after
+    ``grace_ends_at`` frees unless a snapshot references them again."""
+
     snapshots_evicted: tuple[str, ...]
     blobs_deleted: int
     bytes_freed: int
     dry_run: bool
+    blobs_in_grace: int = 0
+    bytes_in_grace: int = 0
+    grace_ends_at: str | None = None
+    grace_s: float | None = None  # the server's gc_grace_s

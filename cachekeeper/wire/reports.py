@@ -38,12 +38,19 @@ class JobReport:
     new_bytes: Count = 0
     started_at: Annotated[str, Check(max_length=64)] | None = None
     finished_at: Annotated[str, Check(max_length=64)] | None = None
+    # The job this report belongs to (``slurm:<job id>``, ``torchelastic:<run id>``, or the
+    # id the job's first prejob left in the cache dir): the reports of one job on one node
+    # (each rank's prejob, a postjob run twice) count as one job.
+    job: Annotated[str, Check(max_length=128)] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class JobReportAnswer:
     id: int
     at: str
+    # The report names a workload nobody registered and no snapshot names (a misspelt
+    # ``--workload``): why, with a did-you-mean. It is stored, and counts in no status row.
+    warning: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

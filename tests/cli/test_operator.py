@@ -146,7 +146,7 @@ def test_workload_snapshot_and_gc_commands_json_and_errors(
     dry = json.loads(run("gc", "--server", url, "--token", "ops-secret", "--dry-run", "--json"))
     assert dry["dry_run"] is True
     removed = json.loads(run("snapshots", "rm", manifest.id[:8], "--yes", *admin, "--json"))
-    assert removed == {"removed": [manifest.id]}
+    assert removed == {"snapshots_removed": [manifest.id]}
     assert json.loads(run("snapshots", "ls", *read, "--json")) == {"snapshots": []}
     done = json.loads(run("gc", "--server", url, "--token", "ops-secret", "--json"))
     assert done["dry_run"] is False and done["blobs_deleted"] == 1

@@ -50,16 +50,17 @@ def test_snapshot_inspect_restore_ls_rm_gc(ck_home: Path, cache: Path, tmp_path:
     assert by_id["written"] == 2
     assert (tmp_path / "e" / "ab.py").read_bytes() == b"print(1)"
 
-    rows = json.loads(run("ls", "--json"))
+    rows = json.loads(run("ls", "--json"))["snapshots"]
     assert [r["id"] for r in rows] == [sid]
     assert sid[:12] in run("ls")
 
     plan = json.loads(run("rm", sid, "--dry-run", "--json"))
-    assert plan["dry_run"] and plan["freed_bytes"] > 0
-    assert json.loads(run("ls", "--json")) != []
-    json.loads(run("rm", sid, "--yes", "--json"))
-    assert json.loads(run("ls", "--json")) == []
-    assert json.loads(run("gc", "--json"))["blob_count"] == 0
+    assert plan["dry_run"] and plan["bytes_freed"] > 0 and plan["snapshots_removed"] == [sid]
+    assert json.loads(run("ls", "--json"))["snapshots"] != []
+    done = json.loads(run("rm", sid, "--yes", "--json"))
+    assert done["bytes_freed"] == plan["bytes_freed"] and done["blobs_deleted"] == 2
+    assert json.loads(run("ls", "--json")) == {"snapshots": []}
+    assert json.loads(run("gc", "--json"))["blobs_deleted"] == 0
 
 
 def test_restore_reports_conflicts_but_exits_zero(

@@ -135,13 +135,16 @@ def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
     ).json()["status"]
     (row,) = [r for r in rows if r["jobs"]]
     jobs = row["jobs"]
-    assert jobs["restores"] == 1 and jobs["postjobs"] == 3
+    # three post-job runs after one prejob are one job's (issue 25: a job counts once)
+    assert jobs["restores"] == 1 and jobs["postjobs"] == 1
     assert jobs["compiled"] == 1 and jobs["compiled_after_restore"] == 1
     assert jobs["new_graphs"] == 2 and jobs["new_bytes"] == 1807
     assert "does not match training" in row["jobs_note"]
     assert "cachekeeper explain" in row["jobs_note"]
 
-    metrics = httpx.get(f"{authed_server.url}/metrics").text
+    metrics = httpx.get(
+        f"{authed_server.url}/metrics", headers={"Authorization": "Bearer read-token"}
+    ).text
     assert 'cachekeeper_job_new_entries_total{kind="fxgraph",workload="wl"} 1' in metrics
     assert re.search(
         r'cachekeeper_job_reports_total\{outcome="compiled",phase="postjob",workload="wl"\} 1',
@@ -263,3 +266,89 @@ def test_a_report_with_an_impossible_count_is_refused(authed_server: LiveServer)
         too_big = c.post("/v1/reports", json={**body, "new_bytes": 10**30})
         assert too_big.status_code == 422 and "new_bytes" in too_big.json()["detail"]
         assert c.post("/v1/reports", json={**body, "new_bytes": 2**48}).status_code == 201
+
+
+def test_a_harvested_delta_carries_its_parents_fingerprint(tmp_path: Path) -> None:
+    """One fingerprint per snapshot (issue 25): a node may match a snapshot and still differ
+    from its builder (a newer driver, the 'newer' policy); what it harvests is layered on
+    that snapshot and offered only with it, so it carries the parent's fingerprint. Under
+    the node's own it was never served (resolve offers deltas of the parent's digest)."""
+    built = {**collect(), "driver": "580.10"}
+    node = {**built, "driver": "590.1"}  # newer than the builder's: it matches
+    src = tmp_path / "src"
+    make_cache(src)
+    settings = Settings(data_dir=tmp_path / "data", tokens=TOKENS, serve_harvested=True)
+    with start_server(settings) as live:
+        with CacheClient(base_url=live.url, token="write-token") as client:
+            base = push(src, client=client, workload="wl", fingerprint=built)
+        node_a = tmp_path / "a"
+        pre = prejob(
+            workload="wl", server=live.url, token="read-token", cache_dir=node_a, fingerprint=node
+        )
+        assert pre.outcome == "restored", pre
+        compile_more(node_a, "d")
+        done = postjob(
+            workload="wl",
+            server=live.url,
+            token="write-token",
+            cache_dir=node_a,
+            fingerprint=node,
+            push=True,
+        )
+        assert done.pushed_snapshot_id is not None, done
+        with CacheClient(base_url=live.url, token="read-token") as client:
+            delta = client.get_manifest(done.pushed_snapshot_id)
+            parent = client.get_manifest(base.snapshot_id)
+            assert delta.fingerprint == parent.fingerprint and delta.parent == parent.id
+            offered = client.resolve(node, workload="wl")
+        assert [d.id for d in offered.deltas] == [done.pushed_snapshot_id]
+
+
+def test_a_job_is_counted_once_whatever_its_ranks_and_reruns_report(tmp_path: Path) -> None:
+    """Issue 25: a prolog run per rank counted every rank as a job, and postjob run twice
+    on one dir counted two; each report now names its job (client/reporting.job_id)."""
+    src = tmp_path / "src"
+    make_cache(src)
+    settings = Settings(data_dir=tmp_path / "data", tokens=TOKENS)
+    with start_server(settings) as live:
+        with CacheClient(base_url=live.url, token="write-token") as client:
+            client.register_workload("wl", toml("wl"))
+            push(src, client=client, workload="wl", fingerprint=collect())
+        cache = tmp_path / "node"
+
+        def jobs():
+            with CacheClient(base_url=live.url, token="read-token") as client:
+                (row,) = client.fleet_status(workload="wl")
+            return row.jobs
+
+        for _rank in range(3):  # one job, three ranks: one restores, two find it done
+            pre = prejob(workload="wl", server=live.url, token="read-token", cache_dir=cache,
+                         environ={})  # fmt: skip
+            assert pre.reported, pre
+        for _again in range(2):  # the epilog, and someone running it again by hand
+            assert postjob(workload="wl", server=live.url, token="read-token", cache_dir=cache,
+                           environ={}).reported  # fmt: skip
+        first = jobs()
+        assert (first.restores, first.postjobs, first.cold) == (1, 1, 0), first
+
+        # the next job on this node, after the window: a new job
+        stamp = cache / ".cachekeeper" / "job.json"
+        body = json.loads(stamp.read_text())
+        stamp.write_text(json.dumps({**body, "at": body["at"] - 3600}))
+        prejob(workload="wl", server=live.url, token="read-token", cache_dir=cache, environ={})
+        postjob(workload="wl", server=live.url, token="read-token", cache_dir=cache, environ={})
+        second = jobs()
+        assert (second.restores, second.postjobs) == (2, 2), second
+
+        # under SLURM the job id says it, across cache dirs and steps
+        for rank in range(2):
+            prejob(workload="wl", server=live.url, token="read-token",
+                   cache_dir=tmp_path / f"rank-{rank}", environ={"SLURM_JOB_ID": "4242"})  # fmt: skip
+        assert jobs().restores == 3
+        # a report without a job (an older client) is a job of its own
+        body = {"phase": "prejob", "outcome": "restored", "workload": "wl",
+                "fingerprint_digest": second.fingerprint_digest}  # fmt: skip
+        headers = {"Authorization": "Bearer read-token"}
+        for _ in range(2):
+            assert httpx.post(f"{live.url}/v1/reports", json=body, headers=headers).is_success
+        assert jobs().restores == 5

@@ -402,3 +402,31 @@ def test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold(tiny, tmp_pat
     assert report.cold and (report.reason or "").startswith("cache_dir_unusable: "), report
     assert (cache / ".cachekeeper").read_bytes() == b"someone's file"
     assert visible_files(cache) == set()
+
+
+def test_a_hung_server_over_a_restored_dir_says_the_job_uses_what_it_holds(tiny, tmp_path):
+    """Issue 25: with the server hung and the dir already restored, the hook said "this job
+    will compile cold", though the job hits what an earlier restore left."""
+    cache = tmp_path / "cache"
+    assert run_prejob("--server", tiny.url, "--cache-dir", str(cache)).returncode == 0
+
+    def stall(route: str, handler) -> bool:
+        time.sleep(30)
+        return False
+
+    tiny.behaviour = stall
+    proc = run_prejob(
+        "--server", tiny.url, "--cache-dir", str(cache), "--timeout", "2", "--json",
+        timeout=20,  # hang guard (10x the hook's timeout; the server stalls 30 s), not a speed claim
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "will compile cold" not in line, line
+    held = tiny.manifest.id
+    assert f"the cache dir still holds snapshot {held[:12]} from an earlier restore" in line
+    report = json.loads(proc.stdout)
+    assert report["outcome"] == "cold" and report["held_snapshot_id"] == held
+    # an empty dir under the same hung server is a cold start, said as one
+    empty = run_prejob("--server", tiny.url, "--cache-dir", str(tmp_path / "e"), "--timeout", "2",
+                       timeout=20)  # fmt: skip
+    assert "this job will compile cold" in empty.stderr, empty.stderr

@@ -13,7 +13,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cachekeeper import cpu
 from cachekeeper.errors import LinkInCacheDir
+from cachekeeper.fingerprint import collect
+from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import restore, restore_archive
 from cachekeeper.snapshot import (
     read_archive_manifest,
@@ -81,6 +84,30 @@ def test_snapshot_dedups_blobs_and_records_modes(tmp_path: Path) -> None:
     assert store.load_manifest(manifest.id) == manifest
     # the same dir again: same id, nothing new stored
     assert snapshot_dir(src, store=store, fingerprint=FP, workload="w").id == manifest.id
+
+
+def test_the_prewarm_records_cpu_state_wins_over_any_fingerprint_passed_in(
+    tmp_path: Path,
+) -> None:
+    """One fingerprint per snapshot, the one its caches were built with (issue 25): the
+    agent and push pass the caller's fingerprint, whose thread count is the shell's; the
+    children compiled with the workload's [process] omp_num_threads, recorded by prewarm."""
+    src = tmp_path / "src"
+    write(src, "fxgraph/ab/k/entry", b"graph")
+    caller = collect(environ={"OMP_NUM_THREADS": "2"})
+    children = cpu.with_threads(caller["cpu"], 1)
+    stats = {"verify": {"effective": True}}
+    record_prewarm(src, workload="w", workload_digest="d" * 64, devices=["cpu"], stats=stats,
+                   cpu=children)  # fmt: skip
+    store = LocalStore(home=tmp_path / "home")
+    for passed in (caller, None):
+        manifest = snapshot_dir(src, store=store, fingerprint=passed, workload="w")
+        assert manifest.fingerprint["cpu"] == children and manifest.verified
+        assert manifest.fingerprint == {**(passed or collect()), "cpu": children}
+    # no record (someone's own cache): the fingerprint passed in, as it is
+    other = tmp_path / "other"
+    write(other, "a", b"x")
+    assert snapshot_dir(other, store=store, fingerprint=caller).fingerprint == caller
 
 
 def test_devices_follow_triton_index_folders_on_gpu_builders(tmp_path: Path) -> None:

@@ -42,11 +42,8 @@ def _explain(snapshot_id: str, threads: str) -> tuple[int, dict[str, object]]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
 def test_thread_count_misses_and_a_declared_one_hits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shell_threads: None
 ) -> None:
-    pytest.importorskip("torch")
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CACHEKEEPER_TEST_FAKE_CUDA"):
-        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CACHEKEEPER_HOME", str(tmp_path / "home"))
     cache = tmp_path / "cache"
     declared = parse_workload(TINY + "\n[process]\nomp_num_threads = 1\n", source="t.toml")

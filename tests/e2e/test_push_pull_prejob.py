@@ -45,7 +45,8 @@ def ck(*args: str, server: str, token: str | None = "write-token", home: Path, *
 
 
 def counter(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    """A counter of the server's /metrics (read scope: a read token, ignored with auth off)."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer read-token"}).text
     return sum(
         float(m.group(1))
         for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, flags=re.MULTILINE)

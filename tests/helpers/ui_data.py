@@ -5,6 +5,9 @@ Used by tests/server/test_routes_ui.py and scripts/ui_screenshot.py (docs/status
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import replace
+
 import httpx
 
 from cachekeeper.fingerprint import digest_of
@@ -41,10 +44,13 @@ def seed(url: str) -> dict[str, str]:
         ):
             files = {f"fxgraph/{name}/{i}": bytes([i]) * size for i in range(3)}
             manifest, blobs = make_snapshot(files, workload=name, verified=verified)
+            # built from the TOML registered now, as a prewarm of it records
+            text = TOML.format(name=name, step="step").encode()
+            manifest = replace(manifest, workload_digest=hashlib.sha256(text).hexdigest())
             r = push(c, manifest, blobs)
             assert r.status_code == 201, r.text
             ids[name] = r.json()["id"]
-        # clip's TOML changes after its snapshot: the snapshot is stale
+        # clip's TOML changes after its snapshot: the snapshot is stale (another digest)
         r = c.put("/v1/workloads/clip", content=TOML.format(name="clip", step="step2"))
         assert r.status_code in (200, 201), r.text
         agent = c.post(

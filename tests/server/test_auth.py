@@ -53,9 +53,11 @@ def test_scopes(fresh_server, anonymous_read: bool) -> None:  # type: ignore[no-
                 else:
                     assert r.status_code == 403, (path, scope, r.text)
                     assert r.json()["error"] == "forbidden"
-        # health and metrics stay open for probes and scrapers
+        # health stays open for probes; metrics (workload names in labels) need read
         assert c.get("/healthz").status_code == 200
-        assert c.get("/metrics").status_code == 200
+        assert c.get("/metrics").status_code == (200 if anonymous_read else 401)
+        read = [t for t, scope in TOKENS.items() if scope == "read"][0]
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {read}"}).status_code == 200
         # a malformed header is a 401, not a crash
         r = c.get("/v1/snapshots", headers={"Authorization": "Basic abc"})
         assert r.status_code == 401
@@ -83,3 +85,10 @@ def test_token_parsing_and_repr(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
     monkeypatch.delenv("CACHEKEEPER_TOKENS")
     monkeypatch.setenv("CACHEKEEPER_HOME", str(tmp_path / "home"))
     assert Settings().data_dir == tmp_path / "home" / "server"
+
+
+def test_metrics_are_public_only_when_the_operator_says_so(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    """Issue 25: /metrics answered anyone, and its labels name the workloads."""
+    live = fresh_server(tokens=TOKENS, metrics_public=True)
+    assert httpx.get(f"{live.url}/metrics").status_code == 200
+    assert httpx.get(f"{live.url}/v1/snapshots").status_code == 401  # only metrics opened

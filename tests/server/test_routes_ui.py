@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.ui_view import STALE_AFTER_S, _state
 
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ui_data import ADMIN, DIGEST, EXPECTED, TOKENS, seed
@@ -196,20 +194,25 @@ def test_page_is_open_with_auth_off(tmp_path: Path) -> None:
         assert "no snapshots stored yet" in r.text
 
 
-def test_a_build_whose_agent_went_silent_is_stale() -> None:
-    """The one state that needs a clock: ``building`` with its agent unseen for too long."""
-    seen = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    row = {"status": "building", "agents": ["builder-a"], "last_event": None}
+def test_two_environments_that_differ_only_in_cpu_threads_are_told_apart(
+    tmp_path: Path,
+) -> None:
+    """Issue 25: the header showed torch, Triton, CUDA, driver and GPUs only, so a 1-thread
+    and a 2-thread CPU environment (torchrun's ranks and a plain shell) looked the same."""
+    from cachekeeper import cpu
+    from cachekeeper.fingerprint import collect
 
-    def state(minutes_later: int) -> str:
-        return _state(
-            row,
-            None,
-            workload_updated_at=None,
-            agents_seen={"builder-a": seen},
-            now=seen + timedelta(minutes=minutes_later),
-            stale_after_s=STALE_AFTER_S,
-        )[0]
-
-    assert state(1) == "building"
-    assert state(STALE_AFTER_S // 60 + 1) == "stale"
+    base = collect(environ={"OMP_NUM_THREADS": "2"})
+    with start_server(Settings(data_dir=tmp_path / "data")) as live:
+        for name, threads in (("one", 1), ("two", 2)):
+            fingerprint = dict(base, cpu=cpu.with_threads(base["cpu"], threads))
+            agent = {"name": name, "fingerprint": fingerprint, "devices": ["cpu"]}
+            httpx.post(f"{live.url}/v1/agents", json=agent).raise_for_status()
+        httpx.put(
+            f"{live.url}/v1/workloads/w", content='name = "w"\n[[entrypoint]]\ntarget = "p.m:f"\n'
+        ).raise_for_status()
+        page = httpx.get(f"{live.url}/ui").text
+    headers = re.findall(r'<th class="env">(.*?)</th>', page, re.S)
+    assert len(headers) == 2 and headers[0].split("<br>", 1)[1] != headers[1].split("<br>", 1)[1]
+    assert any("CPU 1 thread" in h and "CPU 2 threads" not in h for h in headers), headers
+    assert any("CPU 2 threads" in h for h in headers), headers
