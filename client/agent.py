@@ -68,6 +68,7 @@ from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.prewarm import prewarm, promote
+from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.store import LocalStore
 from cachekeeper.workload import Workload, parse_workload
 
@@ -365,10 +366,12 @@ class _Builder:
         # and its events name.
         self.agent_fingerprint, self.agent_digest = fingerprint, digest
 
-    def _built_with(self, workload: Any) -> None:
+    def _built_with(self, workload: Any, cpu_state: dict[str, Any] | None = None) -> None:
         """Take the fingerprint of what a build of ``workload`` compiles: the agent's, with
-        the CPU state of its children (its ``[process] omp_num_threads``)."""
-        cpu_state = child_cpu_state(workload.omp_num_threads)
+        the CPU state of its children (its ``[process] omp_num_threads``), or ``cpu_state``
+        (what a command's processes compiled under: its launcher decides)."""
+        if cpu_state is None:
+            cpu_state = child_cpu_state(workload.omp_num_threads)
         self.fingerprint = {**self.agent_fingerprint, "cpu": cpu_state}
         self.digest = digest_of(self.fingerprint)
 
@@ -395,7 +398,7 @@ class _Builder:
     def _skip_or_build(self, name: str, started: float) -> WorkloadOutcome:
         workload = parse_workload(self.client.get_workload(name), source=f"{name} (server)")
         self._built_with(workload)
-        warm = self._warm_snapshot(name, workload.digest)
+        warm = self._warm_snapshot(workload)
         if warm is not None:
             assert warm.snapshot_id is not None
             promoted = self._promote_harvests(workload, warm, started)
@@ -416,16 +419,37 @@ class _Builder:
         self.say(f"{name}: building on {' and '.join(x for x in (where, commands) if x)}")
         return self._build(workload, started)
 
-    def _warm_snapshot(self, name: str, workload_digest: str) -> Resolution | None:
+    def _warm_snapshot(self, workload: Workload) -> Resolution | None:
         """The resolve answer naming a verified snapshot of this very workload text for
-        us, or None."""
+        us, or None.
+
+        A command's processes compile under the CPU state their launcher gives them
+        (torchrun: one thread per rank), which the agent cannot know before it ran them:
+        when the only difference from a verified snapshot is ``cpu``, that snapshot's is
+        taken (it was built here, by this workload's command) and asked again.
+        """
+        name = workload.name
         found = self.client.resolve(
             self.fingerprint, workload=name, devices=list(self.options.devices)
         )
+        if workload.commands and (found.snapshot_id is None or not found.verified):
+            near = next(
+                (
+                    n
+                    for n in found.near_misses
+                    if n.snapshot.verified and [m.field for m in n.mismatches] == ["cpu"]
+                ),
+                None,
+            )
+            if near is not None and isinstance(near.mismatches[0].snapshot, dict):
+                self._built_with(workload, near.mismatches[0].snapshot)
+                found = self.client.resolve(
+                    self.fingerprint, workload=name, devices=list(self.options.devices)
+                )
         if found.snapshot_id is None or not found.verified:
             return None
         manifest = self.client.get_manifest(found.snapshot_id)
-        if manifest.workload_digest not in (None, workload_digest):
+        if manifest.workload_digest not in (None, workload.digest):
             self.say(f"{name}: the workload changed since snapshot {found.snapshot_id[:12]}")
             return None
         return found
@@ -513,6 +537,10 @@ class _Builder:
                 )
                 if report.status != "verified":
                     return self._unbuilt(name, report, started)
+                if workload.commands:  # its processes' CPU state: the snapshot's, the events'
+                    record = load_prewarm_record(cache_dir, name) or {}
+                    if isinstance(record.get("cpu"), dict):
+                        self._built_with(workload, record["cpu"])
                 self.say(f"{name}: verified; pushing")
                 pushed = push(
                     cache_dir,

@@ -20,6 +20,13 @@ fingerprint digest:
   ``detail`` names what);
 - ``missing``: nothing was built for the pair (or the snapshot a report named is gone).
 
+A pair whose newest fact is an agent's report is dropped when the same agent reported on
+the same workload later under another digest and the pair holds no snapshot and no job
+report: a command's
+processes compile under the CPU state their launcher gives them, which the agent learns
+only by running them, so its first report (``refused``, ``building``, a failure) can name
+the digest of its own children and the next ones the digest of what the command built.
+
 ``stale`` says, on a ``warm`` or ``building`` row, why that state is out of date: the
 registered workload's digest is not the one its snapshot was built from (the workload file
 changed since: the agent rebuilds it; an identical re-registration changes nothing), or
@@ -136,6 +143,7 @@ def fleet_status(
     pairs |= {key for key in facts.verified if key[0] in facts.workloads}
     pairs |= {key for key in facts.unverified if key[0] in facts.workloads}
     pairs |= {key for key in facts.jobs if key[0] in facts.workloads}
+    pairs -= _superseded(facts)
     rows = []
     for w, d in sorted(pairs):
         if (workload is not None and w != workload) or (
@@ -186,3 +194,20 @@ def harvest_note(count: int, *, serve_harvested: bool) -> str | None:
         " nodes (serve --serve-harvested); an agent promotes them into a verified snapshot"
         " only for a workload with a [[command]]"
     )
+
+
+def _superseded(facts: StatusFacts) -> set[tuple[str, str]]:
+    """Pairs whose newest report an agent superseded by a later report on the same workload
+    under another digest, and that hold no snapshot (see the module docstring)."""
+    newest: dict[tuple[str, str], int] = {}  # (agent id, workload) -> its newest event's id
+    for (w, _d), event in facts.latest.items():
+        key = (event.agent_id, w)
+        newest[key] = max(newest.get(key, event.id), event.id)
+    return {
+        (w, d)
+        for (w, d), event in facts.latest.items()
+        if event.id < newest[(event.agent_id, w)]
+        and (w, d) not in facts.verified
+        and (w, d) not in facts.unverified
+        and (w, d) not in facts.jobs
+    }

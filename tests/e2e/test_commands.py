@@ -70,15 +70,21 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _ck(*args: str, home: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+def _ck(
+    *args: str, home: Path, env: dict[str, str] | None = None, **extra: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [CK, *args], capture_output=True, text=True, env=_env(home, **extra), timeout=900
+        [CK, *args], capture_output=True, text=True, env=env or _env(home, **extra), timeout=900
     )
 
 
 def _agent(live: LiveServer, work: Path, *allow: str) -> tuple[dict[str, Any], str]:
+    # The agent runs with the builder's own thread count (2 here): what the command's ranks
+    # compile with (1 each, from torchrun) is only known once they ran.
+    env = _env(work.parent)
+    env.pop("OMP_NUM_THREADS")
     proc = _ck("agent", "--server", live.url, "--once", "--device", "cpu", "--json",
-               "--work-dir", str(work), *allow, home=work.parent)  # fmt: skip
+               "--work-dir", str(work), *allow, home=work.parent, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
     return json.loads(line), proc.stderr
@@ -148,8 +154,17 @@ def test_an_agent_runs_no_command_its_operator_did_not_allow(
     assert httpx.get(f"{live.url}/v1/snapshots").json()["snapshots"] == []
 
 
-def test_the_agent_builds_a_command_workload_verified_per_rank(built: dict[str, Any]) -> None:
+def test_the_agent_builds_a_command_workload_verified_per_rank(
+    live: LiveServer, built: dict[str, Any]
+) -> None:
     assert built["status"] == "built", built
+    # one fingerprint: the snapshot's (the ranks' one thread each) is the one the agent
+    # reported under, so the pair is one warm row, not a warm row and a phantom
+    (row,) = [
+        r for r in httpx.get(f"{live.url}/v1/status").json()["status"] if r["workload"] == "block"
+    ]
+    assert row["status"] == "warm" and row["snapshot_id"] == built["snapshot_id"], row
+    assert row["fingerprint_digest"] == built["fingerprint_digest"]
     prewarm = built["prewarm"]
     (cold,) = prewarm["commands"]
     assert cold["status"] == "ok" and cold["exit_code"] == 0

@@ -93,3 +93,29 @@ def test_an_agent_building_under_its_childrens_fingerprint_has_one_row() -> None
         (A, "failed"),
         (B, "warm"),
     ]
+
+
+def test_an_agents_later_report_under_another_digest_supersedes_its_earlier_one() -> None:
+    """A command workload: the agent refused it under its children's digest (A), then,
+    allowed, built it under the digest of what the command's ranks compiled with (B). One
+    row, warm; the refused one is gone. A report of another agent is never superseded."""
+    refused = EventOut(**{**event("refused", digest=A).__dict__, "id": 1})
+    built = EventOut(**{**event("built", digest=B, snapshot=SNAP).__dict__, "id": 2})
+    both = facts(
+        latest={("w", A): refused, ("w", B): built},
+        stored=frozenset({SNAP}),
+        verified={("w", B): (SNAP, AT)},
+    )
+    rows = fleet_status(both)
+    assert [(r.fingerprint_digest, r.status) for r in rows] == [(B, "warm")]
+    other = EventOut(**{**refused.__dict__, "agent_id": "agent-2"})
+    kept = facts(
+        latest={("w", A): other, ("w", B): built},
+        stored=frozenset({SNAP}),
+        verified={("w", B): (SNAP, AT)},
+        agent_of={"agent-1": ("builder", A), "agent-2": ("builder-2", A)},
+    )
+    assert {(r.fingerprint_digest, r.status) for r in fleet_status(kept)} == {
+        (A, "refused"),
+        (B, "warm"),
+    }
