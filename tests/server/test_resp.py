@@ -216,7 +216,7 @@ def test_garbage_closes_that_connection_only(tier: LiveServer) -> None:
 
 
 def test_the_tier_shows_in_metrics(tier: LiveServer) -> None:
-    text = httpx.get(f"{tier.url}/metrics").text
+    text = httpx.get(f"{tier.url}/metrics", headers={"Authorization": "Bearer tier-read"}).text
     assert "cachekeeper_remote_cache_keys " in text
     assert 'cachekeeper_remote_cache_gets_total{result="hit"}' in text
 
