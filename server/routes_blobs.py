@@ -25,7 +25,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
-from .auth import ReadScope, WriteScope
+from .auth import ReadScope, WriteScope, covers
 from .deps import StorageDep, metrics_of, storage_of
 from .limits import Reservation, StoreRoom, store_room, upload_limiter
 from .responses import error_responses
@@ -41,10 +41,12 @@ _END, _ABORT = object(), object()
 
 
 @router.post("/missing", response_model=MissingAnswer)
-def missing_blobs(body: MissingRequest, storage: StorageDep, _: ReadScope) -> dict[str, Any]:
-    """Which of ``digests`` the server does not have (and, with an object store, where to PUT them)."""
+def missing_blobs(body: MissingRequest, storage: StorageDep, scope: ReadScope) -> dict[str, Any]:
+    """Which of ``digests`` the server does not have; with an object store and a write-scope
+    token, also where to PUT them (a presigned PUT writes into the bucket: never for read)."""
     missing = storage.missing_blobs(body.digests)
-    return {"missing": missing, "uploads": storage.upload_targets(missing)}
+    uploads = storage.upload_targets(missing) if covers(scope, "write") else []
+    return {"missing": missing, "uploads": uploads}
 
 
 class _Aborted(Exception):
