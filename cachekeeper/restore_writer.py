@@ -31,12 +31,13 @@ import threading
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from cachekeeper._proc import pid_alive
 from cachekeeper.blobstore import CHUNK_BYTES
+from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import BlobTooLarge, DigestMismatch
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.marker import STATE_DIR
@@ -288,12 +289,14 @@ class Writer:
         self.conflicts: list[str] = []
         self._folders = _Folders(cache_dir)
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
+        # Daemon threads (cachekeeper.daemon_pool): a writer stuck on a hung filesystem
+        # never keeps the pre-job hook's process alive past its deadline.
+        self._pool = DaemonPool(min(8, (os.cpu_count() or 2) * 2), name="ck-restore")
         self._futures: deque[Future[None]] = deque()
         self._noreplace = True  # renameat2(RENAME_NOREPLACE) until it proves unsupported
         # One publisher thread: a batch is flushed to disk and linked into place while the
         # main thread decompresses and writes the next one (at most one batch in flight).
-        self._publisher = ThreadPoolExecutor(max_workers=1)
+        self._publisher = DaemonPool(1, name="ck-publish")
         self._publishing: Future[None] | None = None
 
     def _tmp(self) -> Path:

@@ -71,6 +71,10 @@ __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 Resolution = ResolveAnswer  # the client's name for the resolve answer (public since 0.1)
 _Shape = TypeVar("_Shape")
 
+# The most bytes a JSON answer may have (a manifest's: MANIFEST_MAX_BYTES): a server that
+# sends more is refused, so the hook's memory stays bounded whatever it is sent.
+ANSWER_MAX_BYTES = 64 << 20
+MANIFEST_MAX_BYTES = 512 << 20  # 200,000 files are about 50 MB of manifest
 # Answers worth another try: the server or a proxy in front of it is briefly unwell.
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _MAX_BACKOFF_S = 2.0
@@ -223,9 +227,13 @@ class CacheClient:
 
     def get_manifest(self, snapshot_id: str, *, deadline: Deadline | None = None) -> Manifest:
         """The manifest of ``snapshot_id``, validated, and checked to have that id."""
-        answer = _json_object(
-            self._send("GET", f"/v1/snapshots/{snapshot_id}", deadline=deadline), "manifest"
+        response = self._send(
+            "GET",
+            f"/v1/snapshots/{snapshot_id}",
+            deadline=deadline,
+            max_answer_bytes=MANIFEST_MAX_BYTES,
         )
+        answer = _json_object(response, "manifest")
         manifest = Manifest.from_dict(answer)
         if manifest.id != snapshot_id:
             raise ServerError(f"server sent a manifest with id {manifest.id} for {snapshot_id}")
@@ -406,14 +414,18 @@ class CacheClient:
         stream: bool = False,
         deadline: Deadline | None = None,
         timeout_s: float | None = None,
+        max_answer_bytes: int = ANSWER_MAX_BYTES,
     ) -> httpx.Response:
         """One request with retries; returns a 2xx response or raises a CachekeeperError.
 
         Each attempt waits ``timeout_s`` (default: the client's) at most, bounded by
-        ``deadline``."""
+        ``deadline``. Unless ``stream``, the answer is read here, checked against the
+        deadline as it arrives (a server trickling a byte a second cannot hold a call past
+        it) and refused past ``max_answer_bytes`` (a ServerError: memory stays bounded)."""
         httpx = _import_httpx()
         deadline = deadline or Deadline(None)
         url = f"{self.base_url}{path}"
+        shown = url
         attempt = 0
         while True:
             timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
@@ -427,9 +439,16 @@ class CacheClient:
                     headers=headers,
                     timeout=httpx.Timeout(timeout),
                 )
-                response = self._http.send(request, stream=stream)
+                response = self._http.send(request, stream=True)
+                if not (stream and response.is_success):
+                    response = _read_answer(
+                        response,
+                        limit=max_answer_bytes,
+                        deadline=deadline,
+                        what=f"{method} {shown}",
+                    )
             except httpx.TransportError as exc:
-                reason = f"{method} {url} failed: {_describe(exc)}"
+                reason = f"{method} {shown} failed: {_describe(exc)}"
                 if self._backoff(attempt, deadline):
                     attempt += 1
                     continue
@@ -443,14 +462,7 @@ class CacheClient:
                 continue
             if response.is_success:
                 return response
-            try:
-                if stream:
-                    response.read()
-            except httpx.TransportError as exc:
-                raise ServerUnavailable(f"{method} {url} failed: {_describe(exc)}") from exc
-            finally:
-                response.close()
-            raise _error_from(response, method=method, url=url, sent_token=self._has_token)
+            raise _error_from(response, method=method, url=shown, sent_token=self._has_token)
 
     def _backoff(self, attempt: int, deadline: Deadline) -> bool:
         """Sleep before retry ``attempt + 1``; False when retries or time are used up."""
@@ -462,6 +474,36 @@ class CacheClient:
             return False
         time.sleep(delay)
         return True
+
+
+def _read_answer(
+    response: httpx.Response, *, limit: int, deadline: Deadline, what: str
+) -> httpx.Response:
+    """``response`` read whole, as a new (closed) response; ServerUnavailable once the
+    deadline passes, ServerError past ``limit`` bytes. TransportErrors pass through."""
+    httpx = _import_httpx()
+    data = bytearray()
+    try:
+        for chunk in response.iter_bytes():
+            if deadline.expired:
+                raise ServerUnavailable(
+                    f"{what}: the answer passed the {deadline.seconds:g} s deadline"
+                    f" ({len(data)} bytes in)"
+                )
+            data += chunk
+            if len(data) > limit:
+                raise ServerError(f"{what}: the answer is over {limit} bytes; refused")
+    finally:
+        response.close()
+    # The bytes are decoded already: the new response must not decode them again.
+    kept = [
+        (k, v)
+        for k, v in response.headers.multi_items()
+        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+    ]
+    return httpx.Response(
+        response.status_code, headers=kept, content=bytes(data), request=response.request
+    )
 
 
 class _ResponseReader(io.RawIOBase):

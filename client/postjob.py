@@ -15,7 +15,9 @@ and counts the rest by kind:
 
 A job whose FX-graph, AOTAutograd or Triton count is not zero ``compiled``; otherwise it is
 ``clean``. The outcome is reported to the server (``POST /v1/reports``) under the same
-best-effort rules as the pre-job hook: nothing here raises for a server or a cache-dir
+best-effort rules as the pre-job hook (``timeout_s`` bounds the fingerprint and the report
+together, in wall time, whatever the server or the GPU driver does; ``push``'s upload has
+its own bound, the larger of ``timeout_s`` and 30 s per request): nothing here raises for a server or a cache-dir
 problem (``error`` says what), nothing is deleted, and the only file written is our own
 ``.cachekeeper/postjob.json`` (after a report the server stored, or with no server), so the
 next job on this node counts only what it compiles itself.
@@ -32,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
-from cachekeeper.errors import CachekeeperError
+from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.marker import STATE_DIR
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
+from .calls import Deadline
 from .reporting import node_name, send_report, utc_now
 
 __all__ = [
@@ -257,9 +260,20 @@ def postjob(
 
     started = time.monotonic()
     started_at = utc_now()
+    deadline = Deadline(timeout_s)  # the fingerprint and the report share it
     env = os.environ if environ is None else environ
     if fingerprint is None:
-        fingerprint = collect(environ=env)
+        try:  # a hung NVML or nvidia-smi gets the deadline, no more
+            fingerprint = collect(environ=env, gpu_timeout_s=deadline.remaining() or 0.0)
+        except FingerprintUnavailable as exc:
+            return PostjobReport(
+                workload=workload,
+                cache_dir="" if cache_dir is None else str(cache_dir),
+                outcome="error",
+                elapsed_s=time.monotonic() - started,
+                fingerprint_digest="",
+                error=f"cannot fingerprint this node: {exc.detail}",
+            )
     digest = digest_of(fingerprint)
     if cache_dir is None:
         explicit = env.get("TORCHINDUCTOR_CACHE_DIR")
@@ -297,7 +311,7 @@ def postjob(
             finished_at=utc_now(),
         ),
         token=token,
-        timeout_s=timeout_s,
+        timeout_s=deadline.remaining() or 0.0,
     )
     warning = None
     pushed = None

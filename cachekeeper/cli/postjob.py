@@ -34,7 +34,7 @@ __all__ = ["postjob_cmd"]
 )
 @click.option(
     "--cache-dir",
-    type=PathParam(file_okay=False, path_type=Path),
+    type=PathParam(path_type=Path),  # a file here is a one-line error, not a usage error
     help="Cache dir the job used (default: as prejob's: $TORCHINDUCTOR_CACHE_DIR, else the "
     "persistent per-environment dir).",
 )
@@ -47,7 +47,7 @@ __all__ = ["postjob_cmd"]
     type=float,
     default=REPORT_TIMEOUT_S,
     show_default=True,
-    help="Give up reporting after this many seconds.",
+    help="Give up (fingerprint and report) after this many seconds in all.",
 )
 @click.option(
     "--strict", is_flag=True, help="Exit non-zero when nothing could be counted or reported."

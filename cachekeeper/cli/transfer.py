@@ -283,7 +283,7 @@ def pull_cmd(
 @workload_option
 @click.option(
     "--cache-dir",
-    type=PathParam(file_okay=False, path_type=Path),
+    type=PathParam(path_type=Path),  # a file here is the hook's cold start, not a usage error
     help="Cache dir (default: $TORCHINDUCTOR_CACHE_DIR, else a persistent "
     "~/.cache/cachekeeper/inductor/<fingerprint>/ dir, under $CACHEKEEPER_HOME when set).",
 )
