@@ -35,8 +35,7 @@ from typing import Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
-from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.marker import STATE_DIR
+from cachekeeper.marker import STATE_DIR, read_markers, state_dir
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
@@ -91,22 +90,14 @@ class CacheDiff:
         return any(self.entries[k] for k in ("fxgraph", "aotautograd", "triton"))
 
 
-def _markers(state: Path) -> list[tuple[float, str, list[list[Any]]]]:
-    """(mtime, snapshot id, files) of every readable restore marker."""
+def _markers(cache_dir: Path) -> list[tuple[float, str, list[list[Any]]]]:
+    """(mtime, snapshot id, files) of every readable restore marker, oldest first."""
     out = []
-    folder = state / "restored"
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        try:
-            path = folder / name
-            body = json.loads(path.read_bytes())
-            out.append((path.stat().st_mtime, str(body["id"]), list(body["files"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a marker being written, or not ours: it is not a baseline
-    return sorted(out)
+    for mtime, body in read_markers(cache_dir):
+        files = body.get("files")
+        if "id" in body and isinstance(files, list):  # else not ours: it is not a baseline
+            out.append((mtime, str(body["id"]), files))
+    return out
 
 
 def diff_cache(cache_dir: Path) -> CacheDiff:
@@ -116,21 +107,15 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     """
     root = Path(cache_dir)
     present = {rel: path for rel, path, _mode in scan_dir(root)}
-    state = root / STATE_DIR
     baseline: set[str] = set()
     snapshot_id = None
-    markers = _markers(state)
-    for _mtime, marker_id, files in markers:
-        paths = {str(p) for p, _size in files}
+    for _mtime, marker_id, files in _markers(root):
+        paths = {str(entry[0]) for entry in files}
         baseline |= paths
         if paths <= present.keys():
             snapshot_id = marker_id  # the newest complete one wins (sorted by mtime)
     restored = len(baseline)
-    try:
-        seen = json.loads((state / SEEN_FILE).read_bytes())
-        baseline |= {str(p) for p in seen["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no earlier post-job count (or an unreadable one): count from the restores
+    baseline |= _seen(root)  # what an earlier post-job counted
     new: list[tuple[str, int]] = []
     entries: dict[str, set[str]] = {k: set() for k in KINDS}
     kind_bytes = dict.fromkeys(KINDS, 0)
@@ -152,17 +137,25 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     )
 
 
-def _record_seen(cache_dir: Path, diff: CacheDiff) -> None:
-    """Remember what this post-job counted, so the next one counts only its own job's."""
-    state = Path(cache_dir) / STATE_DIR
-    path = state / SEEN_FILE
+def _seen(cache_dir: Path) -> set[str]:
+    """The paths earlier post-jobs counted (none when unrecorded or unreadable)."""
     try:
-        files = set(json.loads(path.read_bytes())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        files = set()
-    files |= {p for p, _size in diff.new_files}
-    state.mkdir(exist_ok=True)
-    atomic_write_text(path, json.dumps({"at": utc_now(), "files": sorted(files)}))
+        with state_dir(cache_dir, create=False) as state:
+            seen = json.loads(state.read_file(SEEN_FILE) or b"")
+        return {str(p) for p in seen["files"]}
+    except (OSError, ValueError, KeyError, TypeError, CachekeeperError):
+        return set()
+
+
+def _record_seen(cache_dir: Path, diff: CacheDiff) -> None:
+    """Remember what this post-job counted, so the next one counts only its own job's.
+
+    Written through ``marker.StateDir``: a link planted in ``.cachekeeper/`` is never
+    followed (a planted one is ``CacheDirUnusable``)."""
+    files = _seen(cache_dir) | {p for p, _size in diff.new_files}
+    body = json.dumps({"at": utc_now(), "files": sorted(files)}).encode()
+    with state_dir(cache_dir, create=True) as state:
+        state.write_file(SEEN_FILE, body)
 
 
 @dataclass(frozen=True)
@@ -329,8 +322,9 @@ def postjob(
     if reported or not (report and server):
         try:
             _record_seen(target, diff)
-        except OSError as exc:  # a read-only cache dir: the count still stands
-            warning = f"cannot record the count in {target / STATE_DIR}: {exc}"
+        except (OSError, CachekeeperError) as exc:  # a read-only cache dir: the count stands
+            detail = exc.detail if isinstance(exc, CachekeeperError) else str(exc)
+            warning = f"cannot record the count in {target / STATE_DIR}: {detail}"
     return PostjobReport(
         workload=workload,
         cache_dir=str(target),

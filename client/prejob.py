@@ -101,6 +101,9 @@ class PrejobReport:
     reported: bool = False  # the server stored this outcome (POST /v1/reports)
     deltas: tuple[str, ...] = ()  # harvested deltas restored after the snapshot
     delta_problems: tuple[str, ...] = ()  # deltas not restored, one line each (why)
+    # Files of the snapshot found in the dir with other bytes, kept as they were (a file
+    # changed since a restore is no longer "already restored": this is where it shows).
+    conflicts: tuple[str, ...] = ()
 
     @property
     def cold(self) -> bool:
@@ -120,6 +123,7 @@ class PrejobReport:
             "reported": self.reported,
             "deltas": list(self.deltas),
             "delta_problems": list(self.delta_problems),
+            "conflicts": list(self.conflicts),
         }
 
 
@@ -159,6 +163,7 @@ class _Outcome:
     error: CachekeeperError | None = None
     deltas: tuple[str, ...] = ()
     delta_problems: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
 
 
 def _work(
@@ -222,6 +227,7 @@ def _work(
             )
         result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
         result.deltas, result.delta_problems = done.deltas, done.delta_problems
+        result.conflicts = done.conflicts
     except CachekeeperError as exc:
         result.error = exc
     except OSError as exc:  # an unwritable or full cache dir: the job still runs, cold
@@ -339,6 +345,7 @@ def prejob(
         reported=reported,
         deltas=result.deltas,
         delta_problems=result.delta_problems,
+        conflicts=result.conflicts,
     )
 
 

@@ -359,6 +359,12 @@ def prejob_cmd(
     lines = export_lines(report.exports)
     for problem in report.delta_problems:
         echo_err(f"cachekeeper: a harvested delta was not restored: {problem}")
+    if report.conflicts:
+        echo_err(
+            f"cachekeeper: warning: {len(report.conflicts)} file(s) in {report.cache_dir} differ"
+            f" from snapshot {(report.snapshot_id or '')[:12]} and were kept as they were"
+            f" (first: {report.conflicts[0]}); check who changed them"
+        )
     if report.cold:
         echo_err(cold_line(report.reason or "unknown reason"))
         if strict:
