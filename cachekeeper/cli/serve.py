@@ -85,6 +85,7 @@ def serve_cmd(
         import uvicorn
 
         from cachekeeper.server.app import create_app  # optional: needs cachekeeper[server]
+        from cachekeeper.server.connections import bounded_http  # same
         from cachekeeper.server.data_lock import lock_data_dir  # same
         from cachekeeper.server.settings import (  # same
             check_data_dir,
@@ -136,4 +137,10 @@ def serve_cmd(
         f" auth {'on' if settings.auth_enabled else 'off'})",
         err=True,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        **bounded_http(settings),  # header time, a connection cap, the open-file limit raised
+    )
