@@ -191,8 +191,18 @@ class Transaction(FleetWrites):
         if self._one(sql, [snapshot_id]) is None:
             return False
         self.db.execute("DELETE FROM snapshot_blobs WHERE snapshot_id = ?", [snapshot_id])
+        self.db.execute("DELETE FROM archive_objects WHERE snapshot_id = ?", [snapshot_id])
         self.db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
         return True
+
+    def record_archive(self, snapshot_id: str, *, etag: str, size_bytes: int) -> None:
+        """The object-store archive of ``snapshot_id`` as this server wrote it."""
+        self.db.execute(
+            "INSERT INTO archive_objects (snapshot_id, etag, size_bytes) VALUES (?, ?, ?)"
+            " ON CONFLICT(snapshot_id) DO UPDATE SET etag = excluded.etag,"
+            " size_bytes = excluded.size_bytes",
+            [snapshot_id, etag, size_bytes],
+        )
 
     def manifest_text(self, snapshot_id: str) -> str | None:
         found = self.db.execute("SELECT manifest FROM snapshots WHERE id = ?", [snapshot_id])
@@ -409,6 +419,11 @@ class Catalog(FleetReads):
                 fingerprint = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
             out.append(Candidate(summary=_summary(row), fingerprint=fingerprint))
         return out
+
+    def archive_etag(self, snapshot_id: str) -> str | None:
+        """The ETag of the archive object this server wrote for ``snapshot_id``, if any."""
+        found = self._rows("SELECT etag FROM archive_objects WHERE snapshot_id = ?", [snapshot_id])
+        return str(found[0]["etag"]) if found else None
 
     def snapshot_blobs(self, snapshot_id: str) -> dict[str, int]:
         """{digest: uncompressed size} of a snapshot's distinct blobs."""

@@ -19,6 +19,10 @@ Tables::
                     new_other, new_bytes, started_at, finished_at, at (received)
     quarantine      id, at, reason, manifest: snapshots the start-up check took out of
                     service because blobs they reference are gone (re-push to restore)
+    archive_objects snapshot_id, etag, size_bytes: the object-store archive as this server
+                    wrote it at publish; an object whose ETag differs was changed behind
+                    the server's back (a re-push packs it again; the archive route then
+                    builds the stream from the blobs instead)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
                     skipped, cold_compile_broken, failed (see server/fleet.py)
 
@@ -189,6 +193,12 @@ def _create_quarantine(db: sqlite_utils.Database) -> None:
     )
 
 
+def _create_archive_objects(db: sqlite_utils.Database) -> None:
+    db.table("archive_objects").create(
+        {"snapshot_id": str, "etag": str, "size_bytes": int}, pk="snapshot_id", if_not_exists=True
+    )
+
+
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,
@@ -198,4 +208,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_job_reports,
     _add_harvest_columns,
     _create_quarantine,
+    _create_archive_objects,
 ]
