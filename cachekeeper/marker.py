@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cachekeeper.errors import CacheDirUnusable
-from cachekeeper.manifest import Manifest, is_digest
+from cachekeeper.manifest import STATE_DIR, Manifest, is_digest
 from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
@@ -59,7 +59,6 @@ __all__ = [
     "read_markers",
 ]
 
-STATE_DIR = ".cachekeeper"
 FOLDER_MODE = 0o755  # what cachekeeper makes: never writable by group or others
 FILE_MODE = 0o644
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -22,8 +22,9 @@ The rules, and how this module keeps them:
   skipped or conflict). Where neither is supported, an existence check and ``os.replace``
   are the fall-back.
 - **Manifest-level problems are refused before anything is written**: bad paths, links
-  and duplicates are refused by ``Manifest`` itself; here also paths inside our own
-  ``.cachekeeper/`` folder and one digest declared with two sizes. Blob-level problems
+  duplicates and paths inside our own ``.cachekeeper/`` folder are refused by ``Manifest``
+  itself (so the server refuses them at publish too); here also one digest declared with
+  two sizes. Blob-level problems
   (missing, corrupt, too large, an archive member that is not a regular ``blobs/<sha256>``
   of the manifest) raise a one-line error naming the entry; the files verified before it
   stay, nothing partial is visible, and a rerun completes the restore. The target
@@ -86,7 +87,6 @@ from cachekeeper.errors import (
     CacheDirUnusable,
     DigestMismatch,
     InvalidManifest,
-    UnsafePath,
 )
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.marker import STATE_DIR, is_restored, state_dir, write_marker
@@ -171,9 +171,7 @@ def target_lock(cache_dir: Path) -> Iterator[None]:
 def _check_manifest(manifest: Manifest) -> dict[str, list[FileEntry]]:
     """Refuse what Manifest does not; group entries by digest."""
     by_digest: dict[str, list[FileEntry]] = {}
-    for entry in manifest.files:
-        if entry.path.split("/", 1)[0] == STATE_DIR:
-            raise UnsafePath(f"manifest path {entry.path!r} is inside cachekeeper's own folder")
+    for entry in manifest.files:  # (paths in .cachekeeper/: Manifest refuses them itself)
         group = by_digest.setdefault(entry.digest, [])
         if group and group[0].size_bytes != entry.size_bytes:
             raise InvalidManifest(

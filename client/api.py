@@ -61,7 +61,7 @@ from cachekeeper.wire import (
     to_dict,
 )
 
-from .calls import Deadline, server_root  # public here since 0.1
+from .calls import Deadline, redact_url, server_root  # public here since 0.1
 
 if TYPE_CHECKING:
     import httpx
@@ -118,7 +118,8 @@ class CacheClient:
         httpx = _import_httpx()
         if not base_url:
             raise ServerUnavailable("no server configured (use --server or CACHEKEEPER_SERVER)")
-        self.base_url = server_root(base_url)
+        root = server_root(base_url)
+        self.base_url = redact_url(root)  # what messages show: never a password in the URL
         self._has_token = bool(token)
         self.timeout_s = timeout_s
         self.retries = retries
@@ -127,9 +128,9 @@ class CacheClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         # Plain http needs no TLS context; building one loads the CA bundle (~100 ms).
-        verify = self.base_url.lower().startswith("https://")
+        verify = root.lower().startswith("https://")
         self._http = httpx.Client(
-            base_url=self.base_url,
+            base_url=root,
             headers=headers,
             transport=transport,
             verify=verify,
@@ -424,8 +425,7 @@ class CacheClient:
         it) and refused past ``max_answer_bytes`` (a ServerError: memory stays bounded)."""
         httpx = _import_httpx()
         deadline = deadline or Deadline(None)
-        url = f"{self.base_url}{path}"
-        shown = url
+        shown = f"{self.base_url}{path}"
         attempt = 0
         while True:
             timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
@@ -511,7 +511,7 @@ class _ResponseReader(io.RawIOBase):
 
     def __init__(self, response: httpx.Response, deadline: Deadline | None) -> None:
         self._chunks = response.iter_raw(_STREAM_CHUNK_BYTES)
-        self._url = str(response.request.url)
+        self._url = redact_url(str(response.request.url))
         self._deadline = deadline
         self._pending = memoryview(b"")  # a view, so handing out a chunk copies it once
         self._done = False

@@ -1,5 +1,9 @@
 """What every call to the server shares: the server's root URL, and one deadline per operation.
 
+A server URL may carry a user name and password (``http://user:pw@cache:8750``, for a proxy
+in front of the server); ``redact_url`` is the form every message, log line and job report
+shows, so the password is never echoed on stderr or stored on the server.
+
 Stdlib only: the pre-job hook uses both before it knows whether it needs the HTTP client
 (``cachekeeper.client.api``, which re-exports them).
 """
@@ -7,10 +11,11 @@ Stdlib only: the pre-job hook uses both before it knows whether it needs the HTT
 from __future__ import annotations
 
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 from cachekeeper.errors import ServerUnavailable
 
-__all__ = ["Deadline", "server_root"]
+__all__ = ["Deadline", "redact_url", "server_root"]
 
 
 class Deadline:
@@ -49,3 +54,16 @@ def server_root(url: str) -> str:
     if root.lower().endswith("/v1"):
         root = root[: -len("/v1")].rstrip("/")
     return root
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user name and password: ``http://u:pw@cache:8750/v1`` ->
+    ``http://cache:8750/v1`` (what messages, logs and reports show)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<a server URL that does not parse>"
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))

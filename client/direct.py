@@ -62,9 +62,9 @@ class Part:
 
 
 def _where(url: str) -> str:
-    """The URL without its query (the signature is not for logs)."""
+    """The URL without its query (the signature is not for logs) nor a password."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 class ObjectStore:

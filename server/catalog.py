@@ -399,17 +399,16 @@ class Catalog(FleetReads):
                 where.append(f"{column} = ?")
                 params.append(value)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        sql = (
-            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots {clause}"
-            " ORDER BY created_at DESC, id LIMIT ?"
+        sql = (  # newest first by order of publication (rowid), whatever the clock said
+            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots {clause} ORDER BY rowid DESC LIMIT ?"
         )
         return [_summary(r) for r in self._rows(sql, [*params, limit])]
 
     def candidates(self, workload: str | None, *, limit: int = 2000) -> list[Candidate]:
-        """Snapshots of a workload with what resolve compares, newest first."""
+        """Snapshots of a workload with what resolve compares, newest published first."""
         sql = (
-            f"SELECT {_SUMMARY_COLUMNS}, fingerprint FROM snapshots WHERE workload IS ?"
-            " AND source IS NULL ORDER BY created_at DESC, id LIMIT ?"
+            f"SELECT {_SUMMARY_COLUMNS}, fingerprint, rowid AS seq FROM snapshots"
+            " WHERE workload IS ? AND source IS NULL ORDER BY rowid DESC LIMIT ?"
         )
         parsed: dict[str, dict[str, Any]] = {}  # one parse per distinct fingerprint
         out = []
@@ -417,7 +416,7 @@ class Catalog(FleetReads):
             fingerprint = parsed.get(row["fingerprint_digest"])
             if fingerprint is None:
                 fingerprint = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
-            out.append(Candidate(summary=_summary(row), fingerprint=fingerprint))
+            out.append(Candidate(summary=_summary(row), fingerprint=fingerprint, seq=row["seq"]))
         return out
 
     def archive_etag(self, snapshot_id: str) -> str | None:
@@ -440,7 +439,7 @@ class Catalog(FleetReads):
         """Summaries of the harvested deltas of ``parent_id`` for one environment, oldest first."""
         rows = self._rows(
             f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE parent = ? AND source = 'harvest'"
-            " AND fingerprint_digest = ? ORDER BY created_at, id LIMIT ?",
+            " AND fingerprint_digest = ? ORDER BY rowid LIMIT ?",
             [parent_id, fingerprint_digest, limit],
         )
         return [_summary(r) for r in rows]

@@ -259,7 +259,7 @@ class FleetReads(Reads):
         covers: dict[str, tuple[str, ...]] = {}
         for snap in self._rows(
             "SELECT id, workload, fingerprint_digest, created_at, devices FROM snapshots"
-            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY created_at"
+            " WHERE verified = 1 AND workload IS NOT NULL ORDER BY rowid"  # publication order
         ):
             key = (snap["workload"], snap["fingerprint_digest"])
             verified[key] = (snap["id"], snap["created_at"])  # newest wins
@@ -271,7 +271,13 @@ class FleetReads(Reads):
             for r in self._rows(sql, part):
                 stored.add(r["id"])
                 covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+        vouched = {d for _name, d in agents}
+        vouched.update(
+            r["fingerprint_digest"]
+            for r in self._rows("SELECT DISTINCT fingerprint_digest FROM snapshots")
+        )
         return StatusFacts(
+            vouched=frozenset(vouched),
             workloads=workloads,
             agents=agents,
             latest={(e.workload, e.fingerprint_digest): e for e in latest},

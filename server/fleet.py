@@ -20,8 +20,9 @@ Each row also says which devices its warm snapshot covers (``devices``); given t
 training nodes' devices, the ones it does not cover (``uncovered``) and a ``note``.
 
 ``jobs`` adds up what training jobs reported for the pair (``POST /v1/reports``; a pair a
-report names is a row when its workload is registered): restores, cold starts by reason,
-jobs that compiled anyway. ``jobs_note`` says when restored jobs compiled anyway: the
+report names is a row when its workload is registered and its fingerprint digest is one
+an agent registered or a stored snapshot records, since anyone with a read token can
+report any digest): restores, cold starts by reason, jobs that compiled anyway. ``jobs_note`` says when restored jobs compiled anyway: the
 workload file does not match training.
 
 The facts are read by ``Catalog.status_facts``; this module only decides.
@@ -74,7 +75,9 @@ def fleet_status(
     pairs = {(w, d) for w in facts.workloads for d in names_by_digest}
     pairs |= set(facts.latest)
     pairs |= {key for key in facts.verified if key[0] in facts.workloads}
-    pairs |= {key for key in facts.jobs if key[0] in facts.workloads}
+    # Job reports need only a read token: they add a row only for an environment an agent
+    # or a stored snapshot vouches for (random fingerprints must not flood the status).
+    pairs |= {key for key in facts.jobs if key[0] in facts.workloads and key[1] in facts.vouched}
     rows = []
     for w, d in sorted(pairs):
         if (workload is not None and w != workload) or (

@@ -222,7 +222,10 @@ class Settings(BaseSettings):
     @classmethod
     def _trusted_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return [p for p in value.split(os.pathsep) if p.strip()]
+            paths = [p for p in value.split(os.pathsep) if p.strip()]
+            if not paths:  # blank: never a silent "no keys" (an empty variable is ignored)
+                raise ValueError("names no key file; unset it, or name the .pub files")
+            return paths
         return value
 
     @model_validator(mode="after")

@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from cachekeeper.cli._common import device_option, emit_json, handle_errors, json_option
+from cachekeeper.cli._common import (
+    device_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    printable,
+)
 from cachekeeper.cli.snapshot import load_manifest
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
@@ -117,7 +123,9 @@ def explain_cmd(snapshot: str, driver_policy: str, device: str | None, as_json: 
         click.echo(f"snapshot {manifest.id[:12]} does NOT suit this node:")
         for m in mismatches:
             if m.field in ("devices", "cpu"):
-                click.echo(f"  {m.field:<12} {describe_mismatch(m).removeprefix('cpu: ')}")
+                click.echo(
+                    f"  {m.field:<12} {printable(describe_mismatch(m).removeprefix('cpu: '))}"
+                )
             else:
                 click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
     else:

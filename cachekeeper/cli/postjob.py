@@ -21,6 +21,7 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option
+from cachekeeper.client.calls import redact_url
 from cachekeeper.client.postjob import REPORT_TIMEOUT_S, postjob, summary_line
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
@@ -109,6 +110,7 @@ def postjob_cmd(
         echo_err(f"cachekeeper: postjob: {report.warning}")
     unreported = not no_report and bool(server) and not report.reported
     if unreported and report.error is None:
-        echo_err(f"cachekeeper: postjob: the server at {server} did not take the report")
+        shown = redact_url(server or "")
+        echo_err(f"cachekeeper: postjob: the server at {shown} did not take the report")
     if strict and (report.error is not None or unreported):
         raise SystemExit(1)

@@ -18,7 +18,15 @@ from typing import Any
 import click
 
 from cachekeeper import fingerprint as fingerprint_mod
-from cachekeeper.cli._common import PathParam, echo_err, emit_json, handle_errors, json_option, mb
+from cachekeeper.cli._common import (
+    PathParam,
+    echo_err,
+    emit_json,
+    handle_errors,
+    json_option,
+    mb,
+    printable,
+)
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
 from cachekeeper.manifest import Manifest
@@ -273,7 +281,7 @@ def inspect_cmd(snapshot: str, show_files: bool, as_json: bool) -> None:
         ("driver", fp.get("driver")),
         ("fingerprint", manifest.fingerprint_digest),
     ):
-        click.echo(f"{label:<12} {value}")
+        click.echo(f"{label:<12} {printable(value)}")  # a manifest's text, escaped
     if show_files:
         for entry in manifest.files:
             click.echo(f"{entry.mode:o} {entry.size_bytes:>12} {entry.digest[:12]} {entry.path}")
