@@ -61,7 +61,7 @@ from cachekeeper.wire import (
     to_dict,
 )
 
-from .calls import Deadline, redact_url, server_root  # public here since 0.1
+from .calls import Deadline, read_within, redact_url, server_root  # public here since 0.1
 
 if TYPE_CHECKING:
     import httpx
@@ -482,17 +482,16 @@ def _read_answer(
     """``response`` read whole, as a new (closed) response; ServerUnavailable once the
     deadline passes, ServerError past ``limit`` bytes. TransportErrors pass through."""
     httpx = _import_httpx()
-    data = bytearray()
     try:
-        for chunk in response.iter_bytes():
-            if deadline.expired:
-                raise ServerUnavailable(
-                    f"{what}: the answer passed the {deadline.seconds:g} s deadline"
-                    f" ({len(data)} bytes in)"
-                )
-            data += chunk
-            if len(data) > limit:
-                raise ServerError(f"{what}: the answer is over {limit} bytes; refused")
+        data = read_within(
+            response.iter_bytes(),
+            limit=limit,
+            deadline=deadline,
+            late=lambda n: ServerUnavailable(
+                f"{what}: the answer passed the {deadline.seconds:g} s deadline ({n} bytes in)"
+            ),
+            over=lambda: ServerError(f"{what}: the answer is over {limit} bytes; refused"),
+        )
     finally:
         response.close()
     # The bytes are decoded already: the new response must not decode them again.
@@ -502,7 +501,7 @@ def _read_answer(
         if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
     ]
     return httpx.Response(
-        response.status_code, headers=kept, content=bytes(data), request=response.request
+        response.status_code, headers=kept, content=data, request=response.request
     )
 
 

@@ -11,11 +11,12 @@ Stdlib only: the pre-job hook uses both before it knows whether it needs the HTT
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 from cachekeeper.errors import ServerUnavailable
 
-__all__ = ["Deadline", "redact_url", "server_root"]
+__all__ = ["Deadline", "read_within", "redact_url", "server_root"]
 
 
 class Deadline:
@@ -67,3 +68,25 @@ def redact_url(url: str) -> str:
         return url
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def read_within(
+    chunks: Iterable[bytes],
+    *,
+    limit: int,
+    deadline: Deadline,
+    late: Callable[[int], Exception],
+    over: Callable[[], Exception],
+) -> bytes:
+    """The bytes of ``chunks`` (an answer's body, as it arrives), at most ``limit`` of them
+    and never past ``deadline``: raises ``late(bytes read so far)`` once the deadline has
+    passed, ``over()`` past the limit. A server trickling a byte a second cannot hold a
+    read past the deadline, one sending gigabytes cannot fill the memory."""
+    data = bytearray()
+    for chunk in chunks:
+        if deadline.expired:
+            raise late(len(data))
+        data += chunk
+        if len(data) > limit:
+            raise over()
+    return bytes(data)

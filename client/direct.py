@@ -36,6 +36,7 @@ from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import ServerUnavailable
 
 from .api import Deadline, _import_httpx
+from .calls import read_within
 
 if TYPE_CHECKING:
     import httpx
@@ -112,19 +113,17 @@ class ObjectStore:
                         + (" (the presigned URL expired or was refused)" if status == 403 else "")
                     )
                 limit = end - start + 1 if status == 206 else WHOLE_MAX_BYTES
-                data = bytearray()
-                for chunk in response.iter_bytes():
-                    if deadline.expired:
-                        raise DirectUnavailable(
-                            f"GET {_where(url)} bytes {start}-{end} passed the"
-                            f" {deadline.seconds:g} s deadline ({len(data)} bytes in)"
-                        )
-                    data += chunk
-                    if len(data) > limit:
-                        raise DirectUnavailable(
-                            f"GET {_where(url)} bytes {start}-{end} sent more than {limit} bytes"
-                        )
-                return Part(status, response.headers, bytes(data))
+                what = f"GET {_where(url)} bytes {start}-{end}"
+                data = read_within(
+                    response.iter_bytes(),
+                    limit=limit,
+                    deadline=deadline,
+                    late=lambda n: DirectUnavailable(
+                        f"{what} passed the {deadline.seconds:g} s deadline ({n} bytes in)"
+                    ),
+                    over=lambda: DirectUnavailable(f"{what} sent more than {limit} bytes"),
+                )
+                return Part(status, response.headers, data)
         except httpx.TransportError as exc:
             raise DirectUnavailable(f"GET {_where(url)} failed: {exc!r}") from exc
 

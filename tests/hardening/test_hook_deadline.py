@@ -78,23 +78,18 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return child_env(tmp_path / "home", **extra)
 
 
+def _hook(command: str, server: FakeServer, cache: Path) -> list[str]:
+    """``prejob`` / ``postjob`` arguments against ``server`` with ``--timeout T``."""
+    return [command, "--workload", "wl", "--server", server.url] + [
+        "--cache-dir",
+        str(cache),
+        "--timeout",
+        str(T),
+    ]
+
+
 def _prejob(server: FakeServer, tmp_path: Path, env: dict[str, str]) -> Run:
-    cache = tmp_path / "cache"
-    return _run(
-        [
-            "prejob",
-            "--workload",
-            "wl",
-            "--server",
-            server.url,
-            "--cache-dir",
-            str(cache),
-            "--timeout",
-            str(T),
-        ],
-        env,
-        tmp_path,
-    )
+    return _run(_hook("prejob", server, tmp_path / "cache"), env, tmp_path)
 
 
 def _assert_cold_in_time(run: Run, cache: Path) -> None:
@@ -233,21 +228,7 @@ def test_postjob_ends_within_its_timeout_plus_one_second(
             {**_env(tmp_path), "PATH": f"{fake_gpu_tools}{os.pathsep}{os.environ['PATH']}"},
         ),
     ):
-        run = _run(
-            [
-                "postjob",
-                "--workload",
-                "wl",
-                "--server",
-                server.url,
-                "--cache-dir",
-                str(cache),
-                "--timeout",
-                str(T),
-            ],
-            env,
-            tmp_path,
-        )
+        run = _run(_hook("postjob", server, cache), env, tmp_path)
         assert run.returncode == 0, run.stderr
         assert run.elapsed_s <= BOUND, f"{case}: took {run.elapsed_s:.2f} s: {run.stderr}"
         reliability.record(
