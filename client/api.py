@@ -75,6 +75,7 @@ _Shape = TypeVar("_Shape")
 # sends more is refused, so the hook's memory stays bounded whatever it is sent.
 ANSWER_MAX_BYTES = 64 << 20
 MANIFEST_MAX_BYTES = 512 << 20  # 200,000 files are about 50 MB of manifest
+RESOLVE_MAX_BYTES = 16 << 20  # a resolve answer is kilobytes (the hook's, as reporting's)
 # Answers worth another try: the server or a proxy in front of it is briefly unwell.
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _MAX_BACKOFF_S = 2.0
@@ -170,7 +171,13 @@ class CacheClient:
             driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
             devices=None if devices is None else list(devices),
         )
-        response = self._send("POST", "/v1/resolve", json_body=to_dict(body), deadline=deadline)
+        response = self._send(
+            "POST",
+            "/v1/resolve",
+            json_body=to_dict(body),
+            deadline=deadline,
+            max_answer_bytes=RESOLVE_MAX_BYTES,
+        )
         return _answer(response, ResolveAnswer, "resolve")
 
     def missing_blobs(

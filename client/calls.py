@@ -82,11 +82,13 @@ def read_within(
     and never past ``deadline``: raises ``late(bytes read so far)`` once the deadline has
     passed, ``over()`` past the limit. A server trickling a byte a second cannot hold a
     read past the deadline, one sending gigabytes cannot fill the memory."""
-    data = bytearray()
+    parts: list[bytes] = []
+    total = 0
     for chunk in chunks:
         if deadline.expired:
-            raise late(len(data))
-        data += chunk
-        if len(data) > limit:
+            raise late(total)
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
             raise over()
-    return bytes(data)
+    return b"".join(parts)  # one copy: at most twice the limit is ever held
