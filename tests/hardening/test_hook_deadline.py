@@ -12,13 +12,13 @@ the tests are quick.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,30 +47,43 @@ class Run:
     max_rss_mb: float
 
 
+# Runs the hook and reports its wall time and peak RSS. Through this small parent, because
+# a child of the test process would count the test process's own peak (Linux carries the
+# high-water mark of the memory a child was forked from across exec).
+_MEASURE = """
+import json, resource, subprocess, sys, time
+started = time.monotonic()
+code = subprocess.call(sys.argv[2:])
+took = time.monotonic() - started
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+with open(sys.argv[1], "w") as out:
+    json.dump({"elapsed_s": took, "max_rss_kb": peak}, out)
+sys.exit(code)
+"""
+
+
 def _run(
     args: list[str], env: dict[str, str], tmp_path: Path, *, kill_after_s: float = 30.0
 ) -> Run:
-    """The CLI in a fresh process: wall time from start to exit, and its own peak RSS."""
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    """The CLI in a fresh process: its wall time from start to exit, and its peak RSS."""
+    out, err, measured = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "measured.json"
+    command = [sys.executable, "-c", _MEASURE, str(measured), sys.executable, "-m", "cachekeeper"]
     with open(out, "wb") as o, open(err, "wb") as e:
-        started = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cachekeeper", *args], env=env, stdout=o, stderr=e
+            [*command, *args], env=env, stdout=o, stderr=e, start_new_session=True
         )
-        killer = threading.Timer(kill_after_s, proc.kill)
-        killer.start()
         try:
-            _pid, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            killer.cancel()
-        elapsed = time.monotonic() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
+            proc.wait(kill_after_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the hook too, not only the measuring parent
+            proc.wait()
+    found = json.loads(measured.read_text()) if measured.exists() else {}
     return Run(
-        elapsed_s=elapsed,
+        elapsed_s=found.get("elapsed_s", kill_after_s),
         returncode=proc.returncode,
         stdout=out.read_text(),
         stderr=err.read_text(),
-        max_rss_mb=usage.ru_maxrss / 1024,
+        max_rss_mb=found.get("max_rss_kb", 0) / 1024,
     )
 
 
