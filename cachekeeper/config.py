@@ -1,7 +1,10 @@
 """Every ``CACHEKEEPER_*`` environment variable and every default derived from one.
 
 Stdlib only, and nothing is read at import: each function takes the ``environ`` mapping to
-read (callers pass ``os.environ``; tests pass a dict). An empty variable counts as unset.
+read (callers pass ``os.environ``; tests pass a dict). An empty variable counts as unset,
+except ``CACHEKEEPER_TRUSTED_KEYS``: set to nothing (or only blanks) it would silently turn
+signature checks off, so it counts as a trust list naming a key that cannot be read, and
+every snapshot is refused, as for a missing key file.
 
 =================================== ==================================================
 variable                            meaning (default)
@@ -99,8 +102,12 @@ def node_cache_dir(fingerprint_digest: str, environ: Mapping[str, str]) -> Path:
 
 
 def trusted_key_paths(environ: Mapping[str, str]) -> list[str]:
-    """The public key files named by ``$CACHEKEEPER_TRUSTED_KEYS`` (may be none)."""
-    return [p for p in environ.get(TRUSTED_KEYS, "").split(os.pathsep) if p.strip()]
+    """The public key files named by ``$CACHEKEEPER_TRUSTED_KEYS``: none when it is unset;
+    ``[""]`` (an empty path, which no key is read from) when it is set but names none."""
+    if TRUSTED_KEYS not in environ:
+        return []
+    paths = [p for p in environ[TRUSTED_KEYS].split(os.pathsep) if p.strip()]
+    return paths or [""]
 
 
 def ca_bundle(environ: Mapping[str, str]) -> str | None:

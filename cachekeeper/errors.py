@@ -44,6 +44,7 @@ __all__ = [
     "RangeNotSatisfiable",
     "RequestTimeout",
     "ConfigInvalid",
+    "FingerprintUnavailable",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -299,6 +300,12 @@ class ConfigInvalid(CachekeeperError):
 
     code = "invalid_config"
     exit_code = 2
+
+
+class FingerprintUnavailable(CachekeeperError):
+    """This machine's fingerprint could not be collected in time (a hung NVML or nvidia-smi)."""
+
+    code = "fingerprint_unavailable"
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:

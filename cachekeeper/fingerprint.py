@@ -4,6 +4,12 @@ Collected without importing torch (the pre-job hook must start fast): versions c
 package metadata and from the text of ``torch/version.py``; GPUs from NVML (nvidia-ml-py)
 when present, else ``nvidia-smi``; the driver from NVML or ``/proc/driver/nvidia/version``.
 
+The GPU query is bounded (``collect``'s ``gpu_timeout_s``): NVML runs in a daemon thread
+that is given up on, and ``nvidia-smi`` is killed and never waited for, so a driver hung in
+the kernel cannot hold the caller (the pre-job hook runs it inside its deadline). A query
+that does not answer in time raises ``FingerprintUnavailable``: a fingerprint without the
+GPUs would be a wrong one, never a safe guess.
+
 The ``cpu`` field (schema 2) is the process state that changes what Inductor compiles for
 the CPU: the thread count, the vector ISA (``cachekeeper.cpu``). It is compared only for
 snapshots that cover the ``cpu`` device; a fingerprint without it (schema 1) is not a
@@ -25,12 +31,15 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from cachekeeper import config, cpu, remote_tier
 from cachekeeper.devices import coverage_advice
+from cachekeeper.errors import FingerprintUnavailable
 from cachekeeper.wire import Mismatch
 
 __all__ = [
@@ -48,6 +57,7 @@ __all__ = [
 
 SCHEMA = 2
 DriverPolicy = Literal["newer", "exact", "any"]
+GPU_TIMEOUT_S = 10.0  # how long NVML and nvidia-smi may take together, by default
 
 # Environment variables that change Inductor/Dynamo keys or behaviour. Paths and pure
 # logging switches do not change what is compiled, so they stay out of the fingerprint.
@@ -188,19 +198,45 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
             pass
 
 
-def _gpus_from_smi() -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] | None:
+    """``_gpus_from_nvml`` in a daemon thread; FingerprintUnavailable when it does not
+    return in ``timeout_s`` (a C call into a hung driver cannot be interrupted, only left)."""
+    found: list[tuple[list[dict[str, Any]], str | None] | None] = [None]
+
+    def run() -> None:
+        found[0] = _gpus_from_nvml()
+
+    worker = threading.Thread(target=run, name="cachekeeper-nvml", daemon=True)
+    worker.start()
+    worker.join(max(timeout_s, 0.0))
+    if worker.is_alive():
+        raise FingerprintUnavailable(
+            f"NVML did not answer within {timeout_s:.1f} s (is the GPU driver hung?)"
+        )
+    return found[0]
+
+
+def _gpus_from_smi(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        out = subprocess.run(
+        proc = subprocess.Popen(
             [exe, "--query-gpu=name,compute_cap,driver_version,uuid", "--format=csv,noheader"],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+        )
+    except OSError:
+        return None
+    try:
+        out, _ = proc.communicate(timeout=max(timeout_s, 0.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()  # not waited for: one stuck in the driver (state D) never dies
+        raise FingerprintUnavailable(
+            f"nvidia-smi did not answer within {timeout_s:.1f} s (is the GPU driver hung?)"
+        ) from None
+    if proc.returncode != 0:
         return None
     rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
     rows = [r for r in rows if len(r) >= 4]
@@ -235,17 +271,21 @@ def collect(
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    gpu_timeout_s: float = GPU_TIMEOUT_S,
 ) -> dict[str, Any]:
     """This machine's fingerprint as a plain dict (see the module docstring).
 
-    ``overrides`` replaces fields after collection. It exists for tests and for the
-    ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` variable (a JSON object) that the test suite uses
-    to simulate another environment; it is not a user-facing option.
+    ``gpu_timeout_s`` bounds the GPU query (NVML, then nvidia-smi, together); past it,
+    ``FingerprintUnavailable``. ``overrides`` replaces fields after collection. It exists
+    for tests and for the ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` variable (a JSON object)
+    that the test suite uses to simulate another environment; it is not a user-facing
+    option.
     """
     env = os.environ if environ is None else environ
     versions = _installed_versions()
     torch_version, cuda = _torch_build(versions)
-    gpu_info = _gpus_from_nvml() or _gpus_from_smi()
+    until = time.monotonic() + gpu_timeout_s
+    gpu_info = _gpus_from_nvml_within(gpu_timeout_s) or _gpus_from_smi(until - time.monotonic())
     gpus, driver = gpu_info if gpu_info else ([], None)
     if driver is None:
         driver = _driver_from_proc()

@@ -13,13 +13,51 @@ same rule with their own temp folders; this module is for files written in one p
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_writer", "atomic_write_bytes", "atomic_write_text", "fsync_dir"]
+__all__ = [
+    "atomic_writer",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "fsync_dir",
+    "unwritable_dir",
+]
+
+
+def unwritable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be used as a folder to write in (made when missing), or None.
+
+    It is proved by writing: an unnamed ``O_TMPFILE`` there (nothing to clean up, nothing
+    visible), else a named temp file removed at once. Permission bits alone would say yes
+    to root on a read-only mount. Costs a few system calls (the pre-job hook runs it).
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "it is not a folder"
+    except NotADirectoryError:
+        return "a part of its path is a file"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_TMPFILE", 0) | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.EISDIR):
+            return "it is not a folder" if exc.errno == errno.ENOTDIR else exc.strerror
+        probe = path / f".cachekeeper-probe.{uuid.uuid4().hex}.tmp"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as named:
+            return named.strerror or str(named)
+        os.unlink(probe)
+    os.close(fd)
+    return None
 
 
 def fsync_dir(path: Path) -> None:

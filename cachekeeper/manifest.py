@@ -45,6 +45,7 @@ __all__ = [
     "FORMAT",
     "MAX_FILES",
     "MAX_NAME_BYTES",
+    "STATE_DIR",
     "FileEntry",
     "Manifest",
     "check_relpath",
@@ -55,6 +56,9 @@ FORMAT = 1
 SOURCES = ("harvest",)  # the values ``source`` may take (absent: a built snapshot)
 MAX_FILES = 200_000
 MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
+# cachekeeper's own folder in a cache dir (cachekeeper.marker draws it): no snapshot path
+# may be inside it, or a restore would write our lock, staging or markers.
+STATE_DIR = ".cachekeeper"
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -68,7 +72,8 @@ def check_relpath(path: object) -> str:
 
     Refused: non-strings, empty, absolute, backslashes, ``.``/``..`` components, empty
     components (``a//b``), NUL or control characters, names that are not valid UTF-8,
-    and components over ``MAX_NAME_BYTES`` (255) bytes in UTF-8.
+    and components over ``MAX_NAME_BYTES`` (255) bytes in UTF-8. (A manifest also refuses
+    paths inside ``STATE_DIR``: ``Manifest`` checks its whole tree.)
     """
     if not isinstance(path, str) or not path:
         raise UnsafePath(f"manifest path {path!r} is not a non-empty string")
@@ -221,6 +226,9 @@ class Manifest:
         workload = raw.get("workload")
         if workload is not None and not isinstance(workload, str):
             raise InvalidManifest("manifest 'workload' is not a string")
+        for name, text in [("workload", workload or ""), *(("devices", d) for d in devices)]:
+            if not text.isprintable():  # an escape sequence would reach operators' terminals
+                raise InvalidManifest(f"manifest {name!r} {text!r} holds a control character")
         workload_digest = raw.get("workload_digest")
         if workload_digest is not None and not is_digest(workload_digest):
             raise InvalidManifest("manifest 'workload_digest' is not sha256 hex")
@@ -263,10 +271,13 @@ class Manifest:
 
 
 def _check_tree(files: tuple[FileEntry, ...]) -> None:
-    """Refuse duplicate paths and a path that is also a directory of another path."""
+    """Refuse paths inside ``STATE_DIR``, duplicate paths, and a path that is also a
+    directory of another path."""
     seen: set[str] = set()
     dirs: set[str] = set()
     for entry in files:
+        if entry.path.split("/", 1)[0] == STATE_DIR:
+            raise UnsafePath(f"manifest path {entry.path!r} is inside cachekeeper's own folder")
         if entry.path in seen:
             raise InvalidManifest(f"manifest lists {entry.path!r} twice")
         seen.add(entry.path)

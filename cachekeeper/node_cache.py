@@ -39,7 +39,7 @@ from typing import Any
 
 from cachekeeper import config, cpu
 from cachekeeper.fingerprint import collect, digest_of
-from cachekeeper.marker import STATE_DIR, held_snapshot
+from cachekeeper.marker import STATE_DIR, read_markers
 
 __all__ = ["NodeDir", "PrunePlan", "scan_node_dirs", "plan_prune", "node_digests"]
 
@@ -55,7 +55,7 @@ class NodeDir:
     size_bytes: int
     file_count: int
     last_used_at: datetime | None  # newest mtime in the dir (None: empty)
-    snapshot_id: str | None  # the newest snapshot a restore left complete here
+    snapshot_id: str | None  # the snapshot the newest restore here left its marker for
     matches_node: bool  # this node's environment (at some thread count) uses it
     in_use: str | None  # why it is in use now (a process, the lock), else None
 
@@ -146,7 +146,7 @@ def scan_node_dirs(environ: Mapping[str, str] | None = None) -> list[NodeDir]:
                 size_bytes=size,
                 file_count=count,
                 last_used_at=datetime.fromtimestamp(newest, UTC) if newest else None,
-                snapshot_id=held_snapshot(path),
+                snapshot_id=_restored_snapshot(path),
                 matches_node=name in ours,
                 in_use=_in_use(path, uses),
             )
@@ -154,6 +154,15 @@ def scan_node_dirs(environ: Mapping[str, str] | None = None) -> list[NodeDir]:
     epoch = datetime.fromtimestamp(0, UTC)
     rows.sort(key=lambda r: r.last_used_at or epoch, reverse=True)
     return rows
+
+
+def _restored_snapshot(path: Path) -> str | None:
+    """The snapshot the newest restore into ``path`` left its marker for (files changed
+    since, or used by a job, still count: this is what was restored there)."""
+    for _mtime, body in reversed(read_markers(path)):
+        if isinstance(body.get("id"), str):
+            return str(body["id"])
+    return None
 
 
 def plan_prune(

@@ -24,23 +24,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cachekeeper.fsutil import atomic_write_text
+from cachekeeper.errors import CachekeeperError
+from cachekeeper.marker import STATE_DIR, state_dir
 
 __all__ = ["record_prewarm", "load_prewarm_record", "recorded_workloads"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-def _record_path(cache_dir: Path, workload: str) -> Path:
-    return Path(cache_dir) / ".cachekeeper" / "prewarm" / f"{_SAFE.sub('_', workload)}.json"
+def _record_name(workload: str) -> str:
+    return f"prewarm/{_SAFE.sub('_', workload)}.json"
+
+
+def _read(cache_dir: Path, rel: str) -> Any:
+    """The JSON of ``.cachekeeper/<rel>`` (links never followed), or None."""
+    try:
+        with state_dir(cache_dir, create=False) as state:
+            return json.loads(state.read_file(rel) or b"")
+    except (OSError, ValueError, CachekeeperError):
+        return None
 
 
 def load_prewarm_record(cache_dir: Path, workload: str) -> dict[str, Any] | None:
     """The record a prewarm of ``workload`` left in ``cache_dir``, or None."""
-    try:
-        record = json.loads(_record_path(cache_dir, workload).read_text("utf-8"))
-    except (OSError, ValueError):
-        return None
+    record = _read(cache_dir, _record_name(workload))
     if not isinstance(record, dict) or record.get("workload") != workload:
         return None
     return record
@@ -48,17 +55,14 @@ def load_prewarm_record(cache_dir: Path, workload: str) -> dict[str, Any] | None
 
 def recorded_workloads(cache_dir: Path) -> list[str]:
     """The workloads a prewarm recorded in ``cache_dir``, sorted (none: an empty list)."""
-    folder = Path(cache_dir) / ".cachekeeper" / "prewarm"
     names: set[str] = set()
     try:
-        paths = sorted(folder.glob("*.json"))
-    except OSError:
+        with state_dir(cache_dir, create=False) as state:
+            found = sorted(n for n in state.names("prewarm") if n.endswith(".json"))
+    except (OSError, CachekeeperError):
         return []
-    for path in paths:
-        try:
-            record = json.loads(path.read_text("utf-8"))
-        except (OSError, ValueError):
-            continue
+    for name in found:
+        record = _read(cache_dir, f"prewarm/{name}")
         if isinstance(record, dict) and isinstance(record.get("workload"), str):
             names.add(record["workload"])
     return sorted(names)
@@ -74,7 +78,7 @@ def record_prewarm(
     cpu: dict[str, Any] | None = None,
 ) -> Path:
     """Write (atomically) what a prewarm proved; devices accumulate across prewarms."""
-    path = _record_path(cache_dir, workload)
+    rel = _record_name(workload)
     previous = load_prewarm_record(cache_dir, workload)
     if previous and previous.get("workload_digest") == workload_digest:
         devices = sorted(set(devices) | set(previous.get("devices") or []))
@@ -86,6 +90,6 @@ def record_prewarm(
         "cpu": cpu,
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True))
-    return path
+    with state_dir(cache_dir, create=True) as state:  # a planted link is refused, not followed
+        state.write_file(rel, json.dumps(record, indent=2, sort_keys=True).encode())
+    return Path(cache_dir) / STATE_DIR / rel

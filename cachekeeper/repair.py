@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from cachekeeper.errors import CacheDirUnusable
-from cachekeeper.marker import STATE_DIR
+from cachekeeper.marker import STATE_DIR, state_dir
 from cachekeeper.restore_writer import links_above
 
 __all__ = ["SetAside", "plan_set_aside"]
@@ -46,18 +45,18 @@ class SetAside:
         A file gone since the plan is skipped; one that cannot be moved raises OSError
         naming it, with the files moved so far already aside (a rerun plans again).
         """
-        state = self.cache_dir / STATE_DIR
-        if state.is_symlink():  # never move anything through a link we did not make
-            raise CacheDirUnusable(f"{state} is a link; refusing to set files aside in it")
         moved = []
-        for rel in self.paths:
-            target = self.folder / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(self.cache_dir / rel, target)
-            except FileNotFoundError:
-                continue
-            moved.append(rel)
+        aside = self.folder.relative_to(self.cache_dir / STATE_DIR).as_posix()
+        # Every folder on the way is opened from a descriptor without following a link
+        # (marker.StateDir): a link planted in .cachekeeper/ cannot send a file elsewhere.
+        with state_dir(self.cache_dir, create=True) as state:
+            for rel in self.paths:
+                folder, _, name = f"{aside}/{rel}".rpartition("/")
+                try:
+                    os.rename(self.cache_dir / rel, name, dst_dir_fd=state.folders(folder))
+                except FileNotFoundError:
+                    continue
+                moved.append(rel)
         return moved
 
 

@@ -22,8 +22,9 @@ The rules, and how this module keeps them:
   skipped or conflict). Where neither is supported, an existence check and ``os.replace``
   are the fall-back.
 - **Manifest-level problems are refused before anything is written**: bad paths, links
-  and duplicates are refused by ``Manifest`` itself; here also paths inside our own
-  ``.cachekeeper/`` folder and one digest declared with two sizes. Blob-level problems
+  duplicates and paths inside our own ``.cachekeeper/`` folder are refused by ``Manifest``
+  itself (so the server refuses them at publish too); here also one digest declared with
+  two sizes. Blob-level problems
   (missing, corrupt, too large, an archive member that is not a regular ``blobs/<sha256>``
   of the manifest) raise a one-line error naming the entry; the files verified before it
   stay, nothing partial is visible, and a rerun completes the restore. The target
@@ -74,7 +75,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,10 +88,9 @@ from cachekeeper.errors import (
     CacheDirUnusable,
     DigestMismatch,
     InvalidManifest,
-    UnsafePath,
 )
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.marker import STATE_DIR, is_restored, record_conflicts, write_marker
+from cachekeeper.marker import STATE_DIR, is_restored, record_conflicts, state_dir, write_marker
 from cachekeeper.restore_sources import (
     ArchiveFileSource,
     BlobSource,
@@ -155,11 +154,12 @@ def target_lock(cache_dir: Path) -> Iterator[None]:
     """Exclusive flock on ``cache_dir/.cachekeeper/lock``; ``restore_snapshot`` takes it once.
 
     It only avoids duplicate work; where flock is unsupported it silently does nothing.
-    Not re-entrant: a second hold from the same process waits for the first.
+    Not re-entrant: a second hold from the same process waits for the first. The folder
+    and the lock file are opened without following a link (``marker.StateDir``): a link
+    planted at either is ``CacheDirUnusable``, never a file made elsewhere.
     """
-    state = Path(cache_dir) / STATE_DIR
-    state.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    with state_dir(cache_dir, create=True) as state:
+        fd = state.open_file("lock", os.O_RDWR | os.O_CREAT)
     try:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -172,9 +172,7 @@ def target_lock(cache_dir: Path) -> Iterator[None]:
 def _check_manifest(manifest: Manifest) -> dict[str, list[FileEntry]]:
     """Refuse what Manifest does not; group entries by digest."""
     by_digest: dict[str, list[FileEntry]] = {}
-    for entry in manifest.files:
-        if entry.path.split("/", 1)[0] == STATE_DIR:
-            raise UnsafePath(f"manifest path {entry.path!r} is inside cachekeeper's own folder")
+    for entry in manifest.files:  # (paths in .cachekeeper/: Manifest refuses them itself)
         group = by_digest.setdefault(entry.digest, [])
         if group and group[0].size_bytes != entry.size_bytes:
             raise InvalidManifest(
@@ -315,8 +313,7 @@ def _hold(cache_dir: Path) -> Iterator[None]:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as exc:  # a file where a folder goes
             raise CacheDirUnusable(f"cannot restore into {cache_dir}: {exc.strerror}") from exc
-        _check_state_dir(cache_dir)
-        with target_lock(cache_dir):
+        with target_lock(cache_dir):  # refuses a .cachekeeper that is a file or a link
             yield
     except OSError as exc:
         reason = _REFUSALS.get(exc.errno or 0)
@@ -333,22 +330,6 @@ _REFUSALS = {
     errno.EROFS: "its filesystem is read-only",
     errno.ENAMETOOLONG: "a file name is longer than its filesystem allows",
 }
-
-
-def _check_state_dir(cache_dir: Path) -> None:
-    """Refuse a ``.cachekeeper`` that is a file or a link: the lock, staging and markers
-    go there, and never through a link the restore did not create."""
-    state = cache_dir / STATE_DIR
-    try:
-        mode = os.lstat(state).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(mode):
-        kind = "a link" if stat.S_ISLNK(mode) else "not a folder"
-        raise CacheDirUnusable(
-            f"{state} is {kind}; cachekeeper keeps its lock, staging and restore markers "
-            "in that folder: move it away"
-        )
 
 
 def _feed(source: SnapshotSource, plan: _Plan, writer: Writer) -> None:

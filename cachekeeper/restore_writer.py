@@ -12,7 +12,12 @@ either; a file appears by ``renameat2`` into the descriptor of its folder. A lin
 file) where a folder should be makes every file below it a conflict, at any depth, and
 swapping a folder for a link mid-restore cannot redirect a write. The planner checks
 the same with ``lstat`` (``links_above``), so a dry run and the report agree. The cache
-dir itself may be a link: the caller named it.
+dir itself may be a link: the caller named it. The staging folder is reached the same way,
+through descriptors (``marker.StateDir``), so a link in ``.cachekeeper/`` is never followed.
+
+**Modes.** A file appears with the manifest's mode less group and other write
+(``SAFE_MODE_MASK``), and the folders it makes are ``0o755``: whatever a snapshot says, no
+other local user can rewrite a restored kernel that the next job would load.
 """
 
 from __future__ import annotations
@@ -31,24 +36,28 @@ import threading
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from cachekeeper._proc import pid_alive
 from cachekeeper.blobstore import CHUNK_BYTES
+from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import BlobTooLarge, DigestMismatch
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.marker import STATE_DIR
+from cachekeeper.marker import FOLDER_MODE, STATE_DIR, StateDir
 from cachekeeper.snapshot import hash_file
 from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
 
-__all__ = ["Writer", "is_present", "links_above"]
+__all__ = ["SAFE_MODE_MASK", "Writer", "is_present", "links_above"]
 
 _BATCH_BYTES = 128 << 20
 _BATCH_FILES = 1024
 _POOLED_BYTES = 4 << 20  # blobs up to this size are hashed and written by a thread pool
 _MAX_IN_FLIGHT = 64
+# A restored file keeps the manifest's mode bits less group and other write: a snapshot
+# cannot make kernels that another local user may rewrite (and the next job then load).
+SAFE_MODE_MASK = 0o755
 _STAGING_RE = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 Progress = Callable[[int], None]
@@ -151,7 +160,7 @@ class _Folders:
                 return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
             except FileNotFoundError:
                 with contextlib.suppress(FileExistsError):  # made meanwhile: open decides
-                    os.mkdir(name, dir_fd=parent_fd)  # mkdirat: never follows a link
+                    os.mkdir(name, FOLDER_MODE, dir_fd=parent_fd)  # mkdirat: never follows a link
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     return None  # a link or a file where a folder should be
@@ -168,17 +177,17 @@ class _Folders:
 # -- staging and writing -----------------------------------------------------------------
 
 
-def _sweep_stale_staging(staging_root: Path) -> None:
-    """Remove staging folders of dead restores on this host (only names we create)."""
-    if not staging_root.is_dir():
-        return
+def _sweep_stale_staging(staging_fd: int) -> None:
+    """Remove staging folders of dead restores on this host (only names we create, found
+    through the staging folder's descriptor; a link there is not a folder of ours)."""
     host = socket.gethostname()
-    for child in staging_root.iterdir():
-        found = _STAGING_RE.match(child.name)
-        if not found or found["host"] != host or not child.is_dir() or child.is_symlink():
-            continue
-        if not pid_alive(int(found["pid"])):
-            shutil.rmtree(child, ignore_errors=True)
+    with os.scandir(staging_fd) as entries:
+        for entry in entries:
+            found = _STAGING_RE.match(entry.name)
+            if not found or found["host"] != host or not entry.is_dir(follow_symlinks=False):
+                continue
+            if not pid_alive(int(found["pid"])):
+                shutil.rmtree(entry.name, dir_fd=staging_fd, ignore_errors=True)
 
 
 @functools.cache
@@ -275,11 +284,22 @@ class Writer:
         self.exact = exact
         self.paths = {e.path for e in manifest.files}
         self.progress = progress
-        staging_root = cache_dir / STATE_DIR / "staging"
-        _sweep_stale_staging(staging_root)
-        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.staging = staging_root / name
-        self.staging.mkdir(parents=True)
+        # Staging is reached through descriptors (marker.StateDir): a link planted at
+        # .cachekeeper/staging, or swapped in later, never takes a temp file elsewhere.
+        self._state = StateDir(cache_dir, create=True)
+        try:
+            self._staging_root = self._state.folder("staging")
+            _sweep_stale_staging(self._staging_root)
+            self._staging_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.mkdir(self._staging_name, 0o700, dir_fd=self._staging_root)
+            self._staging_fd = os.open(self._staging_name, _DIR_FLAGS, dir_fd=self._staging_root)
+        except BaseException:
+            self._state.close()
+            raise
+        self.staging = self._state.path_of(
+            self._staging_fd,
+            fallback=cache_dir / STATE_DIR / "staging" / self._staging_name,
+        )
         self.pending: list[tuple[Path, FileEntry]] = []
         self.pending_bytes = 0
         self.written = 0
@@ -288,12 +308,14 @@ class Writer:
         self.conflicts: list[str] = []
         self._folders = _Folders(cache_dir)
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
+        # Daemon threads (cachekeeper.daemon_pool): a writer stuck on a hung filesystem
+        # never keeps the pre-job hook's process alive past its deadline.
+        self._pool = DaemonPool(min(8, (os.cpu_count() or 2) * 2), name="ck-restore")
         self._futures: deque[Future[None]] = deque()
         self._noreplace = True  # renameat2(RENAME_NOREPLACE) until it proves unsupported
         # One publisher thread: a batch is flushed to disk and linked into place while the
         # main thread decompresses and writes the next one (at most one batch in flight).
-        self._publisher = ThreadPoolExecutor(max_workers=1)
+        self._publisher = DaemonPool(1, name="ck-publish")
         self._publishing: Future[None] | None = None
 
     def _tmp(self) -> Path:
@@ -430,7 +452,7 @@ class Writer:
         folder, _, name = entry.path.rpartition("/")
         renamed: bool | None = None
         try:
-            os.chmod(tmp, entry.mode)
+            os.chmod(tmp, entry.mode & SAFE_MODE_MASK)  # never group- or other-writable
             dir_fd = self._folders.open(folder)
             if dir_fd is None:  # a link or a file above it: never written through
                 self.conflicts.append(entry.path)
@@ -488,7 +510,9 @@ class Writer:
             self._wait_publishing()
         self._publisher.shutdown(wait=True)
         self._folders.close()
-        shutil.rmtree(self.staging, ignore_errors=True)
+        os.close(self._staging_fd)
+        shutil.rmtree(self._staging_name, dir_fd=self._staging_root, ignore_errors=True)
+        self._state.close()
 
 
 def _same_bytes(final: Path, tmp: Path) -> bool:

@@ -129,6 +129,11 @@ def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
     32 raw bytes), so the pre-job hook's no-op path can check key ids without importing
     ``cryptography`` (about 90 ms); the signature check itself imports it.
     """
+    if not os.fspath(path).strip():
+        raise CachekeeperError(
+            f"a trusted key is named by an empty path ({config.TRUSTED_KEYS} is set but names"
+            " no key file): no snapshot can be trusted; name the .pub files, or unset it"
+        )
     try:
         text = Path(path).read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as exc:

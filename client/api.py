@@ -63,7 +63,14 @@ from cachekeeper.wire import (
     to_dict,
 )
 
-from .calls import Deadline, endpoint, server_root, tls_context  # the first two public since 0.1
+from .calls import (  # Deadline and server_root: public here since 0.1
+    Deadline,
+    endpoint,
+    read_within,
+    redact_url,
+    server_root,
+    tls_context,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -73,6 +80,11 @@ __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 Resolution = ResolveAnswer  # the client's name for the resolve answer (public since 0.1)
 _Shape = TypeVar("_Shape")
 
+# The most bytes a JSON answer may have (a manifest's: MANIFEST_MAX_BYTES): a server that
+# sends more is refused, so the hook's memory stays bounded whatever it is sent.
+ANSWER_MAX_BYTES = 64 << 20
+MANIFEST_MAX_BYTES = 512 << 20  # 200,000 files are about 50 MB of manifest
+RESOLVE_MAX_BYTES = 16 << 20  # a resolve answer is kilobytes (the hook's, as reporting's)
 # Answers worth another try: the server or a proxy in front of it is briefly unwell.
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _MAX_BACKOFF_S = 2.0
@@ -121,7 +133,9 @@ class CacheClient:
         self._deadline = Deadline(deadline_s) if deadline_s is not None else None
         if not base_url:
             raise ServerUnavailable("no server configured (use --server or CACHEKEEPER_SERVER)")
-        self.base_url = server_root(base_url)
+        root = server_root(base_url)
+        self._root = root
+        self.base_url = redact_url(root)  # what messages show: never a password in the URL
         self._has_token = bool(token)
         self.timeout_s = timeout_s
         self.retries = retries
@@ -130,9 +144,9 @@ class CacheClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         # Plain http needs no TLS context; building one loads the CA bundle (~100 ms).
-        verify: Any = tls_context() if self.base_url.lower().startswith("https://") else False
+        verify: Any = tls_context() if root.lower().startswith("https://") else False
         self._http = httpx.Client(
-            base_url=self.base_url,
+            base_url=root,
             headers=headers,
             transport=transport,
             verify=verify,
@@ -172,7 +186,13 @@ class CacheClient:
             driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
             devices=None if devices is None else list(devices),
         )
-        response = self._send("POST", "/v1/resolve", json_body=to_dict(body), deadline=deadline)
+        response = self._send(
+            "POST",
+            "/v1/resolve",
+            json_body=to_dict(body),
+            deadline=deadline,
+            max_answer_bytes=RESOLVE_MAX_BYTES,
+        )
         return _answer(response, ResolveAnswer, "resolve")
 
     def missing_blobs(
@@ -230,9 +250,13 @@ class CacheClient:
 
     def get_manifest(self, snapshot_id: str, *, deadline: Deadline | None = None) -> Manifest:
         """The manifest of ``snapshot_id``, validated, and checked to have that id."""
-        answer = _json_object(
-            self._send("GET", f"/v1/snapshots/{snapshot_id}", deadline=deadline), "manifest"
+        response = self._send(
+            "GET",
+            f"/v1/snapshots/{snapshot_id}",
+            deadline=deadline,
+            max_answer_bytes=MANIFEST_MAX_BYTES,
         )
+        answer = _json_object(response, "manifest")
         manifest = Manifest.from_dict(answer)
         if manifest.id != snapshot_id:
             raise ServerError(f"server sent a manifest with id {manifest.id} for {snapshot_id}")
@@ -436,20 +460,24 @@ class CacheClient:
         stream: bool = False,
         deadline: Deadline | None = None,
         timeout_s: float | None = None,
+        max_answer_bytes: int = ANSWER_MAX_BYTES,
     ) -> httpx.Response:
         """One request with retries; returns a 2xx response or raises a CachekeeperError.
 
         Each attempt waits ``timeout_s`` (default: the client's) at most, bounded by
-        ``deadline``."""
+        ``deadline``. Unless ``stream``, the answer is read here, checked against the
+        deadline as it arrives (a server trickling a byte a second cannot hold a call past
+        it) and refused past ``max_answer_bytes`` (a ServerError: memory stays bounded)."""
         httpx = _import_httpx()
         deadline = deadline or self._deadline or Deadline(None)
-        url = endpoint(self.base_url, path)
+        url = endpoint(self._root, path)  # the real URL (a password in it included)
+        shown = endpoint(self.base_url, path)  # what messages show
         attempt = 0
         while True:
             try:
                 timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
             except ServerUnavailable as exc:
-                raise ServerUnavailable(f"{method} {url}: {exc.detail}") from None
+                raise ServerUnavailable(f"{method} {shown}: {exc.detail}") from None
             body = open_body() if open_body is not None else None
             try:
                 request = self._http.build_request(
@@ -460,9 +488,16 @@ class CacheClient:
                     headers=headers,
                     timeout=httpx.Timeout(timeout),
                 )
-                response = self._http.send(request, stream=stream)
+                response = self._http.send(request, stream=True)
+                if not (stream and response.is_success):
+                    response = _read_answer(
+                        response,
+                        limit=max_answer_bytes,
+                        deadline=deadline,
+                        what=f"{method} {shown}",
+                    )
             except httpx.TransportError as exc:
-                reason = f"{method} {url} failed: {_describe(exc)}"
+                reason = f"{method} {shown} failed: {_describe(exc)}"
                 if self._backoff(attempt, deadline):
                     attempt += 1
                     continue
@@ -476,14 +511,7 @@ class CacheClient:
                 continue
             if response.is_success:
                 return response
-            try:
-                if stream:
-                    response.read()
-            except httpx.TransportError as exc:
-                raise ServerUnavailable(f"{method} {url} failed: {_describe(exc)}") from exc
-            finally:
-                response.close()
-            raise _error_from(response, method=method, url=url, sent_token=self._has_token)
+            raise _error_from(response, method=method, url=shown, sent_token=self._has_token)
 
     def _backoff(self, attempt: int, deadline: Deadline) -> bool:
         """Sleep before retry ``attempt + 1``; False when retries or time are used up."""
@@ -497,12 +525,41 @@ class CacheClient:
         return True
 
 
+def _read_answer(
+    response: httpx.Response, *, limit: int, deadline: Deadline, what: str
+) -> httpx.Response:
+    """``response`` read whole, as a new (closed) response; ServerUnavailable once the
+    deadline passes, ServerError past ``limit`` bytes. TransportErrors pass through."""
+    httpx = _import_httpx()
+    try:
+        data = read_within(
+            response.iter_bytes(),
+            limit=limit,
+            deadline=deadline,
+            late=lambda n: ServerUnavailable(
+                f"{what}: the answer passed the {deadline.seconds:g} s deadline ({n} bytes in)"
+            ),
+            over=lambda: ServerError(f"{what}: the answer is over {limit} bytes; refused"),
+        )
+    finally:
+        response.close()
+    # The bytes are decoded already: the new response must not decode them again.
+    kept = [
+        (k, v)
+        for k, v in response.headers.multi_items()
+        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+    ]
+    return httpx.Response(
+        response.status_code, headers=kept, content=data, request=response.request
+    )
+
+
 class _ResponseReader(io.RawIOBase):
     """A streaming response body as a readable file, mapping transport errors."""
 
     def __init__(self, response: httpx.Response, deadline: Deadline | None) -> None:
         self._chunks = response.iter_raw(_STREAM_CHUNK_BYTES)
-        self._url = str(response.request.url)
+        self._url = redact_url(str(response.request.url))
         self._deadline = deadline
         self._pending = memoryview(b"")  # a view, so handing out a chunk copies it once
         self._done = False

@@ -9,6 +9,10 @@
   httpx does, else the system's), plus the CAs of ``$CACHEKEEPER_CA_BUNDLE``
   (``--ca-bundle``), e.g. a site's private CA behind its reverse proxy.
 
+A server URL may carry a user name and password (``http://user:pw@cache:8750``, for a proxy
+in front of the server); ``redact_url`` is the form every message, log line and job report
+shows, so the password is never echoed on stderr or stored on the server.
+
 Stdlib only: the pre-job hook uses them before it knows whether it needs the HTTP client
 (``cachekeeper.client.api``, which re-exports them).
 """
@@ -18,8 +22,9 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 from cachekeeper import config
 from cachekeeper.errors import ConfigInvalid, ServerUnavailable
@@ -27,7 +32,7 @@ from cachekeeper.errors import ConfigInvalid, ServerUnavailable
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["Deadline", "endpoint", "server_root", "tls_context"]
+__all__ = ["Deadline", "endpoint", "read_within", "redact_url", "server_root", "tls_context"]
 
 
 class Deadline:
@@ -110,3 +115,40 @@ def _tls_context(bundle: str | None, cert_file: str | None, cert_dir: str | None
                 f"--ca-bundle / {config.CA_BUNDLE} {bundle}: cannot load CAs from it: {exc}"
             ) from exc
     return context
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user name and password: ``http://u:pw@cache:8750/v1`` ->
+    ``http://cache:8750/v1`` (what messages, logs and reports show)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<a server URL that does not parse>"
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def read_within(
+    chunks: Iterable[bytes],
+    *,
+    limit: int,
+    deadline: Deadline,
+    late: Callable[[int], Exception],
+    over: Callable[[], Exception],
+) -> bytes:
+    """The bytes of ``chunks`` (an answer's body, as it arrives), at most ``limit`` of them
+    and never past ``deadline``: raises ``late(bytes read so far)`` once the deadline has
+    passed, ``over()`` past the limit. A server trickling a byte a second cannot hold a
+    read past the deadline, one sending gigabytes cannot fill the memory."""
+    parts: list[bytes] = []
+    total = 0
+    for chunk in chunks:
+        if deadline.expired:
+            raise late(total)
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise over()
+    return b"".join(parts)  # one copy: at most twice the limit is ever held

@@ -11,6 +11,13 @@ order in a window), so one slow connection does not bound a node's rate. Any fai
 (403 of an expired URL, another status, a broken connection) raises
 ``DirectUnavailable``; ``client.pull`` then falls back to the server's archive route.
 Verification is the restore's, as for the server's stream: every byte is hashed there.
+
+Bounded in time and memory, because the pre-job hook promises its deadline: each part is
+streamed and checked against the deadline as its bytes arrive (a store that trickles a
+byte a second cannot hold a part past it), a part holds at most the bytes it asked for
+(a store that ignores ``Range`` may send the whole object only up to ``WHOLE_MAX_BYTES``),
+and the parts are fetched by daemon threads (``cachekeeper.daemon_pool``), which never keep
+the process alive after the hook has given up on them.
 """
 
 from __future__ import annotations
@@ -18,35 +25,47 @@ from __future__ import annotations
 import collections
 import io
 import re
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
 from cachekeeper.archive import ReadAhead
+from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import ServerUnavailable
 
 from .api import Deadline, _import_httpx
-from .calls import tls_context
+from .calls import read_within, tls_context
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["DirectUnavailable", "ObjectStore", "PART_BYTES", "PARALLEL"]
+__all__ = ["DirectUnavailable", "ObjectStore", "Part", "PART_BYTES", "PARALLEL", "WHOLE_MAX_BYTES"]
 
 PART_BYTES = 8 << 20
 PARALLEL = 4
-_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+WHOLE_MAX_BYTES = 64 << 20  # the most a store that ignores Range may send in one answer
+_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19})")
 
 
 class DirectUnavailable(ServerUnavailable):
     """The object store refused or failed a presigned request (the caller falls back)."""
 
 
+@dataclass(frozen=True)
+class Part:
+    """One answer of a ranged GET: 206 with the range asked, or 200 with the whole object."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+
 def _where(url: str) -> str:
-    """The URL without its query (the signature is not for logs)."""
+    """The URL without its query (the signature is not for logs) nor a password."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 class ObjectStore:
@@ -75,26 +94,39 @@ class ObjectStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def get_range(self, url: str, start: int, end: int, *, deadline: Deadline | None) -> Any:
-        """Bytes ``start..end`` (inclusive) of ``url``; the response (206 or a whole 200)."""
+    def get_range(self, url: str, start: int, end: int, *, deadline: Deadline | None) -> Part:
+        """Bytes ``start..end`` (inclusive) of ``url`` (206), or the whole object (200, at
+        most ``WHOLE_MAX_BYTES``); read as they arrive, never past ``deadline``."""
         httpx = _import_httpx()
-        timeout = (deadline or Deadline(None)).bound(self.timeout_s)
+        deadline = deadline or Deadline(None)
+        timeout = deadline.bound(self.timeout_s)
         try:
-            response = self._http.get(
-                url, headers={"Range": f"bytes={start}-{end}"}, timeout=httpx.Timeout(timeout)
-            )
+            with self._http.stream(
+                "GET",
+                url,
+                headers={"Range": f"bytes={start}-{end}"},
+                timeout=httpx.Timeout(timeout),
+            ) as response:
+                status = response.status_code
+                if status not in (200, 206):
+                    raise DirectUnavailable(
+                        f"GET {_where(url)} answered HTTP {status}"
+                        + (" (the presigned URL expired or was refused)" if status == 403 else "")
+                    )
+                limit = end - start + 1 if status == 206 else WHOLE_MAX_BYTES
+                what = f"GET {_where(url)} bytes {start}-{end}"
+                data = read_within(
+                    response.iter_bytes(),
+                    limit=limit,
+                    deadline=deadline,
+                    late=lambda n: DirectUnavailable(
+                        f"{what} passed the {deadline.seconds:g} s deadline ({n} bytes in)"
+                    ),
+                    over=lambda: DirectUnavailable(f"{what} sent more than {limit} bytes"),
+                )
+                return Part(status, response.headers, data)
         except httpx.TransportError as exc:
             raise DirectUnavailable(f"GET {_where(url)} failed: {exc!r}") from exc
-        if response.status_code not in (200, 206):
-            raise DirectUnavailable(
-                f"GET {_where(url)} answered HTTP {response.status_code}"
-                + (
-                    " (the presigned URL expired or was refused)"
-                    if response.status_code == 403
-                    else ""
-                )
-            )
-        return response
 
     def open_archive(
         self,
@@ -195,7 +227,7 @@ class _RangedReader(io.RawIOBase):
         self._pending = memoryview(first.content)
         self._offsets = collections.deque(range(len(first.content), total, part_bytes))
         self._part_bytes = part_bytes
-        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="ck-range")
+        self._pool = DaemonPool(parallel, name="ck-range")
         self._window: collections.deque[Future[bytes]] = collections.deque()
         self._parallel = parallel
         self._fill()
@@ -209,7 +241,7 @@ class _RangedReader(io.RawIOBase):
             except DirectUnavailable as exc:
                 last = exc
                 continue
-            data: bytes = response.content
+            data = response.content
             if response.status_code != 206 or len(data) != end - start + 1:
                 raise DirectUnavailable(
                     f"GET {_where(self._url)} bytes {start}-{end}: got {len(data)} bytes"

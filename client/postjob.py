@@ -15,7 +15,9 @@ and counts the rest by kind:
 
 A job whose FX-graph, AOTAutograd or Triton count is not zero ``compiled``; otherwise it is
 ``clean``. The outcome is reported to the server (``POST /v1/reports``) under the same
-best-effort rules as the pre-job hook: nothing here raises for a server or a cache-dir
+best-effort rules as the pre-job hook (``timeout_s`` bounds the fingerprint and the report
+together, in wall time, whatever the server or the GPU driver does; ``push``'s upload has
+its own bound, the larger of ``timeout_s`` and 30 s per request): nothing here raises for a server or a cache-dir
 problem (``error`` says what), nothing is deleted, and the only file written is our own
 ``.cachekeeper/postjob.json`` (after a report the server stored, or with no server), so the
 next job on this node counts only what it compiles itself.
@@ -32,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
-from cachekeeper.errors import CachekeeperError
-from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.marker import STATE_DIR, markers
+from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
+from cachekeeper.marker import STATE_DIR, read_markers, state_dir
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
+from .calls import Deadline
 from .reporting import job_id, node_name, report_answer, utc_now
 
 __all__ = [
@@ -88,6 +90,16 @@ class CacheDiff:
         return any(self.entries[k] for k in ("fxgraph", "aotautograd", "triton"))
 
 
+def _markers(cache_dir: Path) -> list[tuple[float, str, list[list[Any]]]]:
+    """(mtime, snapshot id, files) of every readable restore marker, oldest first."""
+    out = []
+    for mtime, body in read_markers(cache_dir):
+        files = body.get("files")
+        if "id" in body and isinstance(files, list):  # else not ours: it is not a baseline
+            out.append((mtime, str(body["id"]), files))
+    return out
+
+
 def diff_cache(cache_dir: Path) -> CacheDiff:
     """Compare ``cache_dir`` with its restore markers and the last post-job count.
 
@@ -95,20 +107,15 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     """
     root = Path(cache_dir)
     present = {rel: path for rel, path, _mode in scan_dir(root)}
-    state = root / STATE_DIR
     baseline: set[str] = set()
     snapshot_id = None
-    for _mtime, marker_id, files in markers(root):
-        paths = {str(p) for p, _size in files}
+    for _mtime, marker_id, files in _markers(root):
+        paths = {str(entry[0]) for entry in files}
         baseline |= paths
         if paths <= present.keys():
             snapshot_id = marker_id  # the newest complete one wins (sorted by mtime)
     restored = len(baseline)
-    try:
-        seen = json.loads((state / SEEN_FILE).read_bytes())
-        baseline |= {str(p) for p in seen["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no earlier post-job count (or an unreadable one): count from the restores
+    baseline |= _seen(root)  # what an earlier post-job counted
     new: list[tuple[str, int]] = []
     entries: dict[str, set[str]] = {k: set() for k in KINDS}
     kind_bytes = dict.fromkeys(KINDS, 0)
@@ -130,17 +137,25 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     )
 
 
-def _record_seen(cache_dir: Path, diff: CacheDiff) -> None:
-    """Remember what this post-job counted, so the next one counts only its own job's."""
-    state = Path(cache_dir) / STATE_DIR
-    path = state / SEEN_FILE
+def _seen(cache_dir: Path) -> set[str]:
+    """The paths earlier post-jobs counted (none when unrecorded or unreadable)."""
     try:
-        files = set(json.loads(path.read_bytes())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        files = set()
-    files |= {p for p, _size in diff.new_files}
-    state.mkdir(exist_ok=True)
-    atomic_write_text(path, json.dumps({"at": utc_now(), "files": sorted(files)}))
+        with state_dir(cache_dir, create=False) as state:
+            seen = json.loads(state.read_file(SEEN_FILE) or b"")
+        return {str(p) for p in seen["files"]}
+    except (OSError, ValueError, KeyError, TypeError, CachekeeperError):
+        return set()
+
+
+def _record_seen(cache_dir: Path, diff: CacheDiff) -> None:
+    """Remember what this post-job counted, so the next one counts only its own job's.
+
+    Written through ``marker.StateDir``: a link planted in ``.cachekeeper/`` is never
+    followed (a planted one is ``CacheDirUnusable``)."""
+    files = _seen(cache_dir) | {p for p, _size in diff.new_files}
+    body = json.dumps({"at": utc_now(), "files": sorted(files)}).encode()
+    with state_dir(cache_dir, create=True) as state:
+        state.write_file(SEEN_FILE, body)
 
 
 @dataclass(frozen=True)
@@ -248,9 +263,20 @@ def postjob(
 
     started = time.monotonic()
     started_at = utc_now()
+    deadline = Deadline(timeout_s)  # the fingerprint and the report share it
     env = os.environ if environ is None else environ
     if fingerprint is None:
-        fingerprint = collect(environ=env)
+        try:  # a hung NVML or nvidia-smi gets the deadline, no more
+            fingerprint = collect(environ=env, gpu_timeout_s=deadline.remaining() or 0.0)
+        except FingerprintUnavailable as exc:
+            return PostjobReport(
+                workload=workload,
+                cache_dir="" if cache_dir is None else str(cache_dir),
+                outcome="error",
+                elapsed_s=time.monotonic() - started,
+                fingerprint_digest="",
+                error=f"cannot fingerprint this node: {exc.detail}",
+            )
     digest = digest_of(fingerprint)
     if cache_dir is None:
         explicit = env.get("TORCHINDUCTOR_CACHE_DIR")
@@ -289,7 +315,7 @@ def postjob(
             job=job_id(target, environ=env, start=False),
         ),
         token=token,
-        timeout_s=timeout_s,
+        timeout_s=deadline.remaining() or 0.0,
     )
     reported = bool(answer)
     warning = None
@@ -309,8 +335,9 @@ def postjob(
     if reported or not (report and server):
         try:
             _record_seen(target, diff)
-        except OSError as exc:  # a read-only cache dir: the count still stands
-            warning = f"cannot record the count in {target / STATE_DIR}: {exc}"
+        except (OSError, CachekeeperError) as exc:  # a read-only cache dir: the count stands
+            detail = exc.detail if isinstance(exc, CachekeeperError) else str(exc)
+            warning = f"cannot record the count in {target / STATE_DIR}: {detail}"
     return PostjobReport(
         workload=workload,
         cache_dir=str(target),

@@ -28,11 +28,22 @@
    URL with this node's token, after a one-second probe of its port; snapshots stay the
    first tier (restored files are local hits, the tier is asked only for what they lack).
 
-Every call runs under one deadline (``timeout_s``); the work also runs in a daemon thread
-that the hook stops waiting for at the deadline, so a stuck filesystem or server cannot
-hold the job. Whatever goes wrong, the outcome is ``cold`` with a one-line reason, and the
-exports are still printed; only ``--strict`` turns that into a non-zero exit. A restore
-abandoned half-way leaves only complete, verified files (the restore rules).
+
+The deadline (``timeout_s``) is a promise: the hook returns within it and a moment
+(``JOIN_SLACK_S``), and its process can exit then, under every fault. The fingerprint runs
+inside it (a hung NVML or ``nvidia-smi`` gets what is left, then the start is cold); the
+work runs in a daemon thread that the hook stops waiting for at the deadline, so a stuck
+filesystem or server cannot hold the job; every request inside is bounded in wall time
+and in the bytes it reads (``reporting.post_json``, ``CacheClient``), and the object
+store's downloads run in daemon threads (``cachekeeper.daemon_pool``) that never keep the
+process alive. The report gets what is left of the deadline, at most ``REPORT_TIMEOUT_S``.
+
+Whatever goes wrong, the outcome is ``cold`` with a one-line reason, and the exports are
+still printed; only ``--strict`` turns that into a non-zero exit. A restore abandoned
+half-way leaves only complete, verified files (the restore rules). One export is never
+printed: a cache dir the hook cannot write in (a file, a read-only mount), proved by
+writing there (``fsutil.unwritable_dir``), since a job given an unwritable
+``TORCHINDUCTOR_CACHE_DIR`` crashes; torch's default dir is better than that.
 """
 
 from __future__ import annotations
@@ -49,7 +60,9 @@ from typing import Any, cast
 
 from cachekeeper import config, remote_tier
 from cachekeeper.errors import (
+    CacheDirUnusable,
     CachekeeperError,
+    FingerprintUnavailable,
     Forbidden,
     NoMatchingSnapshot,
     ServerError,
@@ -57,8 +70,8 @@ from cachekeeper.errors import (
     SignatureInvalid,
     Unauthorized,
 )
-from cachekeeper.fingerprint import collect, digest_of
-from cachekeeper.fsutil import atomic_write_text
+from cachekeeper.fingerprint import GPU_TIMEOUT_S, collect, digest_of
+from cachekeeper.fsutil import atomic_write_text, unwritable_dir
 from cachekeeper.marker import held_snapshot, is_restored
 from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import (
@@ -75,6 +88,7 @@ from .reporting import job_id, node_name, post_json, send_report, utc_now
 from .tier import PROBE_TIMEOUT_S, tier_exports
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
+JOIN_SLACK_S = 0.1  # how long past the deadline the hook waits for its worker
 
 __all__ = [
     "PrejobReport",
@@ -109,6 +123,9 @@ class PrejobReport:
     # Cold because the server gave no answer, but an earlier restore's snapshot is still
     # complete in the dir: the job uses it (``cold_line`` says so).
     held_snapshot_id: str | None = None
+    # Files of the snapshot found in the dir with other bytes, kept as they were (a file
+    # changed since a restore is no longer "already restored": this is where it shows).
+    conflicts: tuple[str, ...] = ()
 
     @property
     def cold(self) -> bool:
@@ -131,6 +148,7 @@ class PrejobReport:
             "remote_cache": self.remote_cache,
             "remote_cache_reason": self.remote_cache_reason,
             "held_snapshot_id": self.held_snapshot_id,
+            "conflicts": list(self.conflicts),
         }
 
 
@@ -178,6 +196,7 @@ class _Outcome:
     deltas: tuple[str, ...] = ()
     delta_problems: tuple[str, ...] = ()
     offer: RemoteCacheOffer | None = None  # the per-key tier, from the quick answer
+    conflicts: tuple[str, ...] = ()
 
 
 def _work(
@@ -246,6 +265,7 @@ def _work(
             )
         result.outcome, result.blobs_fetched = done.outcome, done.blobs_fetched
         result.deltas, result.delta_problems = done.deltas, done.delta_problems
+        result.conflicts = done.conflicts
     except CachekeeperError as exc:
         result.error = exc
     except OSError as exc:  # an unwritable or full cache dir: the job still runs, cold
@@ -294,23 +314,31 @@ def prejob(
     started = time.monotonic()
     started_at = utc_now()
     env = os.environ if environ is None else environ
-    if fingerprint is None:
-        fingerprint = collect(environ=env)
-    target = (
-        Path(cache_dir)
-        if cache_dir is not None
-        else default_cache_dir(digest_of(fingerprint), environ=env)
-    )
-    target = target.expanduser().absolute()
-    exports = {"TORCHINDUCTOR_CACHE_DIR": str(target)}
     deadline = Deadline(timeout_s)
-    result = _Outcome()
-    worker = threading.Thread(
-        target=_work,
-        name="cachekeeper-prejob",
-        daemon=True,
-        kwargs=dict(
-            result=result,
+    error: CachekeeperError | None = None
+    if fingerprint is None:
+        left = deadline.remaining()
+        try:  # inside the deadline: a hung NVML or nvidia-smi gets what is left, no more
+            fingerprint = collect(
+                environ=env, gpu_timeout_s=GPU_TIMEOUT_S if left is None else left
+            )
+        except FingerprintUnavailable as exc:
+            error = exc
+    target = _target(cache_dir, fingerprint, env)
+    problem = None if target is None else unwritable_dir(target)
+    if problem is not None:  # exporting it would crash the job: torch's default instead
+        error = error or CacheDirUnusable(
+            f"cannot use {target} as TORCHINDUCTOR_CACHE_DIR: {problem}; not exported,"
+            " so torch uses its own default"
+        )
+    usable = target is not None and problem is None
+    exports = {"TORCHINDUCTOR_CACHE_DIR": str(target)} if usable else {}
+    result = _Outcome(error=error)
+    if error is None:
+        assert target is not None and fingerprint is not None
+        result = _run_within(
+            deadline,
+            timeout_s=timeout_s,
             server=server,
             token=token,
             workload=workload,
@@ -318,19 +346,8 @@ def prejob(
             cache_dir=target,
             driver_policy=driver_policy,
             devices=devices,
-            deadline=deadline,
-            timeout_s=timeout_s,
             trust=tuple(trust),
             remote_cache=remote_cache,
-        ),
-    )
-    worker.start()
-    # The calls inside honour the deadline; this guard covers what cannot (a flock held
-    # by a stuck process, a hung filesystem). A restore abandoned here is still safe.
-    worker.join((deadline.remaining() or 0.0) + 0.25)
-    if worker.is_alive():
-        result = _Outcome(
-            error=ServerUnavailable(f"gave up waiting after the {timeout_s:g} s timeout")
         )
     error = result.error
     outcome = "cold" if error is not None else result.outcome
@@ -339,7 +356,9 @@ def prejob(
         server=server or "",
         token=token,
         wish=remote_cache,
-        client_name=remote_tier.client_name(node_name(), digest_of(fingerprint)),
+        client_name=remote_tier.client_name(
+            node_name(), digest_of(fingerprint) if fingerprint is not None else ""
+        ),
         timeout_s=min(PROBE_TIMEOUT_S, max(0.1, deadline.remaining() or PROBE_TIMEOUT_S)),
     )
     exports.update(tier.exports)
@@ -347,10 +366,11 @@ def prejob(
     # No answer from the server (down, hung, refusing the token) says nothing against what
     # an earlier restore left: the job uses it.
     unanswered = isinstance(error, ServerUnavailable | ServerError | Unauthorized | Forbidden)
-    held = held_snapshot(target) if unanswered else None
+    held = held_snapshot(target) if unanswered and usable and target is not None else None
     left = deadline.remaining()
     reported = (
         report
+        and fingerprint is not None  # nothing to file the report under
         and send_report(
             server,
             JobReport(
@@ -365,7 +385,9 @@ def prejob(
                 reason_code=None if error is None else error.code,
                 started_at=started_at,
                 finished_at=utc_now(),
-                job=job_id(target, environ=env, start=True),
+                job=None
+                if not usable or target is None
+                else job_id(target, environ=env, start=True),
             ),
             token=token,
             timeout_s=REPORT_TIMEOUT_S if left is None else min(REPORT_TIMEOUT_S, left),
@@ -373,7 +395,7 @@ def prejob(
     )
     return PrejobReport(
         workload=workload,
-        cache_dir=str(target),
+        cache_dir="" if target is None else str(target),
         outcome=outcome,
         exports=exports,
         elapsed_s=time.monotonic() - started,
@@ -387,7 +409,44 @@ def prejob(
         remote_cache=None if result.offer is None else ("on" if tier.used else "off"),
         remote_cache_reason=tier.reason,
         held_snapshot_id=held,
+        conflicts=result.conflicts,
     )
+
+
+def _target(
+    cache_dir: Path | None, fingerprint: dict[str, Any] | None, env: Mapping[str, str]
+) -> Path | None:
+    """The cache dir to restore into and export; None when it depends on a fingerprint
+    that could not be collected (then nothing is exported: torch's default)."""
+    if cache_dir is not None:
+        chosen = Path(cache_dir)
+    elif fingerprint is not None:
+        chosen = default_cache_dir(digest_of(fingerprint), environ=env)
+    elif env.get("TORCHINDUCTOR_CACHE_DIR"):
+        chosen = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+    else:
+        return None
+    return chosen.expanduser().absolute()
+
+
+def _run_within(deadline: Deadline, **work: Any) -> _Outcome:
+    """``_work`` in a daemon thread, waited for until the deadline (and a moment)."""
+    result = _Outcome()
+    worker = threading.Thread(
+        target=_work,
+        name="cachekeeper-prejob",
+        daemon=True,
+        kwargs=dict(result=result, deadline=deadline, **work),
+    )
+    worker.start()
+    # The calls inside honour the deadline; this guard covers what cannot (a flock held
+    # by a stuck process, a hung filesystem). A restore abandoned here is still safe.
+    worker.join((deadline.remaining() or 0.0) + JOIN_SLACK_S)
+    if worker.is_alive():
+        return _Outcome(
+            error=ServerUnavailable(f"gave up waiting after the {deadline.seconds:g} s timeout")
+        )
+    return result
 
 
 def _reason(error: CachekeeperError) -> str:

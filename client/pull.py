@@ -132,6 +132,7 @@ class _ServerSnapshot:
         self.archive_from = "server"
         self.fallback_reason: str | None = None
         self._opened: BinaryIO | None = None  # the archive stream, manifest read from it
+        self._direct_used = False  # an attempt read blobs from the object store
 
     def manifest(self) -> Manifest:
         if self.fetched_manifest is None:
@@ -163,10 +164,20 @@ class _ServerSnapshot:
             self._opened.close()
             self._opened = None
 
+    def after_failure(self, exc: Exception) -> None:
+        """A restore attempt failed: when its bytes came from the object store, the next
+        attempt takes them from the server. (A small blob's bytes are checked by the
+        restore's writer threads after the stream ended, so a corrupt archive object can
+        fail an attempt outside ``open_blobs``.)"""
+        if self._direct_used and self.archive_url is not None:
+            self.fallback_reason = f"the object store's archive failed: {exc}"
+            self.archive_url = None
+
     @contextlib.contextmanager
     def open_blobs(self, needed: Mapping[str, Sequence[FileEntry]]) -> Iterator[Blobs]:
         direct, self._opened = self._opened or self._open_direct(), None
         if direct is not None:
+            self._direct_used = True
             try:
                 with contextlib.closing(direct) as tar:
                     yield archive_blobs(self.manifest(), tar)
@@ -310,6 +321,7 @@ def _restore(
         except _RETRYABLE as exc:
             if source.fetched_manifest is None:
                 raise  # the manifest itself: the client retried it already
+            source.after_failure(exc)
             last = exc
         else:
             return PullReport(

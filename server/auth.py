@@ -3,7 +3,9 @@
 With no tokens configured, auth is off and every route is open (a single-user laptop
 server). With tokens, a request needs ``Authorization: Bearer TOKEN`` whose scope covers the
 route's: missing or unknown is 401, too low is 403 (both name the route's ``scope``); read routes may be opened to anonymous
-callers with ``anonymous_read``. Tokens are compared in constant time (every configured
+callers with ``anonymous_read``. A route may also answer by the scope it was granted
+(``covers``): ``POST /v1/blobs/missing`` is a read route, but hands out presigned upload
+URLs (a write into the object store) only to a write-scope caller. Tokens are compared in constant time (every configured
 token is compared, so timing does not reveal which one matched) and never logged.
 """
 
@@ -19,7 +21,7 @@ from cachekeeper.errors import Forbidden, Unauthorized
 
 from .settings import SCOPES, Settings
 
-__all__ = ["require", "scope_of_token", "ReadScope", "WriteScope", "AdminScope"]
+__all__ = ["covers", "require", "scope_of_token", "ReadScope", "WriteScope", "AdminScope"]
 
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
 
@@ -32,6 +34,11 @@ def scope_of_token(settings: Settings, presented: str) -> str | None:
         if hmac.compare_digest(token.encode(), given):
             found = scope
     return found
+
+
+def covers(granted: str, scope: str) -> bool:
+    """Whether a caller ``granted`` one scope may do what ``scope`` allows."""
+    return _RANK[granted] >= _RANK[scope]
 
 
 def _bearer(request: Request) -> str | None:
@@ -64,7 +71,7 @@ def require(scope: str) -> Callable[[Request], str]:
             raise Unauthorized(
                 "the bearer token is not known to this server", extra={"scope": scope}
             )
-        if _RANK[granted] < _RANK[scope]:
+        if not covers(granted, scope):
             raise Forbidden(
                 f"this route needs the {scope!r} scope; the token has {granted!r}",
                 extra={"scope": scope, "granted": granted},

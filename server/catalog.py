@@ -196,8 +196,18 @@ class Transaction(FleetWrites, TierWrites):
         if self._one(sql, [snapshot_id]) is None:
             return False
         self.db.execute("DELETE FROM snapshot_blobs WHERE snapshot_id = ?", [snapshot_id])
+        self.db.execute("DELETE FROM archive_objects WHERE snapshot_id = ?", [snapshot_id])
         self.db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
         return True
+
+    def record_archive(self, snapshot_id: str, *, etag: str, size_bytes: int) -> None:
+        """The object-store archive of ``snapshot_id`` as this server wrote it."""
+        self.db.execute(
+            "INSERT INTO archive_objects (snapshot_id, etag, size_bytes) VALUES (?, ?, ?)"
+            " ON CONFLICT(snapshot_id) DO UPDATE SET etag = excluded.etag,"
+            " size_bytes = excluded.size_bytes",
+            [snapshot_id, etag, size_bytes],
+        )
 
     def manifest_text(self, snapshot_id: str) -> str | None:
         found = self.db.execute("SELECT manifest FROM snapshots WHERE id = ?", [snapshot_id])
@@ -398,17 +408,16 @@ class Catalog(FleetReads, TierReads):
                 where.append(f"{column} = ?")
                 params.append(value)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        sql = (
-            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots {clause}"
-            " ORDER BY created_at DESC, id LIMIT ?"
+        sql = (  # newest first by order of publication (rowid), whatever the clock said
+            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots {clause} ORDER BY rowid DESC LIMIT ?"
         )
         return [_summary(r) for r in self._rows(sql, [*params, limit])]
 
     def candidates(self, workload: str | None, *, limit: int = 2000) -> list[Candidate]:
-        """Snapshots of a workload with what resolve compares, newest first."""
+        """Snapshots of a workload with what resolve compares, newest published first."""
         sql = (
-            f"SELECT {_SUMMARY_COLUMNS}, fingerprint FROM snapshots WHERE workload IS ?"
-            " AND source IS NULL ORDER BY created_at DESC, id LIMIT ?"
+            f"SELECT {_SUMMARY_COLUMNS}, fingerprint, rowid AS seq FROM snapshots"
+            " WHERE workload IS ? AND source IS NULL ORDER BY rowid DESC LIMIT ?"
         )
         parsed: dict[str, dict[str, Any]] = {}  # one parse per distinct fingerprint
         out = []
@@ -416,8 +425,13 @@ class Catalog(FleetReads, TierReads):
             fingerprint = parsed.get(row["fingerprint_digest"])
             if fingerprint is None:
                 fingerprint = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
-            out.append(Candidate(summary=_summary(row), fingerprint=fingerprint))
+            out.append(Candidate(summary=_summary(row), fingerprint=fingerprint, seq=row["seq"]))
         return out
+
+    def archive_etag(self, snapshot_id: str) -> str | None:
+        """The ETag of the archive object this server wrote for ``snapshot_id``, if any."""
+        found = self._rows("SELECT etag FROM archive_objects WHERE snapshot_id = ?", [snapshot_id])
+        return str(found[0]["etag"]) if found else None
 
     def snapshot_blobs(self, snapshot_id: str) -> dict[str, int]:
         """{digest: uncompressed size} of a snapshot's distinct blobs."""
@@ -434,7 +448,7 @@ class Catalog(FleetReads, TierReads):
         """Summaries of the harvested deltas of ``parent_id`` for one environment, oldest first."""
         rows = self._rows(
             f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE parent = ? AND source = 'harvest'"
-            " AND fingerprint_digest = ? ORDER BY created_at, id LIMIT ?",
+            " AND fingerprint_digest = ? ORDER BY rowid LIMIT ?",
             [parent_id, fingerprint_digest, limit],
         )
         return [_summary(r) for r in rows]

@@ -280,7 +280,7 @@ class FleetReads(Reads):
         for snap in self._rows(  # harvested deltas are never a pair's snapshot
             "SELECT id, workload, fingerprint_digest, created_at, devices, workload_digest,"
             " verified FROM snapshots WHERE workload IS NOT NULL AND source IS NOT 'harvest'"
-            " ORDER BY created_at"
+            " ORDER BY rowid"  # publication order
         ):
             key = (snap["workload"], snap["fingerprint_digest"])
             newest = verified if snap["verified"] else unverified
@@ -303,7 +303,13 @@ class FleetReads(Reads):
                 " GROUP BY workload, fingerprint_digest"
             )
         }
+        vouched = {d for _name, d in agents}
+        vouched.update(
+            r["fingerprint_digest"]
+            for r in self._rows("SELECT DISTINCT fingerprint_digest FROM snapshots")
+        )
         return StatusFacts(
+            vouched=frozenset(vouched),
             workloads=workloads,
             agents=agents,
             latest={(e.workload, e.fingerprint_digest): e for e in latest},

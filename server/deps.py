@@ -43,7 +43,7 @@ SettingsDep = Annotated[Settings, Depends(settings_of)]
 async def read_body(request: Request, *, limit: int, what: str) -> bytes:
     """The whole request body, refusing (413) more than ``limit`` bytes before reading it all."""
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
+    if length and length.isdigit() and (len(length) > 19 or int(length) > limit):
         raise PayloadTooLarge(f"{what} of {length} bytes is over the limit of {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():

@@ -42,8 +42,9 @@ after the snapshot; otherwise no node does, and only an agent's promotion (a wor
 a ``[[command]]``: restore, rerun, verify) turns them into a snapshot nodes get.
 
 ``jobs`` adds up what training jobs reported for the pair (``POST /v1/reports``; a pair a
-report names is a row when its workload is registered): restores, cold starts by reason,
-jobs that compiled anyway. ``jobs_note`` says when restored jobs compiled anyway: the
+report names is a row when its workload is registered and its fingerprint digest is one
+an agent registered or a stored snapshot records, since anyone with a read token can
+report any digest): restores, cold starts by reason, jobs that compiled anyway. ``jobs_note`` says when restored jobs compiled anyway: the
 workload file does not match training.
 
 The facts are read by ``Catalog.status_facts``; this module only decides.
@@ -142,7 +143,9 @@ def fleet_status(
     pairs |= set(facts.latest)
     pairs |= {key for key in facts.verified if key[0] in facts.workloads}
     pairs |= {key for key in facts.unverified if key[0] in facts.workloads}
-    pairs |= {key for key in facts.jobs if key[0] in facts.workloads}
+    # Job reports need only a read token: they add a row only for an environment an agent
+    # or a stored snapshot vouches for (random fingerprints must not flood the status).
+    pairs |= {key for key in facts.jobs if key[0] in facts.workloads and key[1] in facts.vouched}
     pairs -= _superseded(facts)
     rows = []
     for w, d in sorted(pairs):

@@ -210,7 +210,7 @@ class RequestLimits:
             return
         rule = body_rule(self.settings, method=scope["method"], path=scope["path"])
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > rule.limit_bytes:
+        if declared.isdigit() and (len(declared) > 19 or int(declared) > rule.limit_bytes):
             too_large = PayloadTooLarge(
                 f"{rule.what} of {declared} bytes is over the limit of {rule.limit_bytes} bytes"
             )

@@ -8,8 +8,12 @@ publish, before any row names the snapshot: ``pack_snapshot`` builds the snapsho
 blobs as the store holds them, hashing each one on the way, into a temp file, and uploads
 it as ``archives/<id>.tar.zst``. A blob that is absent, of another size or of other bytes
 refuses the publish (``BlobMissing`` naming every such blob, so ``push`` uploads them
-again); nothing is recorded. The caller records the rows afterwards, in one catalog
-transaction.
+again); nothing is recorded. A blob object holding other bytes than its name says (changed
+behind the server's back) is removed then, so that ``blobs/missing`` reports it and the
+push's upload replaces it; otherwise every re-push would fail on it again. The caller
+records the rows afterwards, in one catalog transaction, with the archive object's ETag
+(``archive_objects``): a re-push finds an archive object changed since by its ETag and
+packs it again.
 
 Speed. A snapshot is thousands of blobs, mostly small, and each costs the store a request
 (tens of ms of latency), so the blobs are read by a small bounded thread pool
@@ -83,6 +87,7 @@ class Packed:
     archive_bytes: int
     sizes: dict[str, int]  # digest -> uncompressed size, as hashed from the store
     modified_at: dict[str, float]  # digest -> its object's last-modified time, as read
+    archive_etag: str = ""  # the archive object's ETag right after the upload
 
 
 class SnapshotLocks:
@@ -147,9 +152,11 @@ class _Hashing(io.RawIOBase):
 
 
 def _corrupt(digest: str, why: str) -> BlobMissing:
+    """The blob's object holds other bytes: ``corrupt`` names it, so the publish removes the
+    object and the push's next ``blobs/missing`` asks for it again (see ``Storage``)."""
     return BlobMissing(
         f"blob {digest} in the object store is not what the manifest names: {why}; upload it again",
-        extra={"missing": [digest]},
+        extra={"missing": [digest], "corrupt": [digest]},
     )
 
 
@@ -259,14 +266,17 @@ def pack_snapshot(
                     out.write(chunk)
             except BlobMissing as exc:
                 source.cancel()
-                raise _all_missing(store, sizes, manifest, exc) from exc
+                failed = _all_missing(store, sizes, manifest, exc)
+                for digest in failed.extra.pop("corrupt", []):
+                    store.delete(digest)  # other bytes under its name: the push sends it again
+                raise failed from exc
             except BaseException:
                 source.cancel()
                 raise
-        archive_bytes = store.put_archive(manifest.id, path)
+        archive_bytes, etag = store.put_archive(manifest.id, path)
     finally:
         path.unlink(missing_ok=True)
-    return Packed(manifest.id, archive_bytes, sizes, source.modified_at)
+    return Packed(manifest.id, archive_bytes, sizes, source.modified_at, archive_etag=etag)
 
 
 def record_checked(tx: Transaction, store: S3BlobStore, packed: Packed, *, grace_s: float) -> None:
@@ -312,7 +322,7 @@ def _all_missing(
     return BlobMissing(
         f"{len(absent | named)} blob(s) of snapshot {manifest.id[:12]} are absent from the"
         " object store, of the wrong size or of other bytes; upload them again",
-        extra={"missing": sorted(absent | named)},
+        extra={"missing": sorted(absent | named), "corrupt": first.extra.get("corrupt", [])},
     )
 
 

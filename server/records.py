@@ -19,6 +19,9 @@ class Candidate:
 
     summary: Summary
     fingerprint: dict[str, Any]
+    # The order of publication (SQLite's rowid): newer is larger. Resolve ranks by it, not
+    # by ``created_at``, which a server clock that jumped back would turn around.
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,6 @@ class StatusFacts:
     built_for: dict[str, str | None] = field(
         default_factory=dict
     )  # snapshot -> its workload digest
+    # Fingerprint digests an agent registered or a stored snapshot records: job reports
+    # (read scope) add a row only for these, so random fingerprints add no environments.
+    vouched: frozenset[str] = frozenset()

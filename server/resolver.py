@@ -1,7 +1,9 @@
 """Resolve: the best snapshot for a node, or a miss with the nearest misses.
 
 Ranking among compatible snapshots: verified before unverified, exact (same driver)
-before driver-compatible, newest first. Near misses are the incompatible snapshots of the
+before driver-compatible, newest first. Newest means last published (``Candidate.seq``,
+the catalog's order of insertion), never ``created_at``: a server clock that jumped back
+would otherwise prefer an older snapshot. Near misses are the incompatible snapshots of the
 workload with the fewest mismatching fields (newest first among equals), each with its
 field-by-field mismatches so the node can say why it missed. A miss is a value
 (``snapshot`` None), never an error, with a ``reason`` (``miss_reason``).
@@ -34,8 +36,8 @@ def rank(
 
     Raises TypeError, ValueError or AttributeError when the fingerprint cannot be compared.
     """
-    hits: list[tuple[tuple[int, int, str], Summary]] = []
-    misses: list[tuple[tuple[int, str], Summary, list[Mismatch]]] = []
+    hits: list[tuple[tuple[int, int, int], Summary]] = []
+    misses: list[tuple[tuple[int, int], Summary, list[Mismatch]]] = []
     for candidate in candidates:
         summary = candidate.summary
         mismatches = compare(
@@ -47,15 +49,15 @@ def rank(
         )
         if not mismatches:
             exact = fingerprint.get("driver") == candidate.fingerprint.get("driver")
-            hits.append(((int(summary.verified), int(exact), summary.created_at), summary))
+            hits.append(((int(summary.verified), int(exact), candidate.seq), summary))
         else:
-            key = (len(mismatches), summary.created_at)
+            key = (len(mismatches), candidate.seq)
             misses.append((key, summary, mismatches))
-    near = sorted(misses, key=lambda m: (m[0][0], _neg(m[0][1])))[:NEAR_MISSES]
+    near = sorted(misses, key=lambda m: (m[0][0], -m[0][1]))[:NEAR_MISSES]
     near_out = tuple(NearMiss(snapshot=s, mismatches=tuple(mm)) for _k, s, mm in near)
     if not hits:
         return ResolveAnswer(snapshot=None, verified=False, exact=False, near_misses=near_out)
-    (verified, exact, _created), best = max(hits, key=lambda h: h[0])
+    (verified, exact, _seq), best = max(hits, key=lambda h: h[0])
     return ResolveAnswer(
         snapshot=best, verified=bool(verified), exact=bool(exact), near_misses=near_out
     )
@@ -77,8 +79,3 @@ def unknown_workload(workload: str, *, registered: list[str], named: bool) -> st
         return None
     hint = did_you_mean(workload, registered)
     return f"no workload {workload!r} is registered on this server{hint}, and no snapshot names it"
-
-
-def _neg(text: str) -> tuple[int, ...]:
-    """A key that sorts ISO timestamps newest first."""
-    return tuple(-ord(c) for c in text)

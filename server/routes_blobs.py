@@ -25,7 +25,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
-from .auth import ReadScope, WriteScope
+from .auth import ReadScope, WriteScope, covers
 from .deps import StorageDep, metrics_of, storage_of
 from .limits import Reservation, StoreRoom, store_room, upload_limiter
 from .responses import error_responses
@@ -41,10 +41,12 @@ _END, _ABORT = object(), object()
 
 
 @router.post("/missing", response_model=MissingAnswer)
-def missing_blobs(body: MissingRequest, storage: StorageDep, _: ReadScope) -> dict[str, Any]:
-    """Which of ``digests`` the server does not have (and, with an object store, where to PUT them)."""
+def missing_blobs(body: MissingRequest, storage: StorageDep, scope: ReadScope) -> dict[str, Any]:
+    """Which of ``digests`` the server does not have; with an object store and a write-scope
+    token, also where to PUT them (a presigned PUT writes into the bucket: never for read)."""
     missing = storage.missing_blobs(body.digests)
-    return {"missing": missing, "uploads": storage.upload_targets(missing)}
+    uploads = storage.upload_targets(missing) if covers(scope, "write") else []
+    return {"missing": missing, "uploads": uploads}
 
 
 class _Aborted(Exception):
@@ -119,7 +121,7 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
             status_code=415,
         )
     length = request.headers.get("content-length")
-    declared = int(length) if length and length.isdigit() else 0
+    declared = int(length) if length and length.isdigit() and len(length) <= 19 else 0
     # Room under the store's cap is reserved as bytes arrive, never by evicting.
     reservation = await run_in_threadpool(
         _reserve, storage, store_room(request.app), digest, declared
@@ -206,6 +208,13 @@ def _swallow_aborted(fn: Any) -> Any:
 
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_HUGE = 10**19  # past any blob: what a longer number means (int() refuses 4,300+ digits)
+
+
+def _number(digits: str) -> int:
+    """A Range bound; one of more than 19 digits is past any blob (never parsed: Python
+    refuses to convert 4,300 digits or more, which was a 500)."""
+    return int(digits) if len(digits) <= 19 else _HUGE
 
 
 def _parse_range(header: str, size: int) -> tuple[int, int] | None:
@@ -215,12 +224,12 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
         return None
     first, last = found.group(1), found.group(2)
     if not first:  # suffix: the last N bytes
-        n = int(last)
+        n = _number(last)
         if n == 0 or size == 0:
             return None
         return max(size - n, 0), size - 1
-    start = int(first)
-    end = min(int(last), size - 1) if last else size - 1
+    start = _number(first)
+    end = min(_number(last), size - 1) if last else size - 1
     if start >= size or end < start:
         return None
     return start, end

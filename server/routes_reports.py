@@ -7,14 +7,17 @@ every report (``job_reports``) and adds them up per (workload, fingerprint diges
 
 Read scope: the nodes that run the hooks hold read tokens. A report names a workload the
 server may not know (a misspelt name is a cold start worth seeing), so the metrics label a
-workload that is not registered as ``-`` to keep their label sets bounded, and the answer's
-``warning`` says so (with a did-you-mean) when no snapshot names it either.
+workload that is not registered as ``-``, and a cold start's reason code that is not one of
+the error table's as ``other``, to keep their label sets bounded (anyone with a read token
+could otherwise make a Prometheus series per report); the answer's ``warning`` says when
+the workload is not registered (with a did-you-mean) and no snapshot names it either.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
+from cachekeeper.errors import ERRORS
 from cachekeeper.wire import JobReport, JobReportAnswer
 
 from .auth import ReadScope
@@ -38,6 +41,8 @@ def post_report(
     )
     if body.phase == "prejob" and body.outcome == "cold":
         reason = body.reason_code or "unknown"
+        if reason not in ERRORS and reason != "unknown":
+            reason = "other"  # a code no cachekeeper raises: not a label of its own
         metrics.inc("cachekeeper_cold_starts_total", workload=workload, reason=reason)
     if body.phase == "postjob":
         for kind in ("fxgraph", "aotautograd", "triton", "other"):

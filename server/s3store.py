@@ -225,13 +225,21 @@ class S3BlobStore:
         return url
 
     # -- archives -----------------------------------------------------------------------
-    def put_archive(self, snapshot_id: str, path: Path) -> int:
-        """Upload the archive file at ``path`` (multipart when large); its size in bytes."""
-        self.client.upload_file(str(path), self.location.bucket, self.archive_key(snapshot_id))
-        return os.path.getsize(path)
+    def put_archive(self, snapshot_id: str, path: Path) -> tuple[int, str]:
+        """Upload the archive file at ``path`` (multipart when large); (its size in bytes,
+        the object's ETag as the store reports it)."""
+        key = self.archive_key(snapshot_id)
+        self.client.upload_file(str(path), self.location.bucket, key)
+        head = self._head(key)
+        return os.path.getsize(path), "" if head is None else str(head.get("ETag", ""))
 
     def has_archive(self, snapshot_id: str) -> bool:
         return self._head(self.archive_key(snapshot_id)) is not None
+
+    def archive_etag(self, snapshot_id: str) -> str | None:
+        """The archive object's ETag now (None: there is none); any rewrite changes it."""
+        head = self._head(self.archive_key(snapshot_id))
+        return None if head is None else str(head.get("ETag", ""))
 
     def open_archive(self, snapshot_id: str) -> BinaryIO:
         try:

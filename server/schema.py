@@ -21,6 +21,10 @@ Tables::
                     job (the job's identity: reports of one job on one node count once)
     quarantine      id, at, reason, manifest: snapshots the start-up check took out of
                     service because blobs they reference are gone (re-push to restore)
+    archive_objects snapshot_id, etag, size_bytes: the object-store archive as this server
+                    wrote it at publish; an object whose ETag differs was changed behind
+                    the server's back (a re-push packs it again; the archive route then
+                    builds the stream from the blobs instead)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
                     skipped, cold_compile_broken, failed (see server/fleet.py)
     tier_keys       the per-key tier (server/tier.py): key (torch's, as bytes), digest of
@@ -230,6 +234,12 @@ def _create_tier_keys(db: sqlite_utils.Database) -> None:
     db.table("tier_keys").create_index(["digest"], if_not_exists=True)
 
 
+def _create_archive_objects(db: sqlite_utils.Database) -> None:
+    db.table("archive_objects").create(
+        {"snapshot_id": str, "etag": str, "size_bytes": int}, pk="snapshot_id", if_not_exists=True
+    )
+
+
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,
@@ -242,4 +252,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_tier_keys,
     _add_workload_digest_column,
     _add_job_column,
+    _create_archive_objects,
 ]

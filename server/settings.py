@@ -163,6 +163,12 @@ class Settings(BaseSettings):
     max_json_bytes: int = 16 << 20
     # A request body that sends no byte for this long is cut off (408).
     body_timeout_s: float = 30.0
+    # A request's headers must be complete this long after its first byte (after the
+    # connection opened, for the first request), or the connection is closed; and at most
+    # max_connections at once (None: the open-file limit less what the server itself
+    # needs, at most 4096). See server/connections.py.
+    header_timeout_s: float = 10.0
+    max_connections: int | None = None
     # Threads that hash and write uploads; uploads beyond it wait without holding a thread,
     # so uploads (stalled or not) never take the threads health, resolve and archive use.
     upload_workers: int = 16
@@ -230,6 +236,7 @@ class Settings(BaseSettings):
         "body_timeout_s",
         "upload_workers",
         "presign_expires_s",
+        "header_timeout_s",
         "remote_cache_get_timeout_s",
         "remote_cache_max_value_bytes",
         "remote_cache_pending_bytes",
@@ -240,11 +247,21 @@ class Settings(BaseSettings):
             raise ValueError(f"{value} is not a positive number")
         return value
 
+    @field_validator("max_connections")
+    @classmethod
+    def _at_least_16(cls, value: Any) -> Any:
+        if value is not None and value < 16:
+            raise ValueError(f"{value} is fewer than 16 connections")
+        return value
+
     @field_validator("trusted_keys", mode="before")
     @classmethod
     def _trusted_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return [p for p in value.split(os.pathsep) if p.strip()]
+            paths = [p for p in value.split(os.pathsep) if p.strip()]
+            if not paths:  # blank: never a silent "no keys" (an empty variable is ignored)
+                raise ValueError("names no key file; unset it, or name the .pub files")
+            return paths
         return value
 
     @model_validator(mode="after")

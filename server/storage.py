@@ -266,8 +266,10 @@ class Storage:
         with self.catalog.writing() as tx:
             tx.touch_snapshot(snapshot_id)
         if isinstance(self.blobs, S3BlobStore) and len(order) == len(sizes):
-            # The whole snapshot: its archive object as written at publish (no recompression).
-            return _read_chunks(self.blobs.open_archive(snapshot_id))
+            # The whole snapshot: its archive object as written at publish (no recompression),
+            # unless it was changed behind our back: then the stream is built from the blobs.
+            if self._archive_intact(snapshot_id):
+                return _read_chunks(self.blobs.open_archive(snapshot_id))
         return archive_chunks(
             manifest_json=text.encode(),
             blobs=[(d, sizes[d]) for d in order],
@@ -379,6 +381,9 @@ class Storage:
         with self.catalog.writing() as tx:
             if checked is not None and isinstance(self.blobs, S3BlobStore):
                 record_checked(tx, self.blobs, checked, grace_s=self.settings.gc_grace_s)
+                tx.record_archive(
+                    snapshot_id, etag=checked.archive_etag, size_bytes=checked.archive_bytes
+                )
             # A GC may have run since the check above: re-check inside the transaction.
             created = not tx.snapshot_exists(snapshot_id)
             absent = set(manifest.digests)
@@ -404,13 +409,15 @@ class Storage:
     def _pack(self, manifest: Manifest) -> Packed | None:
         """Object store: hash every blob there and write the archive object; None otherwise.
 
-        Skipped (None) for a snapshot published before whose archive object is there and
-        whose manifest does not change (a re-push); a newly added signature rewrites it.
+        Skipped (None) for a snapshot published before whose archive object is there as
+        this server wrote it (``_archive_intact``) and whose manifest does not change (a
+        re-push); a newly added signature rewrites it, and so does an archive object that
+        is gone or was changed behind the server's back: the re-push repairs it.
         """
         if not isinstance(self.blobs, S3BlobStore):
             return None
         existing = self.catalog.summary(manifest.id)
-        if existing is not None and self.blobs.has_archive(manifest.id):
+        if existing is not None and self._archive_intact(manifest.id):
             if manifest.signature is None or existing.signed:
                 return None
         packed = pack_snapshot(
@@ -421,6 +428,12 @@ class Storage:
         )
         self.packs += 1
         return packed
+
+    def _archive_intact(self, snapshot_id: str) -> bool:
+        """Whether the snapshot's archive object is the one this server wrote (its ETag)."""
+        assert isinstance(self.blobs, S3BlobStore)
+        recorded = self.catalog.archive_etag(snapshot_id)
+        return recorded is not None and self.blobs.archive_etag(snapshot_id) == recorded
 
     def check(self) -> CheckReport:
         """The start-up check: make every row agree with what is stored.

@@ -34,6 +34,7 @@ __all__ = [
     "token_option",
     "mb",
     "open_client",
+    "printable",
 ]
 
 if TYPE_CHECKING:
@@ -164,6 +165,29 @@ def open_client(server: str | None, token: str | None) -> CacheClient:
 def mb(n: int) -> str:
     """A byte count for people: ``12.3 MB``."""
     return f"{n / 1e6:.1f} MB"
+
+
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(value: object) -> str:
+    """``value`` as text safe for a terminal: control characters (C0, DEL, C1: the escape
+    sequences that move the cursor or retitle the window) and bidi overrides shown as
+    ``\\xNN`` / ``\\uNNNN``. Every string a manifest or the server supplies goes through
+    this before the CLI prints it in a table."""
+    text = str(value)
+    if text.isprintable() and not _BIDI.intersection(text):
+        return text
+    out = []
+    for c in text:
+        code = ord(c)
+        if code < 0x20 or 0x7F <= code < 0xA0:
+            out.append(f"\\x{code:02x}")
+        elif c in _BIDI:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(c)
+    return "".join(out)
 
 
 def echo_err(message: str) -> None:

@@ -13,6 +13,7 @@ from cachekeeper.cli._common import (
     emit_json,
     handle_errors,
     json_option,
+    printable,
     server_option,
     timeout_option,
     token_option,
@@ -141,7 +142,9 @@ def explain_cmd(
         click.echo(f"snapshot {manifest.id[:12]} does NOT suit this node:")
         for m in mismatches:
             if m.field in ("devices", "cpu"):
-                click.echo(f"  {m.field:<12} {describe_mismatch(m).removeprefix('cpu: ')}")
+                click.echo(
+                    f"  {m.field:<12} {printable(describe_mismatch(m).removeprefix('cpu: '))}"
+                )
             else:
                 click.echo(f"  {m.field:<12} node {m.node!r}  snapshot {m.snapshot!r}")
     else:

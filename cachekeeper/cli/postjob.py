@@ -21,6 +21,7 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option
+from cachekeeper.client.calls import redact_url
 from cachekeeper.client.postjob import REPORT_TIMEOUT_S, postjob, summary_line
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
@@ -34,7 +35,7 @@ __all__ = ["postjob_cmd"]
 )
 @click.option(
     "--cache-dir",
-    type=PathParam(file_okay=False, path_type=Path),
+    type=PathParam(path_type=Path),  # a file here is a one-line error, not a usage error
     help="Cache dir the job used (default: as prejob's: $TORCHINDUCTOR_CACHE_DIR, else the "
     "persistent per-environment dir).",
 )
@@ -47,7 +48,7 @@ __all__ = ["postjob_cmd"]
     type=float,
     default=REPORT_TIMEOUT_S,
     show_default=True,
-    help="Give up reporting after this many seconds.",
+    help="Give up (fingerprint and report) after this many seconds in all.",
 )
 @click.option(
     "--strict", is_flag=True, help="Exit non-zero when nothing could be counted or reported."
@@ -113,6 +114,7 @@ def postjob_cmd(
                  " in no status row (check --workload)")  # fmt: skip
     unreported = not no_report and bool(server) and not report.reported
     if unreported and report.error is None:
-        echo_err(f"cachekeeper: postjob: the server at {server} did not take the report")
+        shown = redact_url(server or "")
+        echo_err(f"cachekeeper: postjob: the server at {shown} did not take the report")
     if strict and (report.error is not None or unreported or report.unknown_workload):
         raise SystemExit(1)

@@ -106,7 +106,8 @@ def serve_cmd(
 
     Settings come from these options, then CACHEKEEPER_* environment variables, then the
     --config file. With no tokens configured, every route is open, which is refused on a
-    non-loopback address unless --insecure-no-auth is given.
+    non-loopback address unless --insecure-no-auth is given. One server per --data dir: a
+    second one on the same dir refuses to start (it holds <data>/server.lock).
     """
     # Server packages load only for `serve`: the hook's start-up never pays for them, and
     # the base install (training nodes, builders) does not have them.
@@ -114,6 +115,8 @@ def serve_cmd(
         import uvicorn
 
         from cachekeeper.server.app import create_app  # optional: needs cachekeeper[server]
+        from cachekeeper.server.connections import bounded_http  # same
+        from cachekeeper.server.data_lock import lock_data_dir  # same
         from cachekeeper.server.settings import (  # same
             check_data_dir,
             is_loopback,
@@ -152,6 +155,10 @@ def serve_cmd(
     for warning in stray_variables(os.environ):
         echo_err(f"warning: {warning}")
     check_data_dir(settings.data_dir)
+    # Held until this process ends: a second server on this --data stops here, in one line.
+    _lock, lock_warning = lock_data_dir(settings.data_dir)
+    if lock_warning is not None:
+        echo_err(f"warning: {lock_warning}")
     try:
         app = create_app(settings)
     except sqlite3.Error as exc:
@@ -180,6 +187,7 @@ def serve_cmd(
             log_level=settings.log_level,
             ssl_certfile=settings.tls_cert,
             ssl_keyfile=settings.tls_key,
+            **bounded_http(settings),  # header time, a connection cap, the open-file limit raised
         )
     finally:
         if resp is not None:

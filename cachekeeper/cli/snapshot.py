@@ -26,6 +26,7 @@ from cachekeeper.cli._common import (
     handle_errors,
     json_option,
     mb,
+    printable,
     server_option,
     timeout_option,
     token_option,
@@ -329,7 +330,7 @@ def inspect_cmd(
         ("driver", fp.get("driver")),
         ("fingerprint", manifest.fingerprint_digest),
     ):
-        click.echo(f"{label:<12} {value}")
+        click.echo(f"{label:<12} {printable(value)}")  # a manifest's text, escaped
     if show_files:
         for entry in manifest.files:
             click.echo(f"{entry.mode:o} {entry.size_bytes:>12} {entry.digest[:12]} {entry.path}")

@@ -17,6 +17,7 @@ from cachekeeper.cli._common import (
     json_option,
     mb,
     open_client,
+    printable,
     server_option,
     timeout_option,
     token_option,
@@ -48,10 +49,11 @@ def resolve_server_id(client: CacheClient, ref: str) -> str:
 
 def _row(s: Summary) -> str:
     flags = ",".join(f for f, on in (("pinned", s.pinned), ("signed", s.signed)) if on) or "-"
-    return (
-        f"{s.id[:12]:<14}{(s.workload or '-')[:19]:<20}{s.fingerprint_digest[:12]:<14}"
-        f"{','.join(s.devices)[:15]:<16}{s.file_count:>7}{mb(s.size_bytes):>12}  "
-        f"{'yes' if s.verified else 'no':<9}{flags:<14}{s.created_at[:16]}"
+    workload, devices = printable(s.workload or "-"), printable(",".join(s.devices))
+    return (  # text from manifests: escaped (a workload name could be an escape sequence)
+        f"{s.id[:12]:<14}{workload[:19]:<20}{printable(s.fingerprint_digest[:12]):<14}"
+        f"{devices[:15]:<16}{s.file_count:>7}{mb(s.size_bytes):>12}  "
+        f"{'yes' if s.verified else 'no':<9}{flags:<14}{printable(s.created_at[:16])}"
     )
 
 

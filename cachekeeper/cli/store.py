@@ -19,6 +19,7 @@ from cachekeeper.cli._common import (
     json_option,
     mb,
     open_client,
+    printable,
     timeout_option,
     token_option,
 )
@@ -51,9 +52,11 @@ def ls_cmd(as_json: bool) -> None:
     )
     for r in rows:
         click.echo(
-            f"{r.id[:12]:<14}{(r.workload or '-')[:19]:<20}{','.join(r.devices)[:15]:<16}"
+            f"{r.id[:12]:<14}{printable(r.workload or '-')[:19]:<20}"
+            f"{printable(','.join(r.devices))[:15]:<16}"
             f"{r.file_count:>7}{mb(r.size_bytes):>12}  {'yes' if r.verified else 'no':<8}  "
-            f"{(r.torch or '-')[:17]:<18}{(r.cuda or '-')[:6]:<7}{(r.gpu or '-')[:19]:<20}"
+            f"{printable(r.torch or '-')[:17]:<18}{printable(r.cuda or '-')[:6]:<7}"
+            f"{printable(r.gpu or '-')[:19]:<20}"
             f"{r.created_at:%Y-%m-%d %H:%M}"
         )
 

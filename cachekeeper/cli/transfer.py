@@ -283,7 +283,7 @@ def pull_cmd(
 @workload_option
 @click.option(
     "--cache-dir",
-    type=PathParam(file_okay=False, path_type=Path),
+    type=PathParam(path_type=Path),  # a file here is the hook's cold start, not a usage error
     help="Cache dir (default: $TORCHINDUCTOR_CACHE_DIR, else a persistent "
     "~/.cache/cachekeeper/inductor/<fingerprint>/ dir, under $CACHEKEEPER_HOME when set).",
 )
@@ -373,6 +373,12 @@ def prejob_cmd(
         )
     for problem in report.delta_problems:
         echo_err(f"cachekeeper: a harvested delta was not restored: {problem}")
+    if report.conflicts:
+        echo_err(
+            f"cachekeeper: warning: {len(report.conflicts)} file(s) in {report.cache_dir} differ"
+            f" from snapshot {(report.snapshot_id or '')[:12]} and were kept as they were"
+            f" (first: {report.conflicts[0]}); check who changed them"
+        )
     if report.cold:
         echo_err(
             cold_line(report.reason or "unknown reason", held_snapshot_id=report.held_snapshot_id)

@@ -386,7 +386,8 @@ def test_a_cache_dir_that_cannot_be_created_gives_a_cold_start(tiny, tmp_path):
     cache = tmp_path / "a-file" / "cache"
     report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=10)
     assert report.cold
-    assert (report.reason or "").startswith(f"cache_dir_unusable: cannot restore into {cache}")
+    assert (report.reason or "").startswith(f"cache_dir_unusable: cannot use {cache} as")
+    assert report.exports == {}  # never export a dir the job cannot use
 
 
 def test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold(tiny, tmp_path):

@@ -105,6 +105,7 @@ class ServerProcess:
     host: str = "127.0.0.1"  # what it binds; it is probed on loopback
     args: tuple[str, ...] = ()  # more ``serve`` options (--config, --insecure-no-auth, ...)
     env: dict[str, str] = field(default_factory=dict)  # more variables for the server
+    nofile: int | None = None  # the server's open-file limit (soft and hard), when set
 
     @property
     def url(self) -> str:
@@ -127,6 +128,7 @@ class ServerProcess:
             env=child_env(self.home, CACHEKEEPER_LOG_LEVEL="warning", **self.env),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=None if self.nofile is None else self._limit_files,  # noqa: PLW1509
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -139,6 +141,12 @@ class ServerProcess:
                 pass
             time.sleep(0.05)
         raise RuntimeError("cachekeeper serve did not start")
+
+    def _limit_files(self) -> None:
+        import resource
+
+        assert self.nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

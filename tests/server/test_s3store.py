@@ -69,7 +69,8 @@ def test_archive_object(s3_bucket: str, tmp_path: Path) -> None:
     snapshot_id = _digest(b"snapshot")
     path = tmp_path / "a.tar.zst"
     path.write_bytes(b"archive bytes")
-    assert store.put_archive(snapshot_id, path) == len(b"archive bytes")
+    size, etag = store.put_archive(snapshot_id, path)
+    assert size == len(b"archive bytes") and etag and store.archive_etag(snapshot_id) == etag
     assert httpx.get(store.archive_url(snapshot_id, expires_s=60)).content == b"archive bytes"
     assert [a.digest for a in store.archives()] == [snapshot_id]
     assert store.delete_archive(snapshot_id) and not store.has_archive(snapshot_id)

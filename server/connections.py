@@ -1,0 +1,149 @@
+"""Bounds on connections, before any request exists: header time, how many, open files.
+
+``limits.RequestLimits`` bounds request bodies, but a client can hold a connection without
+ever finishing its headers, and uvicorn has no bound on that: 1,100 connections sending a
+header byte every 5 s, unauthenticated, used up a 1,024 open-file limit and the server
+stopped answering anything. So ``serve`` runs uvicorn with ``bounded_protocol``, its h11
+protocol with three additions:
+
+- **Header time.** A request's headers (the first request's, or the next one's on a kept
+  -alive connection, from its first byte) must be complete within ``header_timeout_s``,
+  or the connection is closed. A connection that sends nothing is uvicorn's keep-alive
+  timeout's, as before; a new one that never sends a byte is closed at the header timeout.
+- **A cap below the open-file limit.** At most ``max_connections`` connections at once.
+  When a new one would pass the cap, the oldest connection that is waiting for headers
+  (a slow sender, or an idle kept-alive one) is closed to make room; only when every
+  connection is busy with a request is the new one refused (closed at once). So a slow
+  client cannot lock out ``/healthz``, a resolve or a prejob: their headers arrive in one
+  packet and they are served.
+- **The open-file limit raised** where allowed (``raise_open_file_limit``: the soft limit
+  up to the hard one), and the default cap derived from it, leaving ``RESERVED_FILES`` for
+  what the server itself opens (SQLite connections and their WAL files per worker thread,
+  blobs being read, uploads' temp files).
+
+Settings: ``header_timeout_s`` (default 10 s) and ``max_connections`` (default: the open
+-file limit less ``RESERVED_FILES``, at most ``MAX_CONNECTIONS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections import OrderedDict
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .settings import Settings
+
+__all__ = [
+    "MAX_CONNECTIONS",
+    "RESERVED_FILES",
+    "bounded_http",
+    "bounded_protocol",
+    "connection_cap",
+    "raise_open_file_limit",
+]
+
+RESERVED_FILES = 256  # the server's own files: SQLite (+ WAL, SHM) per thread, blobs, temps
+MAX_CONNECTIONS = 4096  # the default cap's ceiling, however high the open-file limit
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit where allowed; the
+    soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass  # not allowed here: the cap below still keeps us under the soft limit
+    return soft
+
+
+def connection_cap(settings: Settings, *, open_files: int) -> int:
+    """How many connections the server holds at once (see the module docstring)."""
+    derived = max(16, min(MAX_CONNECTIONS, open_files - RESERVED_FILES))
+    if settings.max_connections is None:
+        return derived
+    return min(settings.max_connections, max(16, open_files - RESERVED_FILES))
+
+
+def bounded_protocol(*, header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the header timeout and the connection cap (one class
+    per server: the connections waiting for headers are kept in its registry)."""
+    waiting: OrderedDict[Any, None] = OrderedDict()  # connections waiting for headers, oldest first
+
+    class BoundedH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections and not self._make_room():
+                transport.close()  # every connection is busy with a request: refuse this one
+                return
+            self._wait_for_headers()
+
+        def _make_room(self) -> bool:
+            """Close the oldest connection that is waiting for headers; False when none is."""
+            for other in waiting:
+                if other is not self:
+                    other._drop()
+                    return True
+            return False
+
+        def _wait_for_headers(self) -> None:
+            waiting[self] = None
+            waiting.move_to_end(self)
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _headers_done(self) -> None:
+            waiting.pop(self, None)
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE:
+                self._drop()
+
+        def _drop(self) -> None:
+            waiting.pop(self, None)
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE and self._header_timer is None:
+                self._wait_for_headers()  # a kept-alive connection's next request began
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._headers_done()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                waiting[self] = None  # idle and kept alive: evictable, keep-alive timer runs
+                waiting.move_to_end(self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._headers_done()
+            super().connection_lost(exc)
+
+    return BoundedH11
+
+
+def bounded_http(settings: Settings) -> dict[str, Any]:
+    """The uvicorn options ``serve`` runs with: the open-file limit raised and the bounded
+    protocol (``uvicorn.run(app, ..., **bounded_http(settings))``)."""
+    cap = connection_cap(settings, open_files=raise_open_file_limit())
+    return {
+        "http": bounded_protocol(header_timeout_s=settings.header_timeout_s, max_connections=cap)
+    }
