@@ -54,7 +54,8 @@ TOKEN = "bench-node"
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    auth = {"Authorization": f"Bearer {TOKEN}"}  # /metrics needs the read scope (issue 25)
+    text = httpx.get(f"{url}/metrics", headers=auth, timeout=10).text
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     pattern = rf"^{name}{{{re.escape(want)}}} (\S+)$" if want else rf"^{name} (\S+)$"
     found = re.search(pattern, text, flags=re.MULTILINE)

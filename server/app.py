@@ -155,6 +155,7 @@ def open_tier(settings: Settings, storage: Storage) -> TierStore:
         blobs=blobs,
         max_value_bytes=settings.remote_cache_max_value_bytes,
         max_bytes=settings.remote_cache_max_bytes,
+        memory_bytes=settings.remote_cache_memory_bytes,
     )
 
 

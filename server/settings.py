@@ -67,6 +67,7 @@ _SIZE_FIELDS = (
     "max_store_bytes",
     "remote_cache_max_value_bytes",
     "remote_cache_max_bytes",
+    "remote_cache_memory_bytes",
 )
 
 
@@ -197,6 +198,8 @@ class Settings(BaseSettings):
     remote_cache_max_value_bytes: int = 128 << 20
     # The tier's stored bytes: least recently used keys are evicted down to it. None: no cap.
     remote_cache_max_bytes: int | None = 20 << 30
+    # The most recently used values kept in memory, checked, for GETs that cost a copy.
+    remote_cache_memory_bytes: int = 256 << 20
     # A GET the store cannot answer within this is answered nil (a miss), never late.
     remote_cache_get_timeout_s: float = 1.0
     # Values that wait to be stored (SETs are answered at once); past this, SETs are dropped.

@@ -12,6 +12,13 @@ least recently used keys are evicted until the distinct values' stored bytes fit
 ``remote_cache_max_bytes`` (as bazel-remote bounds its cache). Last uses are kept in
 memory and written in batches (``flush_uses``), so a GET never writes to the catalog.
 
+Hot values: the most recently used values, up to ``remote_cache_memory_bytes``, are kept
+in memory by digest once read back and checked (or once put: their digest is computed
+from the bytes), so a GET of a hot value costs a catalog look-up and a copy, not a read,
+a decompression and a hash (measured on the H200 host: 25 ms of server CPU for a 5.3 MB
+value without it). Only this process writes the tier (one server per data dir), so
+a value is dropped from memory when its blob is deleted.
+
 ``TierWriter`` is the one thread that stores the values the listener accepted (a SET is
 answered before its value is stored), within a budget of bytes waiting, and writes the
 last uses every two seconds.
@@ -127,6 +134,43 @@ class TierPut:
     stored_bytes: int = 0
 
 
+class _HotValues:
+    """Checked values by digest, least recently used first out, within ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._values: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> bytes | None:
+        with self._lock:
+            value = self._values.get(digest)
+            if value is not None:
+                self._values.move_to_end(digest)
+            return value
+
+    def add(self, digest: str, value: bytes) -> None:
+        if len(value) > self.limit:
+            return
+        with self._lock:
+            if digest in self._values:
+                self._values.move_to_end(digest)
+                return
+            self._values[digest] = value
+            self._bytes += len(value)
+            while self._bytes > self.limit:
+                _old, dropped = self._values.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def drop(self, digests: list[str]) -> None:
+        with self._lock:
+            for digest in digests:
+                value = self._values.pop(digest, None)
+                if value is not None:
+                    self._bytes -= len(value)
+
+
 class TierStore:
     """Keys in the catalog, values in a blob backend; thread-safe."""
 
@@ -137,11 +181,13 @@ class TierStore:
         blobs: BlobBackend,
         max_value_bytes: int,
         max_bytes: int | None,
+        memory_bytes: int = 0,
     ) -> None:
         self.catalog = catalog
         self.blobs = blobs
         self.max_value_bytes = max_value_bytes
         self.max_bytes = max_bytes
+        self._hot = _HotValues(memory_bytes)
         self._uses: dict[bytes, str] = {}
         self._uses_lock = threading.Lock()
         self.evictions = 0  # keys evicted since start (for /metrics)
@@ -151,14 +197,17 @@ class TierStore:
         entry = self.catalog.tier_key(key)
         if entry is None:
             return None
-        try:
-            with self.blobs.open(entry.digest) as fh:
-                value = fh.read()
-        except BlobMissing:
-            self._drop_dangling(key, entry.digest)
-            return None
-        if hashlib.sha256(value).hexdigest() != entry.digest:
-            return None  # never hand torch bytes that are not what was written
+        value = self._hot.get(entry.digest)
+        if value is None:
+            try:
+                with self.blobs.open(entry.digest) as fh:
+                    value = fh.read()
+            except BlobMissing:
+                self._drop_dangling(key, entry.digest)
+                return None
+            if hashlib.sha256(value).hexdigest() != entry.digest:
+                return None  # never hand torch bytes that are not what was written
+            self._hot.add(entry.digest, value)
         with self._uses_lock:
             self._uses[key] = utc_now()
         return value
@@ -185,6 +234,7 @@ class TierStore:
             )
             if replaced is not None:
                 self._delete_after_commit(tx, [replaced])
+        self._hot.add(digest, value)  # its digest is the bytes': nothing to check again
         with self._uses_lock:
             self._uses.pop(key, None)
         return TierPut(stored=True, evicted=self.evict(), stored_bytes=stat.stored_bytes)
@@ -228,7 +278,13 @@ class TierStore:
 
     def _delete_after_commit(self, tx: Any, digests: list[str]) -> None:
         doomed = tx.unreferenced_tier_digests(digests)
-        tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
+
+        def delete() -> None:
+            self._hot.drop(doomed)
+            for digest in doomed:
+                self.blobs.delete(digest)
+
+        tx.after_commit(delete)
 
     def _drop_dangling(self, key: bytes, digest: str) -> None:
         with self.catalog.writing() as tx:

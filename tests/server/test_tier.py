@@ -14,12 +14,20 @@ from cachekeeper.blobstore import LocalBlobStore
 WRITER = {"client": "ck:n:1", "scope": "write"}
 
 
-def store(tmp_path: Path, *, max_bytes: int | None = None, max_value: int = 1 << 20) -> TierStore:
+def store(
+    tmp_path: Path,
+    *,
+    max_bytes: int | None = None,
+    max_value: int = 1 << 20,
+    memory_bytes: int = 0,
+) -> TierStore:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     return TierStore(
         catalog=Catalog.create(tmp_path / "meta.sqlite"),
         blobs=LocalBlobStore(tmp_path / "tier-blobs", level=1),
         max_value_bytes=max_value,
         max_bytes=max_bytes,
+        memory_bytes=memory_bytes,
     )
 
 
@@ -76,3 +84,23 @@ def test_last_uses_reach_the_catalog_in_batches(tmp_path: Path) -> None:
     assert tier.flush_uses() == 1
     after = tier.catalog.tier_key(b"k")
     assert after is not None and after.last_used_at > before.last_used_at
+
+
+def test_hot_values_serve_from_memory_and_leave_with_their_blob(tmp_path: Path) -> None:
+    """A value read back (or put) is kept in memory, checked once; evicting its key drops
+    it, so a later GET of a key rewritten to other bytes never sees the old ones."""
+    tier = store(tmp_path, memory_bytes=1 << 20)
+    tier.put(b"k1", b"v1" * 100, writer=WRITER)
+    entry = tier.catalog.tier_key(b"k1")
+    assert entry is not None
+    tier.blobs.delete(entry.digest)  # the blob gone behind its back: memory still answers
+    assert tier.get(b"k1") == b"v1" * 100
+    tier.put(b"k1", b"other", writer=WRITER)  # a replaced value: its old blob and memory go
+    assert tier.get(b"k1") == b"other"
+    assert tier._hot.get(entry.digest) is None
+    cold = store(tmp_path / "cold", memory_bytes=0)  # none kept: the blob is read each time
+    cold.put(b"k", b"value", writer=WRITER)
+    found = cold.catalog.tier_key(b"k")
+    assert found is not None
+    cold.blobs.delete(found.digest)
+    assert cold.get(b"k") is None
