@@ -222,9 +222,10 @@ def ranks_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSer
            "RANK": "0"}  # fmt: skip
     subprocess.run([sys.executable, str(root / "rank.py"), str(out)], env=env, check=True,
                    timeout=600)  # fmt: skip
-    live = start_server(Settings(data_dir=root / "server", tokens=TOKENS))
+    tokens = {**TOKENS, "admin-token": "admin"}  # the workload names code: admin registers it
+    live = start_server(Settings(data_dir=root / "server", tokens=tokens))
     try:
-        with CacheClient(base_url=live.url, token="write-token") as client:
+        with CacheClient(base_url=live.url, token="admin-token") as client:
             client.register_workload("drafter-gqa", TOML)
             push(cache, client=client, workload="drafter-gqa", store=LocalStore(home=root / "s"),
                  fingerprint=collect(environ={"OMP_NUM_THREADS": "1"}))  # fmt: skip
