@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from cachekeeper import config, cpu, remote_tier
-from cachekeeper.fingerprint import canonical_json, collect, digest_of
+from cachekeeper.fingerprint import canonical_json, collect, digest_of, parse
 from cachekeeper.manifest import FileEntry, Manifest
 
 # This dev VM's ``collect(environ={})`` at 7a8883a (torch 2.13.0+cpu, no GPU, schema 2).
@@ -127,8 +127,9 @@ def test_the_digest_of_each_fingerprint_is_pinned(name: str) -> None:
     fp = FINGERPRINTS[name]
     assert hashlib.sha256(canonical_json(fp).encode()).hexdigest() == EXPECTED[name]
     assert digest_of(fp) == EXPECTED[name]
-    # as a manifest or a request body carries it: JSON text, decoded again
+    # as a manifest or a request body carries it: JSON text, decoded again, and parsed
     assert digest_of(json.loads(json.dumps(fp))) == EXPECTED[name]
+    assert digest_of(parse(json.loads(json.dumps(fp)))) == EXPECTED[name]
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST_IDS))
@@ -169,6 +170,6 @@ def test_this_machines_fingerprint_keeps_its_digest_through_json() -> None:
     # whatever this machine is: the hook's digest is the one the server computes from the
     # body it receives, and the one a manifest's fingerprint is checked against
     fp = collect()
-    sent = json.loads(json.dumps(fp))
+    sent = parse(json.loads(json.dumps(fp)))
     assert digest_of(sent) == digest_of(fp)
     assert canonical_json(sent) == canonical_json(fp)
