@@ -238,7 +238,7 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def digest_of(fingerprint: Mapping[str, Any]) -> str:
+def digest_of(fingerprint: Fingerprint) -> str:
     """sha256 of the fingerprint's canonical JSON (lowercase hex)."""
     return hashlib.sha256(canonical_json(dict(fingerprint)).encode()).hexdigest()
 
@@ -314,7 +314,7 @@ def _visible_indices(count: int, uuids: list[str]) -> list[int]:
     return out
 
 
-def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_nvml() -> tuple[list[Gpu], str | None] | None:
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
@@ -327,7 +327,7 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
         driver = pynvml.nvmlSystemGetDriverVersion()
         driver = driver.decode() if isinstance(driver, bytes) else str(driver)
         count = pynvml.nvmlDeviceGetCount()
-        physical: list[dict[str, Any]] = []
+        physical: list[tuple[str, str]] = []  # (name, capability) by physical index
         uuids: list[str] = []
         for i in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
@@ -336,9 +336,9 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
-            physical.append({"name": name, "capability": f"{major}.{minor}"})
+            physical.append((name, f"{major}.{minor}"))
         gpus = [
-            {"index": visible, **physical[phys]}
+            Gpu(index=visible, name=physical[phys][0], capability=physical[phys][1])
             for visible, phys in enumerate(_visible_indices(count, uuids))
         ]
         return gpus, driver
@@ -351,10 +351,10 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
             pass
 
 
-def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[Gpu], str | None] | None:
     """``_gpus_from_nvml`` in a daemon thread; FingerprintUnavailable when it does not
     return in ``timeout_s`` (a C call into a hung driver cannot be interrupted, only left)."""
-    found: list[tuple[list[dict[str, Any]], str | None] | None] = [None]
+    found: list[tuple[list[Gpu], str | None] | None] = [None]
 
     def run() -> None:
         found[0] = _gpus_from_nvml()
@@ -369,7 +369,7 @@ def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[dict[str, Any]], str 
     return found[0]
 
 
-def _gpus_from_smi(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_smi(timeout_s: float) -> tuple[list[Gpu], str | None] | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -397,7 +397,7 @@ def _gpus_from_smi(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] 
         return None
     uuids = [r[3] for r in rows]
     gpus = [
-        {"index": visible, "name": rows[phys][0], "capability": rows[phys][1]}
+        Gpu(index=visible, name=rows[phys][0], capability=rows[phys][1])
         for visible, phys in enumerate(_visible_indices(len(rows), uuids))
     ]
     return gpus, rows[0][2]
@@ -425,14 +425,14 @@ def collect(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     gpu_timeout_s: float = GPU_TIMEOUT_S,
-) -> dict[str, Any]:
-    """This machine's fingerprint as a plain dict (see the module docstring).
+) -> Fingerprint:
+    """This machine's fingerprint, every field present (see the module docstring).
 
     ``gpu_timeout_s`` bounds the GPU query (NVML, then nvidia-smi, together); past it,
     ``FingerprintUnavailable``. ``overrides`` replaces fields after collection. It exists
     for tests and for the ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` variable (a JSON object)
     that the test suite uses to simulate another environment; it is not a user-facing
-    option.
+    option, and its values are not checked.
     """
     env = os.environ if environ is None else environ
     versions = _installed_versions()
@@ -442,7 +442,7 @@ def collect(
     gpus, driver = gpu_info if gpu_info else ([], None)
     if driver is None:
         driver = _driver_from_proc()
-    fingerprint: dict[str, Any] = {
+    fingerprint: Fingerprint = {
         "schema": SCHEMA,
         "torch": torch_version,
         "triton": versions.get("triton") or versions.get("pytorch-triton"),
@@ -455,23 +455,37 @@ def collect(
         "env": _compile_env(env),
         "cpu": cpu.state(env),
     }
-    fingerprint.update(config.fingerprint_overrides(env))
-    if overrides:
-        fingerprint.update(overrides)
-    return fingerprint
+    replaced = {**config.fingerprint_overrides(env), **(overrides or {})}
+    return cast(Fingerprint, {**fingerprint, **replaced}) if replaced else fingerprint
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version))
 
 
-def _gpu_models(gpus: Any) -> list[Any]:
-    return [{"name": g.get("name"), "capability": g.get("capability")} for g in gpus or []]
+def _gpu_models(gpus: Sequence[Gpu]) -> list[dict[str, str | None]]:
+    return [{"name": g.get("name"), "capability": g.get("capability")} for g in gpus]
+
+
+def _compared_gpus(
+    node: Fingerprint, snapshot: Fingerprint, devices: list[str] | None
+) -> tuple[list[dict[str, str | None]], list[dict[str, str | None]]]:
+    """The GPU models ``compare`` holds against each other: at the covered indices, when
+    the snapshot's ``devices`` are known, else all of them. Read with ``get``: a row an
+    older server stored was checked only as a JSON object."""
+    a, b = node.get("gpus") or [], snapshot.get("gpus") or []
+    if devices is None:
+        return _gpu_models(a), _gpu_models(b)
+    covered = {int(d.split(":", 1)[1]) for d in devices if d.startswith("cuda:")}
+    node_by_idx = {g.get("index"): g for g in a}
+    snap_by_idx = {g.get("index"): g for g in b}
+    both = sorted(covered & node_by_idx.keys() & snap_by_idx.keys())
+    return _gpu_models([node_by_idx[i] for i in both]), _gpu_models([snap_by_idx[i] for i in both])
 
 
 def compare(
-    node: Mapping[str, Any],
-    snapshot: Mapping[str, Any],
+    node: Fingerprint,
+    snapshot: Fingerprint,
     *,
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,
@@ -483,30 +497,25 @@ def compare(
     When given, GPU models are compared only at the covered indices (a snapshot built on
     cuda:0 of an 8-GPU builder suits a 1-GPU node of the same model), and the devices the
     node will use (``node_devices``, default: every visible GPU index) must all be covered,
-    since Inductor's key holds the device index.
+    since Inductor's key holds the device index. A field one side lacks compares as null.
     """
     out: list[Mismatch] = []
     for field in _EXACT_FIELDS:
-        a, b = node.get(field), snapshot.get(field)
+        a: object
+        b: object
         if field == "gpus":
-            if devices is not None:
-                covered = {int(d.split(":", 1)[1]) for d in devices if d.startswith("cuda:")}
-                node_by_idx = {g.get("index"): g for g in a or []}
-                snap_by_idx = {g.get("index"): g for g in b or []}
-                both = sorted(covered & node_by_idx.keys() & snap_by_idx.keys())
-                a = _gpu_models([node_by_idx[i] for i in both])
-                b = _gpu_models([snap_by_idx[i] for i in both])
-            else:
-                a, b = _gpu_models(a), _gpu_models(b)
+            a, b = _compared_gpus(node, snapshot, devices)
+        else:
+            a, b = node.get(field), snapshot.get(field)
         if a != b:
             out.append(Mismatch(field=field, node=a, snapshot=b))
-    if _cpu_compiled(node, snapshot, devices):
-        if cpu.differences(node.get("cpu"), snapshot.get("cpu")):
-            out.append(Mismatch(field="cpu", node=node.get("cpu"), snapshot=snapshot.get("cpu")))
+    node_cpu, snap_cpu = node.get("cpu"), snapshot.get("cpu")
+    if _cpu_compiled(snapshot, devices) and cpu.differences(node_cpu, snap_cpu):
+        out.append(Mismatch(field="cpu", node=node_cpu, snapshot=snap_cpu))
     if devices is not None:
         wanted = node_devices
         if wanted is None:
-            wanted = [f"cuda:{g.get('index')}" for g in node.get("gpus") or []] or ["cpu"]
+            wanted = [f"cuda:{g['index']}" for g in node.get("gpus") or []] or ["cpu"]
         uncovered = [d for d in wanted if d not in devices]
         if uncovered:
             out.append(Mismatch(field="devices", node=sorted(wanted), snapshot=sorted(devices)))
@@ -519,9 +528,7 @@ def compare(
     return out
 
 
-def _cpu_compiled(
-    node: Mapping[str, Any], snapshot: Mapping[str, Any], devices: list[str] | None
-) -> bool:
+def _cpu_compiled(snapshot: Fingerprint, devices: list[str] | None) -> bool:
     """Whether the snapshot holds CPU kernels (it covers ``cpu``, or is a GPU-less build)."""
     if devices is not None:
         return "cpu" in devices
@@ -529,20 +536,20 @@ def _cpu_compiled(
 
 
 def unchecked(
-    node: Mapping[str, Any], snapshot: Mapping[str, Any], *, devices: list[str] | None = None
+    node: Fingerprint, snapshot: Fingerprint, *, devices: list[str] | None = None
 ) -> list[str]:
     """Fields ``compare`` could not check because one side does not record them.
 
     Today only ``cpu`` (added in fingerprint schema 2), and only where it matters.
     """
-    if not _cpu_compiled(node, snapshot, devices):
+    if not _cpu_compiled(snapshot, devices):
         return []
-    return [f for f in ("cpu",) if (node.get(f) is None) != (snapshot.get(f) is None)]
+    return ["cpu"] if (node.get("cpu") is None) != (snapshot.get("cpu") is None) else []
 
 
 def is_compatible(
-    node: Mapping[str, Any],
-    snapshot: Mapping[str, Any],
+    node: Fingerprint,
+    snapshot: Fingerprint,
     *,
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,

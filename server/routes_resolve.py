@@ -9,11 +9,12 @@ has no snapshot yet, or no workload of that name is registered.
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 
 from cachekeeper.errors import InvalidManifest, NotFound
+from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
 from .auth import ReadScope
@@ -36,20 +37,21 @@ def resolve_route(
     ranked for the environment its job runs in (the tier's switches are in torch's keys).
     """
     devices = None if body.devices is None else list(body.devices)
+    fingerprint = cast(Fingerprint, body.fingerprint)
     try:
         offer = None
         if body.remote_cache is not None:
             offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
         if offer is None:  # an old hook, or no tier here: the job runs as the hook sent it
             answer = storage.resolve(
-                fingerprint=body.fingerprint,
+                fingerprint=fingerprint,
                 workload=body.workload,
                 driver_policy=body.driver_policy,
                 devices=devices,
             )
         else:
             answer, switches = storage.resolve_for_job(
-                fingerprint=body.fingerprint,
+                fingerprint=fingerprint,
                 switches=offer.switches,
                 workload=body.workload,
                 driver_policy=body.driver_policy,
