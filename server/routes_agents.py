@@ -13,13 +13,13 @@ status (and the devices a row's snapshot covers or leaves uncovered, given
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import AgentNotFound, CachekeeperError, InvalidManifest, InvalidRequest
-from cachekeeper.fingerprint import Fingerprint, digest_of
+from cachekeeper.fingerprint import digest_of, parse
 from cachekeeper.wire import (
     DIGEST_PATTERN,
     AgentEvent,
@@ -45,7 +45,7 @@ AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent'
 @router.post("/agents", response_model=RegisterAnswer, responses=error_responses(InvalidManifest))
 def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Register (or refresh) an agent for its environment; idempotent per name + digest."""
-    fingerprint = cast(Fingerprint, body.fingerprint)
+    fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
     try:
         digest = digest_of(fingerprint)
     except (TypeError, ValueError) as exc:

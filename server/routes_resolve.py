@@ -9,12 +9,12 @@ has no snapshot yet, or no workload of that name is registered.
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from typing import Any, cast
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from cachekeeper.errors import InvalidManifest, NotFound
-from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.fingerprint import parse
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
 from .auth import ReadScope
@@ -37,7 +37,7 @@ def resolve_route(
     ranked for the environment its job runs in (the tier's switches are in torch's keys).
     """
     devices = None if body.devices is None else list(body.devices)
-    fingerprint = cast(Fingerprint, body.fingerprint)
+    fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
     try:
         offer = None
         if body.remote_cache is not None:

@@ -104,3 +104,22 @@ def test_workload_routes(client: httpx.Client) -> None:
     assert client.delete("/v1/workloads/drafter-gqa").status_code == 204
     gone = client.get("/v1/workloads/drafter-gqa")
     assert gone.status_code == 404 and gone.json()["error"] == "workload_not_found"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"gpus": "NVIDIA H200"}, "fingerprint field gpus: expected a list, got str"),
+        ({"gpus": [{"index": "0", "name": "H200", "capability": "9.0"}]}, "gpus[0].index"),
+        ({"cpu": {"threads": "2"}}, "fingerprint field cpu.threads: expected an integer"),
+        ({"driver": 580}, "fingerprint field driver: expected a string or null, got int"),
+    ],
+)
+def test_a_malformed_fingerprint_is_refused_naming_the_field(
+    client: httpx.Client, change: dict, named: str
+) -> None:
+    manifest, blobs = make_snapshot({"a.bin": b"bad-fingerprint"}, workload="bad-fp")
+    assert push(client, manifest, blobs).status_code in (200, 201)  # one per session
+    r = client.post("/v1/resolve", json={"fingerprint": FINGERPRINT | change, "workload": "bad-fp"})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_manifest", r.text
+    assert named in r.json()["detail"]
