@@ -35,11 +35,11 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
-from typing import Any, cast
+from typing import Any
 
 from cachekeeper import wire
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
-from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of
+from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of, parse
 
 __all__ = [
     "FORMAT",
@@ -217,10 +217,7 @@ class Manifest:
             raise InvalidManifest(
                 f"manifest lists {len(files_raw)} files, over the limit of {max_files}"
             )
-        fingerprint = raw.get("fingerprint")
-        if not isinstance(fingerprint, dict):
-            raise InvalidManifest("manifest 'fingerprint' is not an object")
-        fingerprint = cast(Fingerprint, fingerprint)
+        fingerprint = parse(raw.get("fingerprint"), where="manifest 'fingerprint'")
         devices = raw.get("devices", [])
         if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
             raise InvalidManifest("manifest 'devices' is not a list of strings")

@@ -123,3 +123,19 @@ def test_a_malformed_fingerprint_is_refused_naming_the_field(
     r = client.post("/v1/resolve", json={"fingerprint": FINGERPRINT | change, "workload": "bad-fp"})
     assert r.status_code == 422 and r.json()["error"] == "invalid_manifest", r.text
     assert named in r.json()["detail"]
+
+
+def test_a_manifest_with_a_malformed_fingerprint_is_refused_and_resolve_stays_whole(
+    client: httpx.Client,
+) -> None:
+    # Before the typed fingerprint the server stored it, and every resolve of its workload
+    # then failed ("'str' object has no attribute 'get'"), whatever node asked.
+    bad = dict(FINGERPRINT, gpus="NVIDIA H200")
+    manifest, blobs = make_snapshot({"a.bin": b"poisoned"}, workload="poison", fingerprint=bad)
+    r = push(client, manifest, blobs)
+    assert r.status_code == 422 and r.json()["error"] == "invalid_manifest", r.text
+    assert "manifest 'fingerprint' field gpus: expected a list, got str" in r.json()["detail"]
+    assert client.get(f"/v1/snapshots/{manifest.id}/manifest").status_code == 404
+    good, blobs = make_snapshot({"a.bin": b"healthy"}, workload="poison")
+    assert push(client, good, blobs).status_code in (200, 201)
+    assert _resolve(client, FINGERPRINT, "poison")["snapshot"]["id"] == good.id
