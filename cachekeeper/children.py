@@ -25,13 +25,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachekeeper import cpu, remote_tier
 from cachekeeper._child import PROGRESS_PREFIX
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.reports import DeviceRun, ErrorInfo, Progress, ProgressEvent
 from cachekeeper.workload import Workload
+
+if TYPE_CHECKING:
+    from cachekeeper.fingerprint import CpuState
 
 __all__ = ["work_area", "run_children", "slug", "child_environ", "child_cpu_state"]
 
@@ -73,7 +76,7 @@ def child_environ(omp_num_threads: int | None) -> dict[str, str]:
     return env
 
 
-def child_cpu_state(omp_num_threads: int | None) -> dict[str, Any]:
+def child_cpu_state(omp_num_threads: int | None) -> CpuState:
     """The CPU state (``cachekeeper.cpu.state``) a child with ``omp_num_threads`` compiles
     under: the ``cpu`` field of the fingerprint of every cache a prewarm of it builds."""
     return cpu.state(child_environ(omp_num_threads))

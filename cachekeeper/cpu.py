@@ -30,7 +30,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
+    from cachekeeper.fingerprint import CpuState
 
 __all__ = ["state", "differences", "COMPARED", "THREAD_VARIABLES"]
 
@@ -82,7 +85,7 @@ def _isa(flags: frozenset[str]) -> str | None:
     return None
 
 
-def state(environ: Mapping[str, str]) -> dict[str, Any]:
+def state(environ: Mapping[str, str]) -> CpuState:
     """This process's CPU compile state (the fingerprint's ``cpu`` field)."""
     cpus = _affinity_cpus()
     threads, source = cpus, f"{cpus} cpus this process may use"
@@ -103,15 +106,12 @@ def state(environ: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def with_threads(cpu: Mapping[str, Any], omp_num_threads: int) -> dict[str, Any]:
+def with_threads(cpu: CpuState, omp_num_threads: int) -> CpuState:
     """``cpu`` as a process with ``OMP_NUM_THREADS=omp_num_threads`` (and no MKL's) has it."""
-    out = dict(cpu)
-    out["threads"] = omp_num_threads
-    out["threads_from"] = f"OMP_NUM_THREADS={omp_num_threads}"
-    return out
+    return {**cpu, "threads": omp_num_threads, "threads_from": f"OMP_NUM_THREADS={omp_num_threads}"}
 
 
-def differences(node: Any, snapshot: Any) -> list[str]:
+def differences(node: CpuState | None, snapshot: CpuState | None) -> list[str]:
     """Why a CPU cache built under ``snapshot``'s state misses under ``node``'s (empty: it hits).
 
     Either side missing (a fingerprint from before schema 2) is no difference: it cannot be

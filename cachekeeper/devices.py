@@ -118,7 +118,7 @@ def visible_gpus() -> list[int]:
     """The CUDA indices this process can see, from the fingerprint (no torch import)."""
     from cachekeeper.fingerprint import collect  # cycle: fingerprint words its device advice here
 
-    return [int(gpu["index"]) for gpu in collect().get("gpus") or []]
+    return [gpu["index"] for gpu in collect()["gpus"]]
 
 
 def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:

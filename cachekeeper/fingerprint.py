@@ -18,6 +18,25 @@ mismatch, and ``unchecked`` names it so ``explain`` can say it was not checked.
 Matching (``compare``) is exact on every field but the driver; for the driver the default
 policy (``"newer"``) accepts a node driver at least as new as the builder's, since a kernel
 built by a newer ptxas can fail to load on an older driver, and no Inductor key holds it.
+
+The shape (``Fingerprint``, with ``Gpu`` and ``CpuState`` inside) is a TypedDict, not a
+frozen dataclass, because a fingerprint *is* its JSON: its digest is the sha256 of its
+canonical JSON (``digest_of``), and manifests, request bodies and the server's rows carry
+it as JSON. A TypedDict types that JSON for mypy and leaves it as it is, so
+
+- ``parse`` (a fingerprint from a manifest or the wire) checks the fields this version
+  knows and returns the very object it was given: its canonical JSON and digest cannot
+  move (tests/core/test_fingerprint_digests.py pins them);
+- a field this version does not know (a newer cachekeeper's, at any depth) is kept, so it
+  stays in the digest, and a newer schema still parses;
+- an absent field stays absent and a ``null`` stays ``null`` (their digests differ):
+  every field may be absent (``total=False``: schema 1 has no ``cpu``, and a field a
+  fingerprint lacks compares as null, as it always did).
+
+A frozen dataclass would have to keep all three apart (unknown fields at every level,
+absent or null per field) to write the same JSON back, and be converted at every
+manifest, body and row, the hook's included. Every key is ``ReadOnly`` (for mypy): a
+fingerprint is never changed in place; a variant is a new one (``with_cpu``).
 """
 
 from __future__ import annotations
@@ -33,18 +52,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from cachekeeper import config, cpu, remote_tier
 from cachekeeper.devices import coverage_advice
-from cachekeeper.errors import FingerprintUnavailable
+from cachekeeper.errors import FingerprintUnavailable, InvalidManifest
 from cachekeeper.wire import Mismatch
+
+if TYPE_CHECKING:  # mypy's; at run time the annotations stay text (no typing_extensions)
+    from typing_extensions import ReadOnly
 
 __all__ = [
     "SCHEMA",
+    "CpuState",
     "DriverPolicy",
+    "Fingerprint",
+    "Gpu",
     "Mismatch",
     "collect",
     "canonical_json",
@@ -52,7 +77,9 @@ __all__ = [
     "compare",
     "is_compatible",
     "format_mismatches",
+    "parse",
     "unchecked",
+    "with_cpu",
 ]
 
 SCHEMA = 2
@@ -80,12 +107,138 @@ _ENV_IGNORED = frozenset(
 _EXACT_FIELDS = ("torch", "triton", "cuda", "cuda_wheels", "python", "arch", "gpus", "env")
 
 
+class Gpu(TypedDict):
+    """One visible GPU: its CUDA index (in ``CUDA_VISIBLE_DEVICES`` order), its model and
+    compute capability (``"9.0"``)."""
+
+    index: ReadOnly[int]
+    name: ReadOnly[str]
+    capability: ReadOnly[str]
+
+
+class CpuState(TypedDict):
+    """The fingerprint's ``cpu`` field (schema 2): what changes Inductor's CPU kernels
+    (``cachekeeper.cpu``). ``threads_from`` says where the count came from; it is shown,
+    never compared (``cpu.COMPARED``)."""
+
+    threads: ReadOnly[int]
+    threads_from: ReadOnly[str]
+    isa: ReadOnly[str | None]
+    aten_cpu_capability: ReadOnly[str | None]
+
+
+class Fingerprint(TypedDict, total=False):
+    """The environment a cache was built under, as ``collect`` makes it and its JSON holds
+    it (see the module docstring for why every field may be absent)."""
+
+    schema: ReadOnly[int]  # SCHEMA of the cachekeeper that collected it
+    torch: ReadOnly[str | None]  # with its local build tag: "2.11.0+cu130"
+    triton: ReadOnly[str | None]
+    cuda: ReadOnly[str | None]  # the CUDA torch was built with
+    cuda_wheels: ReadOnly[Mapping[str, str]]  # installed nvidia-* wheels: version
+    driver: ReadOnly[str | None]
+    gpus: ReadOnly[Sequence[Gpu]]  # every visible GPU; [] on a CPU-only machine
+    python: ReadOnly[str | None]  # major.minor
+    arch: ReadOnly[str | None]  # platform.machine()
+    env: ReadOnly[Mapping[str, str]]  # the variables that change keys (_compile_env)
+    cpu: ReadOnly[CpuState]  # absent in schema 1
+
+
+# What ``parse`` checks of each field: "text" (a string or null), "int", "names" (an
+# object of strings), "gpus" (a list of Gpu), "cpu" (a CpuState).
+_FIELD_KINDS = {
+    "schema": "int",
+    "torch": "text",
+    "triton": "text",
+    "cuda": "text",
+    "cuda_wheels": "names",
+    "driver": "text",
+    "gpus": "gpus",
+    "python": "text",
+    "arch": "text",
+    "env": "names",
+    "cpu": "cpu",
+}
+_GPU_KINDS = {"index": "int", "name": "str", "capability": "str"}
+_CPU_KINDS = {"threads": "int", "threads_from": "str", "isa": "text", "aten_cpu_capability": "text"}
+
+
+def parse(raw: Any, *, where: str = "fingerprint") -> Fingerprint:
+    """``raw`` (decoded JSON: a manifest's or a request's fingerprint) as a ``Fingerprint``.
+
+    The same object, checked, never copied or rebuilt: its digest is the one it came with.
+    Each field this version knows must have its type when present; absent fields and
+    fields it does not know are fine (older and newer fingerprints parse). Raises
+    ``InvalidManifest`` naming the first bad field: ``fingerprint field gpus[0].index:
+    expected an integer, got str``.
+    """
+    if not isinstance(raw, dict):
+        raise InvalidManifest(f"{where} is not an object")
+    for name, kind in _FIELD_KINDS.items():
+        if name in raw:
+            problem = _problem(kind, raw[name], name)
+            if problem is not None:
+                raise InvalidManifest(f"{where} field {problem}")
+    return cast(Fingerprint, raw)
+
+
+def _problem(kind: str, value: Any, path: str) -> str | None:
+    """Why ``value`` is not of ``kind`` (``_FIELD_KINDS``), naming its ``path``, or None."""
+    if kind == "text":
+        ok = value is None or isinstance(value, str)
+        return None if ok else f"{path}: expected a string or null, got {_kind(value)}"
+    if kind == "str":
+        return None if isinstance(value, str) else f"{path}: expected a string, got {_kind(value)}"
+    if kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else f"{path}: expected an integer, got {_kind(value)}"
+    if kind == "names":
+        if not isinstance(value, dict):
+            return f"{path}: expected an object, got {_kind(value)}"
+        for key, item in value.items():
+            if not isinstance(item, str):
+                return f"{path}.{key}: expected a string, got {_kind(item)}"
+        return None
+    if kind == "gpus":
+        if not isinstance(value, list):
+            return f"{path}: expected a list, got {_kind(value)}"
+        for i, gpu in enumerate(value):
+            problem = _object_problem(_GPU_KINDS, gpu, f"{path}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+    return _object_problem(_CPU_KINDS, value, path)  # "cpu"
+
+
+def _object_problem(kinds: Mapping[str, str], value: Any, path: str) -> str | None:
+    """Why ``value`` is not an object holding every field of ``kinds``, or None."""
+    if not isinstance(value, dict):
+        return f"{path}: expected an object, got {_kind(value)}"
+    for name, kind in kinds.items():
+        if name not in value:
+            return f"{path}.{name}: missing"
+        problem = _problem(kind, value[name], f"{path}.{name}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def with_cpu(fingerprint: Fingerprint, state: CpuState) -> Fingerprint:
+    """``fingerprint`` with ``state`` as its ``cpu`` field: the environment of a cache
+    compiled by processes in that CPU state (a prewarm's children, a command's ranks)."""
+    return {**fingerprint, "cpu": state}
+
+
 def canonical_json(value: Any) -> str:
     """The one JSON text that digests are computed over: sorted keys, no spaces, UTF-8."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def digest_of(fingerprint: Mapping[str, Any]) -> str:
+def digest_of(fingerprint: Fingerprint) -> str:
     """sha256 of the fingerprint's canonical JSON (lowercase hex)."""
     return hashlib.sha256(canonical_json(dict(fingerprint)).encode()).hexdigest()
 
@@ -161,7 +314,7 @@ def _visible_indices(count: int, uuids: list[str]) -> list[int]:
     return out
 
 
-def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_nvml() -> tuple[list[Gpu], str | None] | None:
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
@@ -174,7 +327,7 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
         driver = pynvml.nvmlSystemGetDriverVersion()
         driver = driver.decode() if isinstance(driver, bytes) else str(driver)
         count = pynvml.nvmlDeviceGetCount()
-        physical: list[dict[str, Any]] = []
+        physical: list[tuple[str, str]] = []  # (name, capability) by physical index
         uuids: list[str] = []
         for i in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
@@ -183,9 +336,9 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
-            physical.append({"name": name, "capability": f"{major}.{minor}"})
+            physical.append((name, f"{major}.{minor}"))
         gpus = [
-            {"index": visible, **physical[phys]}
+            Gpu(index=visible, name=physical[phys][0], capability=physical[phys][1])
             for visible, phys in enumerate(_visible_indices(count, uuids))
         ]
         return gpus, driver
@@ -198,10 +351,10 @@ def _gpus_from_nvml() -> tuple[list[dict[str, Any]], str | None] | None:
             pass
 
 
-def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[Gpu], str | None] | None:
     """``_gpus_from_nvml`` in a daemon thread; FingerprintUnavailable when it does not
     return in ``timeout_s`` (a C call into a hung driver cannot be interrupted, only left)."""
-    found: list[tuple[list[dict[str, Any]], str | None] | None] = [None]
+    found: list[tuple[list[Gpu], str | None] | None] = [None]
 
     def run() -> None:
         found[0] = _gpus_from_nvml()
@@ -216,7 +369,7 @@ def _gpus_from_nvml_within(timeout_s: float) -> tuple[list[dict[str, Any]], str 
     return found[0]
 
 
-def _gpus_from_smi(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] | None:
+def _gpus_from_smi(timeout_s: float) -> tuple[list[Gpu], str | None] | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -244,7 +397,7 @@ def _gpus_from_smi(timeout_s: float) -> tuple[list[dict[str, Any]], str | None] 
         return None
     uuids = [r[3] for r in rows]
     gpus = [
-        {"index": visible, "name": rows[phys][0], "capability": rows[phys][1]}
+        Gpu(index=visible, name=rows[phys][0], capability=rows[phys][1])
         for visible, phys in enumerate(_visible_indices(len(rows), uuids))
     ]
     return gpus, rows[0][2]
@@ -272,14 +425,14 @@ def collect(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     gpu_timeout_s: float = GPU_TIMEOUT_S,
-) -> dict[str, Any]:
-    """This machine's fingerprint as a plain dict (see the module docstring).
+) -> Fingerprint:
+    """This machine's fingerprint, every field present (see the module docstring).
 
     ``gpu_timeout_s`` bounds the GPU query (NVML, then nvidia-smi, together); past it,
     ``FingerprintUnavailable``. ``overrides`` replaces fields after collection. It exists
     for tests and for the ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` variable (a JSON object)
     that the test suite uses to simulate another environment; it is not a user-facing
-    option.
+    option, and its values are not checked.
     """
     env = os.environ if environ is None else environ
     versions = _installed_versions()
@@ -289,7 +442,7 @@ def collect(
     gpus, driver = gpu_info if gpu_info else ([], None)
     if driver is None:
         driver = _driver_from_proc()
-    fingerprint: dict[str, Any] = {
+    fingerprint: Fingerprint = {
         "schema": SCHEMA,
         "torch": torch_version,
         "triton": versions.get("triton") or versions.get("pytorch-triton"),
@@ -302,23 +455,37 @@ def collect(
         "env": _compile_env(env),
         "cpu": cpu.state(env),
     }
-    fingerprint.update(config.fingerprint_overrides(env))
-    if overrides:
-        fingerprint.update(overrides)
-    return fingerprint
+    replaced = {**config.fingerprint_overrides(env), **(overrides or {})}
+    return cast(Fingerprint, {**fingerprint, **replaced}) if replaced else fingerprint
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version))
 
 
-def _gpu_models(gpus: Any) -> list[Any]:
-    return [{"name": g.get("name"), "capability": g.get("capability")} for g in gpus or []]
+def _gpu_models(gpus: Sequence[Gpu]) -> list[dict[str, str | None]]:
+    return [{"name": g.get("name"), "capability": g.get("capability")} for g in gpus]
+
+
+def _compared_gpus(
+    node: Fingerprint, snapshot: Fingerprint, devices: list[str] | None
+) -> tuple[list[dict[str, str | None]], list[dict[str, str | None]]]:
+    """The GPU models ``compare`` holds against each other: at the covered indices, when
+    the snapshot's ``devices`` are known, else all of them. Read with ``get``: a row an
+    older server stored was checked only as a JSON object."""
+    a, b = node.get("gpus") or [], snapshot.get("gpus") or []
+    if devices is None:
+        return _gpu_models(a), _gpu_models(b)
+    covered = {int(d.split(":", 1)[1]) for d in devices if d.startswith("cuda:")}
+    node_by_idx = {g.get("index"): g for g in a}
+    snap_by_idx = {g.get("index"): g for g in b}
+    both = sorted(covered & node_by_idx.keys() & snap_by_idx.keys())
+    return _gpu_models([node_by_idx[i] for i in both]), _gpu_models([snap_by_idx[i] for i in both])
 
 
 def compare(
-    node: Mapping[str, Any],
-    snapshot: Mapping[str, Any],
+    node: Fingerprint,
+    snapshot: Fingerprint,
     *,
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,
@@ -330,30 +497,25 @@ def compare(
     When given, GPU models are compared only at the covered indices (a snapshot built on
     cuda:0 of an 8-GPU builder suits a 1-GPU node of the same model), and the devices the
     node will use (``node_devices``, default: every visible GPU index) must all be covered,
-    since Inductor's key holds the device index.
+    since Inductor's key holds the device index. A field one side lacks compares as null.
     """
     out: list[Mismatch] = []
     for field in _EXACT_FIELDS:
-        a, b = node.get(field), snapshot.get(field)
+        a: object
+        b: object
         if field == "gpus":
-            if devices is not None:
-                covered = {int(d.split(":", 1)[1]) for d in devices if d.startswith("cuda:")}
-                node_by_idx = {g.get("index"): g for g in a or []}
-                snap_by_idx = {g.get("index"): g for g in b or []}
-                both = sorted(covered & node_by_idx.keys() & snap_by_idx.keys())
-                a = _gpu_models([node_by_idx[i] for i in both])
-                b = _gpu_models([snap_by_idx[i] for i in both])
-            else:
-                a, b = _gpu_models(a), _gpu_models(b)
+            a, b = _compared_gpus(node, snapshot, devices)
+        else:
+            a, b = node.get(field), snapshot.get(field)
         if a != b:
             out.append(Mismatch(field=field, node=a, snapshot=b))
-    if _cpu_compiled(node, snapshot, devices):
-        if cpu.differences(node.get("cpu"), snapshot.get("cpu")):
-            out.append(Mismatch(field="cpu", node=node.get("cpu"), snapshot=snapshot.get("cpu")))
+    node_cpu, snap_cpu = node.get("cpu"), snapshot.get("cpu")
+    if _cpu_compiled(snapshot, devices) and cpu.differences(node_cpu, snap_cpu):
+        out.append(Mismatch(field="cpu", node=node_cpu, snapshot=snap_cpu))
     if devices is not None:
         wanted = node_devices
         if wanted is None:
-            wanted = [f"cuda:{g.get('index')}" for g in node.get("gpus") or []] or ["cpu"]
+            wanted = [f"cuda:{g['index']}" for g in node.get("gpus") or []] or ["cpu"]
         uncovered = [d for d in wanted if d not in devices]
         if uncovered:
             out.append(Mismatch(field="devices", node=sorted(wanted), snapshot=sorted(devices)))
@@ -366,9 +528,7 @@ def compare(
     return out
 
 
-def _cpu_compiled(
-    node: Mapping[str, Any], snapshot: Mapping[str, Any], devices: list[str] | None
-) -> bool:
+def _cpu_compiled(snapshot: Fingerprint, devices: list[str] | None) -> bool:
     """Whether the snapshot holds CPU kernels (it covers ``cpu``, or is a GPU-less build)."""
     if devices is not None:
         return "cpu" in devices
@@ -376,20 +536,20 @@ def _cpu_compiled(
 
 
 def unchecked(
-    node: Mapping[str, Any], snapshot: Mapping[str, Any], *, devices: list[str] | None = None
+    node: Fingerprint, snapshot: Fingerprint, *, devices: list[str] | None = None
 ) -> list[str]:
     """Fields ``compare`` could not check because one side does not record them.
 
     Today only ``cpu`` (added in fingerprint schema 2), and only where it matters.
     """
-    if not _cpu_compiled(node, snapshot, devices):
+    if not _cpu_compiled(snapshot, devices):
         return []
-    return [f for f in ("cpu",) if (node.get(f) is None) != (snapshot.get(f) is None)]
+    return ["cpu"] if (node.get("cpu") is None) != (snapshot.get("cpu") is None) else []
 
 
 def is_compatible(
-    node: Mapping[str, Any],
-    snapshot: Mapping[str, Any],
+    node: Fingerprint,
+    snapshot: Fingerprint,
     *,
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,

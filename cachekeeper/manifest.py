@@ -6,7 +6,7 @@ A manifest is JSON::
       "format": 1,
       "workload": "drafter-gqa" | null,
       "workload_digest": "<sha256 of the workload TOML>" | null,
-      "fingerprint": {...},                  # cachekeeper.fingerprint.collect()
+      "fingerprint": {...},                  # a Fingerprint (cachekeeper.fingerprint)
       "fingerprint_digest": "<sha256>",
       "devices": ["cuda:0", "cuda:1"] | ["cpu"],
       "files": [{"path": "fxgraph/ab/..", "digest": "<sha256>", "size_bytes": 123, "mode": 420}],
@@ -39,7 +39,7 @@ from typing import Any
 
 from cachekeeper import wire
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
-from cachekeeper.fingerprint import canonical_json, digest_of
+from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of, parse
 
 __all__ = [
     "FORMAT",
@@ -130,7 +130,7 @@ class Manifest:
     """A validated snapshot manifest (see the module docstring for the JSON form)."""
 
     files: tuple[FileEntry, ...]
-    fingerprint: dict[str, Any]
+    fingerprint: Fingerprint
     devices: tuple[str, ...] = ()
     workload: str | None = None
     workload_digest: str | None = None
@@ -217,9 +217,7 @@ class Manifest:
             raise InvalidManifest(
                 f"manifest lists {len(files_raw)} files, over the limit of {max_files}"
             )
-        fingerprint = raw.get("fingerprint")
-        if not isinstance(fingerprint, dict):
-            raise InvalidManifest("manifest 'fingerprint' is not an object")
+        fingerprint = parse(raw.get("fingerprint"), where="manifest 'fingerprint'")
         devices = raw.get("devices", [])
         if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
             raise InvalidManifest("manifest 'devices' is not a list of strings")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config, cpu
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.fingerprint import collect, digest_of, with_cpu
 from cachekeeper.marker import STATE_DIR, read_markers
 
 __all__ = ["NodeDir", "PrunePlan", "scan_node_dirs", "plan_prune", "node_digests"]
@@ -113,9 +113,9 @@ def node_digests(environ: Mapping[str, str] | None = None) -> set[str]:
     fingerprint = collect(environ=os.environ if environ is None else environ)
     names = {digest_of(fingerprint)[:16]}
     state = fingerprint.get("cpu")
-    if isinstance(state, dict):
+    if state is not None:
         for threads in range(1, len(os.sched_getaffinity(0)) + 1):
-            variant = {**fingerprint, "cpu": cpu.with_threads(state, threads)}
+            variant = with_cpu(fingerprint, cpu.with_threads(state, threads))
             names.add(digest_of(variant)[:16])
     return names
 

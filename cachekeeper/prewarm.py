@@ -33,6 +33,7 @@ from typing import Any
 from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.commands import run_command
 from cachekeeper.errors import CachekeeperError
+from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.reports import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.restore import merge_tree
@@ -176,7 +177,7 @@ def _record(
     )
 
 
-def compiled_cpu_state(workload: Workload, commands: tuple[CommandRun, ...]) -> dict[str, Any]:
+def compiled_cpu_state(workload: Workload, commands: tuple[CommandRun, ...]) -> CpuState:
     """The CPU state the caches were compiled under (the fingerprint's ``cpu`` field).
 
     The children's (the workload's ``[process]``), unless commands compiled: then the

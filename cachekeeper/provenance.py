@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.marker import STATE_DIR, state_dir
 
-__all__ = ["record_prewarm", "load_prewarm_record", "recorded_workloads"]
+if TYPE_CHECKING:
+    from cachekeeper.fingerprint import CpuState
+
+__all__ = ["record_prewarm", "load_prewarm_record", "recorded_cpu", "recorded_workloads"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -53,6 +57,13 @@ def load_prewarm_record(cache_dir: Path, workload: str) -> dict[str, Any] | None
     return record
 
 
+def recorded_cpu(record: Mapping[str, Any] | None) -> CpuState | None:
+    """The CPU state a record's prewarm compiled under (the fingerprint's ``cpu`` field of
+    the snapshot made from it), or None: no record, or one from before the field."""
+    found = None if record is None else record.get("cpu")
+    return cast("CpuState", found) if isinstance(found, dict) else None
+
+
 def recorded_workloads(cache_dir: Path) -> list[str]:
     """The workloads a prewarm recorded in ``cache_dir``, sorted (none: an empty list)."""
     names: set[str] = set()
@@ -75,7 +86,7 @@ def record_prewarm(
     workload_digest: str,
     devices: list[str],
     stats: dict[str, Any],
-    cpu: dict[str, Any] | None = None,
+    cpu: CpuState | None = None,
 ) -> Path:
     """Write (atomically) what a prewarm proved; devices accumulate across prewarms."""
     rel = _record_name(workload)

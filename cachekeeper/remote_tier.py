@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
+
+if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
+    from cachekeeper.fingerprint import Fingerprint
 
 __all__ = [
     "AOTAUTOGRAD",
@@ -144,13 +147,11 @@ def set_builder_switches(environ: MutableMapping[str, str], switches: Mapping[st
     environ.update(job_environ(switches, url=OFF_URL) if switches else {})
 
 
-def with_key_switches(
-    fingerprint: Mapping[str, Any], switches: Mapping[str, str]
-) -> dict[str, Any]:
+def with_key_switches(fingerprint: Fingerprint, switches: Mapping[str, str]) -> Fingerprint:
     """``fingerprint`` as a job that exports ``switches`` records it: its ``env`` with the
     tier's key-relevant variables replaced by those of ``switches`` (the server ranks a
     node's snapshots for the environment its job will run in, not the hook's)."""
-    env = {k: v for k, v in dict(fingerprint.get("env") or {}).items() if k not in _OURS_IN_KEYS}
+    env = {k: v for k, v in (fingerprint.get("env") or {}).items() if k not in _OURS_IN_KEYS}
     env.update(key_switches(switches))
     return {**fingerprint, "env": dict(sorted(env.items()))}
 

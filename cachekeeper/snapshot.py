@@ -31,7 +31,7 @@ from cachekeeper.archive import open_archive_stream, read_manifest_member, write
 from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.provenance import load_prewarm_record, recorded_workloads
+from cachekeeper.provenance import load_prewarm_record, recorded_cpu, recorded_workloads
 from cachekeeper.scan import is_excluded, scan_dir
 from cachekeeper.signing import load_signing_key, sign_manifest
 from cachekeeper.store import LocalStore
@@ -60,7 +60,7 @@ def hash_file(path: Path) -> tuple[str, int]:
     return hasher.hexdigest(), size
 
 
-def devices_of(root: Path, fingerprint: dict[str, Any]) -> list[str]:
+def devices_of(root: Path, fingerprint: fingerprint_mod.Fingerprint) -> list[str]:
     """The devices a cache covers: ``["cpu"]`` without GPUs, else ``triton/<idx>`` folders,
     else every GPU index of the fingerprint."""
     gpus = fingerprint.get("gpus") or []
@@ -74,7 +74,7 @@ def devices_of(root: Path, fingerprint: dict[str, Any]) -> list[str]:
     )
     if indices:
         return [f"cuda:{i}" for i in indices]
-    return [f"cuda:{g.get('index')}" for g in gpus]
+    return [f"cuda:{g['index']}" for g in gpus]
 
 
 def _store_file(blobs: LocalBlobStore, path: Path) -> tuple[str, int]:
@@ -100,7 +100,7 @@ def snapshot_dir(
     workload_digest: str | None = None,
     devices: list[str] | None = None,
     stats: dict[str, Any] | None = None,
-    fingerprint: dict[str, Any] | None = None,
+    fingerprint: fingerprint_mod.Fingerprint | None = None,
     sign_key: str | os.PathLike[str] | None = None,
     only: Collection[str] | None = None,
     parent: str | None = None,
@@ -140,10 +140,11 @@ def snapshot_dir(
         wanted = set(only)
         files = [f for f in files if f[0] in wanted]
     fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
-    if record is not None and isinstance(record.get("cpu"), dict):
+    compiled_under = recorded_cpu(record)
+    if compiled_under is not None:
         # What the prewarm's children compiled under, whoever asks: a fingerprint passed in
         # (the agent's, a push's) says where the caller runs, not what built the caches.
-        fp = {**fp, "cpu": record["cpu"]}
+        fp = fingerprint_mod.with_cpu(fp, compiled_under)
     entries = []
     for rel, path, mode in files:
         digest, size = _store_file(store.blobs, path)

@@ -41,10 +41,10 @@ _MIN_PREFIX = 4
 def _gpu_model(manifest: Manifest) -> str | None:
     """The model of the GPU the snapshot was built on (its first covered index), if any."""
     covered = [int(d.split(":", 1)[1]) for d in manifest.devices if d.startswith("cuda:")]
-    gpus = {g.get("index"): g for g in manifest.fingerprint.get("gpus") or []}
+    gpus = {g["index"]: g for g in manifest.fingerprint.get("gpus") or []}
     for index in covered:
         if index in gpus:
-            return str(gpus[index].get("name"))
+            return gpus[index]["name"]
     return None
 
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from cachekeeper import config, remote_tier, wire
 from cachekeeper._proc import pid_alive
@@ -66,9 +66,9 @@ from cachekeeper.allowlist import Allowlist
 from cachekeeper.children import child_cpu_state
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, with_cpu
 from cachekeeper.prewarm import prewarm, promote
-from cachekeeper.provenance import load_prewarm_record
+from cachekeeper.provenance import load_prewarm_record, recorded_cpu
 from cachekeeper.store import LocalStore
 from cachekeeper.workload import Workload, parse_workload
 
@@ -297,7 +297,7 @@ def run_round(
         fingerprint=fingerprint,
         fingerprint_digest=digest,
         devices=list(options.devices),
-        gpus=list(fingerprint.get("gpus") or []),
+        gpus=[dict(gpu) for gpu in fingerprint["gpus"]],
         version=config.package_version(),
     )
     agent_id = agent.id
@@ -349,7 +349,7 @@ class _Builder:
         stop: StopSignal,
         say: Log,
         agent_id: str,
-        fingerprint: dict[str, Any],
+        fingerprint: Fingerprint,
         digest: str,
         memory: AgentMemory,
     ) -> None:
@@ -366,13 +366,13 @@ class _Builder:
         # and its events name.
         self.agent_fingerprint, self.agent_digest = fingerprint, digest
 
-    def _built_with(self, workload: Any, cpu_state: dict[str, Any] | None = None) -> None:
+    def _built_with(self, workload: Any, cpu_state: CpuState | None = None) -> None:
         """Take the fingerprint of what a build of ``workload`` compiles: the agent's, with
         the CPU state of its children (its ``[process] omp_num_threads``), or ``cpu_state``
         (what a command's processes compiled under: its launcher decides)."""
         if cpu_state is None:
             cpu_state = child_cpu_state(workload.omp_num_threads)
-        self.fingerprint = {**self.agent_fingerprint, "cpu": cpu_state}
+        self.fingerprint = with_cpu(self.agent_fingerprint, cpu_state)
         self.digest = digest_of(self.fingerprint)
 
     def keep_warm(self, name: str) -> WorkloadOutcome:
@@ -442,7 +442,8 @@ class _Builder:
                 None,
             )
             if near is not None and isinstance(near.mismatches[0].snapshot, dict):
-                self._built_with(workload, near.mismatches[0].snapshot)
+                # the cpu field of a manifest the server took (fingerprint.parse checked it)
+                self._built_with(workload, cast(CpuState, near.mismatches[0].snapshot))
                 found = self.client.resolve(
                     self.fingerprint, workload=name, devices=list(self.options.devices)
                 )
@@ -538,9 +539,9 @@ class _Builder:
                 if report.status != "verified":
                     return self._unbuilt(name, report, started)
                 if workload.commands:  # its processes' CPU state: the snapshot's, the events'
-                    record = load_prewarm_record(cache_dir, name) or {}
-                    if isinstance(record.get("cpu"), dict):
-                        self._built_with(workload, record["cpu"])
+                    compiled_under = recorded_cpu(load_prewarm_record(cache_dir, name))
+                    if compiled_under is not None:
+                        self._built_with(workload, compiled_under)
                 self.say(f"{name}: verified; pushing")
                 pushed = push(
                     cache_dir,

@@ -18,7 +18,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 from urllib.parse import urlencode
 
@@ -74,6 +74,8 @@ from .calls import (  # Deadline and server_root: public here since 0.1
 
 if TYPE_CHECKING:
     import httpx
+
+    from cachekeeper.fingerprint import Fingerprint
 
 __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 
@@ -172,7 +174,7 @@ class CacheClient:
 
     def resolve(
         self,
-        fingerprint: Mapping[str, Any],
+        fingerprint: Fingerprint,
         *,
         workload: str,
         driver_policy: str = "newer",
@@ -374,7 +376,7 @@ class CacheClient:
         self,
         *,
         name: str,
-        fingerprint: Mapping[str, Any],
+        fingerprint: Fingerprint,
         fingerprint_digest: str,
         devices: list[str],
         gpus: list[dict[str, Any]],

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
@@ -41,6 +41,9 @@ from cachekeeper.wire import JobReport
 
 from .calls import Deadline
 from .reporting import job_id, node_name, report_answer, utc_now
+
+if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
+    from cachekeeper.fingerprint import Fingerprint
 
 __all__ = [
     "KINDS",
@@ -245,7 +248,7 @@ def postjob(
     cache_dir: Path | None = None,
     devices: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
-    fingerprint: dict[str, Any] | None = None,
+    fingerprint: Fingerprint | None = None,
     report: bool = True,
     timeout_s: float = REPORT_TIMEOUT_S,
     push: bool = False,
@@ -363,7 +366,7 @@ def _harvest(
     workload: str,
     server: str | None,
     token: str | None,
-    fingerprint: dict[str, Any],
+    fingerprint: Fingerprint,
     sign_key: str | os.PathLike[str] | None,
     timeout_s: float,
 ) -> tuple[str | None, bool, str | None]:

@@ -70,7 +70,7 @@ from cachekeeper.errors import (
     SignatureInvalid,
     Unauthorized,
 )
-from cachekeeper.fingerprint import GPU_TIMEOUT_S, collect, digest_of
+from cachekeeper.fingerprint import GPU_TIMEOUT_S, Fingerprint, collect, digest_of
 from cachekeeper.fsutil import atomic_write_text, unwritable_dir
 from cachekeeper.marker import held_snapshot, is_restored
 from cachekeeper.signing import load_trusted_keys
@@ -205,7 +205,7 @@ def _work(
     server: str | None,
     token: str | None,
     workload: str,
-    fingerprint: dict[str, Any],
+    fingerprint: Fingerprint,
     cache_dir: Path,
     driver_policy: str,
     devices: list[str] | None,
@@ -223,7 +223,7 @@ def _work(
             server,
             token=token,
             body=ResolveRequest(
-                fingerprint=fingerprint,
+                fingerprint=dict(fingerprint),  # the wire's JSON object
                 workload=workload,
                 driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
                 devices=devices,
@@ -297,7 +297,7 @@ def prejob(
     driver_policy: str = "newer",
     devices: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
-    fingerprint: dict[str, Any] | None = None,
+    fingerprint: Fingerprint | None = None,
     trust: Sequence[str | os.PathLike[str]] = (),
     report: bool = True,
     remote_cache: str = "auto",
@@ -414,7 +414,7 @@ def prejob(
 
 
 def _target(
-    cache_dir: Path | None, fingerprint: dict[str, Any] | None, env: Mapping[str, str]
+    cache_dir: Path | None, fingerprint: Fingerprint | None, env: Mapping[str, str]
 ) -> Path | None:
     """The cache dir to restore into and export; None when it depends on a fingerprint
     that could not be collected (then nothing is exported: torch's default)."""

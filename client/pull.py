@@ -28,7 +28,7 @@ from cachekeeper.errors import (
     ServerError,
     ServerUnavailable,
 )
-from cachekeeper.fingerprint import collect, format_mismatches
+from cachekeeper.fingerprint import Fingerprint, collect, format_mismatches
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import restore_snapshot
 from cachekeeper.restore_sources import Blobs, archive_blobs
@@ -70,7 +70,7 @@ def resolve_snapshot(
     client: CacheClient,
     *,
     workload: str,
-    fingerprint: dict[str, Any],
+    fingerprint: Fingerprint,
     driver_policy: str = "newer",
     devices: list[str] | None = None,
     deadline: Deadline | None = None,
@@ -211,7 +211,7 @@ def pull(
     client: CacheClient,
     workload: str,
     cache_dir: Path,
-    fingerprint: dict[str, Any] | None = None,
+    fingerprint: Fingerprint | None = None,
     driver_policy: str = "newer",
     devices: list[str] | None = None,
     deadline: Deadline | None = None,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.errors import BlobMissing, Forbidden, Unauthorized, WorkloadNotFound
@@ -31,6 +31,9 @@ from cachekeeper.wire import to_dict
 
 from .api import CacheClient, Deadline
 from .direct import ObjectStore
+
+if TYPE_CHECKING:
+    from cachekeeper.fingerprint import Fingerprint
 
 __all__ = [
     "PUBLISH_BYTES_PER_S",
@@ -169,7 +172,7 @@ def push(
     store: LocalStore | None = None,
     workers: int = 4,
     progress: Progress | None = None,
-    fingerprint: dict[str, Any] | None = None,
+    fingerprint: Fingerprint | None = None,
     sign_key: str | os.PathLike[str] | None = None,
     require_registered: bool = False,
     only: Collection[str] | None = None,
@@ -261,7 +264,7 @@ def _push(
     store: LocalStore | None,
     workers: int,
     progress: Progress | None,
-    fingerprint: dict[str, Any] | None,
+    fingerprint: Fingerprint | None,
     sign_key: str | os.PathLike[str] | None,
     require_registered: bool,
     only: Collection[str] | None = None,

@@ -32,11 +32,12 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import sqlite_utils
 
 from cachekeeper.errors import InsufficientStorage
+from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.manifest import Manifest
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
@@ -52,6 +53,13 @@ _SUMMARY_COLUMNS = (
     "id, workload, fingerprint_digest, devices, verified, signed, size_bytes, file_count, "
     "created_at, last_used_at, pinned, source, parent"
 )
+
+
+def _stored(text: str) -> Fingerprint:
+    """A snapshot row's fingerprint: checked (``fingerprint.parse``) when its manifest was
+    published; a server before the typed fingerprint checked only that it was an object,
+    so readers of stored rows (resolve, the status page) read them with ``get``."""
+    return cast(Fingerprint, json.loads(text))
 
 
 def _summary(row: dict[str, Any]) -> Summary:
@@ -419,12 +427,12 @@ class Catalog(FleetReads, TierReads):
             f"SELECT {_SUMMARY_COLUMNS}, fingerprint, rowid AS seq FROM snapshots"
             " WHERE workload IS ? AND source IS NULL ORDER BY rowid DESC LIMIT ?"
         )
-        parsed: dict[str, dict[str, Any]] = {}  # one parse per distinct fingerprint
+        parsed: dict[str, Fingerprint] = {}  # one parse per distinct fingerprint
         out = []
         for row in self._rows(sql, [workload, limit]):
             fingerprint = parsed.get(row["fingerprint_digest"])
             if fingerprint is None:
-                fingerprint = parsed[row["fingerprint_digest"]] = json.loads(row["fingerprint"])
+                fingerprint = parsed[row["fingerprint_digest"]] = _stored(row["fingerprint"])
             out.append(Candidate(summary=_summary(row), fingerprint=fingerprint, seq=row["seq"]))
         return out
 
@@ -453,13 +461,13 @@ class Catalog(FleetReads, TierReads):
         )
         return [_summary(r) for r in rows]
 
-    def fingerprint_of(self, fingerprint_digest: str) -> dict[str, Any] | None:
+    def fingerprint_of(self, fingerprint_digest: str) -> Fingerprint | None:
         """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
         found = self._rows(
             "SELECT fingerprint FROM snapshots WHERE fingerprint_digest = ? LIMIT 1",
             [fingerprint_digest],
         )
-        return json.loads(found[0]["fingerprint"]) if found else None
+        return _stored(found[0]["fingerprint"]) if found else None
 
     def lru_unpinned(self) -> list[str]:
         """Unpinned snapshot ids, least recently used first (never used: by creation)."""

@@ -12,6 +12,7 @@ import hashlib
 import json
 from typing import Any
 
+from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats, utc_now
 
 from .catalog_base import Reads, Writes, chunks
@@ -71,7 +72,7 @@ class FleetWrites(Writes):
         self,
         *,
         name: str,
-        fingerprint: dict[str, Any],
+        fingerprint: Fingerprint,
         fingerprint_digest: str,
         devices: list[str],
         gpus: list[dict[str, Any]],

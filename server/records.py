@@ -6,8 +6,8 @@ agent, an event, a workload), the catalog returns ``cachekeeper.wire``'s datacla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.wire import EventOut, JobStats, Summary
 
 __all__ = ["BlobInfo", "BlobUsage", "Candidate", "Counts", "StatusFacts"]
@@ -18,7 +18,7 @@ class Candidate:
     """A snapshot as resolve compares it: its summary and its full fingerprint."""
 
     summary: Summary
-    fingerprint: dict[str, Any]
+    fingerprint: Fingerprint
     # The order of publication (SQLite's rowid): newer is larger. Resolve ranks by it, not
     # by ``created_at``, which a server clock that jumped back would turn around.
     seq: int = 0

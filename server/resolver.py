@@ -12,10 +12,9 @@ field-by-field mismatches so the node can say why it missed. A miss is a value
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from cachekeeper.errors import did_you_mean
-from cachekeeper.fingerprint import DriverPolicy, compare
+from cachekeeper.fingerprint import DriverPolicy, Fingerprint, compare
 from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
 
 from .records import Candidate
@@ -28,13 +27,14 @@ NEAR_MISSES = 3
 def rank(
     candidates: Iterable[Candidate],
     *,
-    fingerprint: dict[str, Any],
+    fingerprint: Fingerprint,
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,
 ) -> ResolveAnswer:
     """The resolution of ``fingerprint`` among ``candidates`` (see the module docstring).
 
-    Raises TypeError, ValueError or AttributeError when the fingerprint cannot be compared.
+    Raises TypeError, ValueError or AttributeError when a stored fingerprint cannot be
+    compared (a row an older server took, checked then only as a JSON object).
     """
     hits: list[tuple[tuple[int, int, int], Summary]] = []
     misses: list[tuple[tuple[int, int], Summary, list[Mismatch]]] = []
@@ -48,8 +48,8 @@ def rank(
             node_devices=devices,
         )
         if not mismatches:
-            exact = fingerprint.get("driver") == candidate.fingerprint.get("driver")
-            hits.append(((int(summary.verified), int(exact), candidate.seq), summary))
+            same_driver = fingerprint.get("driver") == candidate.fingerprint.get("driver")
+            hits.append(((int(summary.verified), int(same_driver), candidate.seq), summary))
         else:
             key = (len(mismatches), candidate.seq)
             misses.append((key, summary, mismatches))

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Path, Query
 
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import AgentNotFound, CachekeeperError, InvalidManifest, InvalidRequest
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.fingerprint import digest_of, parse
 from cachekeeper.wire import (
     DIGEST_PATTERN,
     AgentEvent,
@@ -45,8 +45,9 @@ AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent'
 @router.post("/agents", response_model=RegisterAnswer, responses=error_responses(InvalidManifest))
 def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Register (or refresh) an agent for its environment; idempotent per name + digest."""
+    fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
     try:
-        digest = digest_of(body.fingerprint)
+        digest = digest_of(fingerprint)
     except (TypeError, ValueError) as exc:
         raise InvalidManifest(f"fingerprint is not canonical JSON: {exc}") from exc
     if body.fingerprint_digest is not None and body.fingerprint_digest != digest:
@@ -56,7 +57,7 @@ def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) 
         )
     agent, created = storage.register_agent(
         name=body.name,
-        fingerprint=body.fingerprint,
+        fingerprint=fingerprint,
         fingerprint_digest=digest,
         devices=list(body.devices),
         gpus=list(body.gpus),

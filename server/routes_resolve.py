@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from cachekeeper.errors import InvalidManifest, NotFound
+from cachekeeper.fingerprint import parse
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
 from .auth import ReadScope
@@ -36,20 +37,21 @@ def resolve_route(
     ranked for the environment its job runs in (the tier's switches are in torch's keys).
     """
     devices = None if body.devices is None else list(body.devices)
+    fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
     try:
         offer = None
         if body.remote_cache is not None:
             offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
         if offer is None:  # an old hook, or no tier here: the job runs as the hook sent it
             answer = storage.resolve(
-                fingerprint=body.fingerprint,
+                fingerprint=fingerprint,
                 workload=body.workload,
                 driver_policy=body.driver_policy,
                 devices=devices,
             )
         else:
             answer, switches = storage.resolve_for_job(
-                fingerprint=body.fingerprint,
+                fingerprint=fingerprint,
                 switches=offer.switches,
                 workload=body.workload,
                 driver_policy=body.driver_policy,

@@ -35,7 +35,7 @@ from cachekeeper.errors import (
     SnapshotNotFound,
     WorkloadNotFound,
 )
-from cachekeeper.fingerprint import DriverPolicy
+from cachekeeper.fingerprint import DriverPolicy, Fingerprint
 from cachekeeper.manifest import Manifest
 from cachekeeper.wire import (
     AgentInfo,
@@ -281,7 +281,7 @@ class Storage:
     def resolve(
         self,
         *,
-        fingerprint: dict[str, Any],
+        fingerprint: Fingerprint,
         workload: str | None,
         driver_policy: DriverPolicy = "newer",
         devices: list[str] | None = None,
@@ -309,7 +309,7 @@ class Storage:
     def resolve_for_job(
         self,
         *,
-        fingerprint: dict[str, Any],
+        fingerprint: Fingerprint,
         switches: Mapping[str, str],
         workload: str | None,
         driver_policy: DriverPolicy = "newer",
@@ -530,7 +530,7 @@ class Storage:
         with self.catalog.writing() as tx:
             return tx.add_job_report(report)
 
-    def fingerprint_of(self, fingerprint_digest: str) -> dict[str, Any] | None:
+    def fingerprint_of(self, fingerprint_digest: str) -> Fingerprint | None:
         """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
         return self.catalog.fingerprint_of(fingerprint_digest)
 

@@ -24,6 +24,8 @@ from datetime import datetime
 from html import escape
 from typing import Any
 
+from cachekeeper.fingerprint import Fingerprint
+
 from .storage import Storage
 
 __all__ = ["Cell", "Environment", "PageData", "page_data", "size_plot_svg", "STATES", "plain"]
@@ -62,7 +64,7 @@ class Environment:
     cuda: str
     driver: str
     gpu: str
-    fingerprint: dict[str, Any] | None
+    fingerprint: Fingerprint | None
     cpu: str = "-"  # threads and vector ISA: two hosts may differ only there (cachekeeper.cpu)
 
     @property
@@ -100,17 +102,20 @@ class PageData:
     now: datetime
 
 
-def environment_of(digest: str, fingerprint: dict[str, Any] | None) -> Environment:
-    fp = fingerprint or {}
+def environment_of(digest: str, fingerprint: Fingerprint | None) -> Environment:
+    """The column of ``fingerprint``: read with ``get`` and ``isinstance``, since the rows of
+    agents and snapshots an older server took were checked only as JSON objects."""
+    fp: Fingerprint = fingerprint or {}
     gpus = fp.get("gpus") or []
     names = sorted({str(g.get("name", "?")) for g in gpus if isinstance(g, dict)})
     gpu = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
-    raw = fp.get("cpu")
-    state: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    threads = state.get("threads")
+    state = fp.get("cpu")
+    if not isinstance(state, dict):  # schema 1 (or such a row)
+        state = None
+    threads = state.get("threads") if state else None
     cpu = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "threads ?"
-    if state.get("isa"):
-        cpu += f", {state['isa']}"
+    if state and state.get("isa"):
+        cpu += f", {state.get('isa')}"
     return Environment(
         digest=digest,
         torch=str(fp.get("torch") or "?"),
@@ -156,7 +161,7 @@ def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
     summaries = [plain(s) for s in storage.list_snapshots(limit=10_000)]
     by_id = {s["id"]: s for s in summaries}
     workload_rows = [plain(w) for w in storage.list_workloads()]
-    fingerprints: dict[str, dict[str, Any]] = {}
+    fingerprints: dict[str, Fingerprint] = {}
     for agent in agents:
         fingerprints.setdefault(agent["fingerprint_digest"], agent["fingerprint"])
     cells: dict[tuple[str, str], Cell] = {}
@@ -295,5 +300,5 @@ def human_bytes(n: int | None) -> str:
     return f"{value:.1f} TiB"
 
 
-def fingerprint_json(fingerprint: dict[str, Any] | None) -> str:
+def fingerprint_json(fingerprint: Fingerprint | None) -> str:
     return json.dumps(fingerprint, indent=2, sort_keys=True) if fingerprint else "(unknown)"

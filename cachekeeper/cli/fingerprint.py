@@ -4,7 +4,6 @@ does or does not suit this node, field by field)."""
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import click
 
@@ -23,6 +22,7 @@ from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fingerprint import (
     SCHEMA,
+    CpuState,
     collect,
     compare,
     describe_mismatch,
@@ -43,32 +43,30 @@ def fingerprint_cmd(as_json: bool) -> None:
     if as_json:
         emit_json({"digest": digest, "fingerprint": fp})
         return
-    gpus = ", ".join(
-        f"{g.get('index')}: {g.get('name')} (sm {g.get('capability')})" for g in fp.get("gpus", [])
-    )
-    wheels = ", ".join(f"{k} {v}" for k, v in (fp.get("cuda_wheels") or {}).items())
+    gpus = ", ".join(f"{g['index']}: {g['name']} (sm {g['capability']})" for g in fp["gpus"])
+    wheels = ", ".join(f"{k} {v}" for k, v in fp["cuda_wheels"].items())
     for label, value in (
-        ("torch", fp.get("torch")),
-        ("triton", fp.get("triton")),
-        ("cuda", fp.get("cuda")),
-        ("driver", fp.get("driver")),
+        ("torch", fp["torch"]),
+        ("triton", fp["triton"]),
+        ("cuda", fp["cuda"]),
+        ("driver", fp["driver"]),
         ("gpus", gpus or "none"),
         ("cuda wheels", wheels or "none"),
-        ("python", fp.get("python")),
-        ("arch", fp.get("arch")),
-        ("env", ", ".join(f"{k}={v}" for k, v in (fp.get("env") or {}).items()) or "none"),
+        ("python", fp["python"]),
+        ("arch", fp["arch"]),
+        ("env", ", ".join(f"{k}={v}" for k, v in fp["env"].items()) or "none"),
         ("cpu", _cpu_line(fp.get("cpu"))),
         ("digest", digest),
     ):
         click.echo(f"{label:<12} {value}")
 
 
-def _cpu_line(cpu: Any) -> str:
-    if not isinstance(cpu, dict):
+def _cpu_line(cpu: CpuState | None) -> str:
+    if cpu is None:
         return "not recorded"
-    isa = cpu.get("isa") or "no vector ISA"
-    cap = cpu.get("aten_cpu_capability")
-    return f"{cpu.get('threads')} threads ({cpu.get('threads_from')}), {isa}" + (
+    isa = cpu["isa"] or "no vector ISA"
+    cap = cpu["aten_cpu_capability"]
+    return f"{cpu['threads']} threads ({cpu['threads_from']}), {isa}" + (
         f", ATEN_CPU_CAPABILITY={cap}" if cap else ""
     )
 

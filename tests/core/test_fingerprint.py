@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import pytest
+
+from cachekeeper.errors import InvalidManifest
 from cachekeeper.fingerprint import (
+    CpuState,
+    Fingerprint,
+    Gpu,
     collect,
     compare,
     describe_mismatch,
     digest_of,
     format_mismatches,
     is_compatible,
+    parse,
+    with_cpu,
 )
 
 BASE = {
@@ -128,3 +137,81 @@ def test_the_tier_switches_in_torch_keys_are_recorded_and_its_url_and_other_swit
         "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE": "0",
     }
     assert "secret-token" not in json.dumps(fp)
+
+
+# -- the typed shape: parse ---------------------------------------------------------------
+
+NEWER = {
+    **BASE,
+    "schema": 9,
+    "gpus": [{"index": 0, "name": "H200", "capability": "9.0", "uuid": "GPU-1"}],
+    "cpu": {"threads": 4, "threads_from": "x", "isa": None, "aten_cpu_capability": None, "n": 1},
+    "compiler": {"cxx": "g++ 13"},
+}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [BASE, NEWER, {}, {"torch": "x"}, {"schema": 1}, {"x": {"y": [1, 2.5, None]}}],
+    ids=["schema-1", "newer", "empty", "torch-only", "schema-only", "unknown-only"],
+)
+def test_parse_takes_old_partial_and_newer_fingerprints_as_they_are(raw: dict) -> None:
+    sent = json.loads(json.dumps(raw))
+    parsed = parse(sent)
+    assert parsed is sent  # never copied or rebuilt: its digest is the one it came with
+    assert digest_of(parsed) == digest_of(raw)
+
+
+def test_this_machines_fingerprint_has_every_field_and_parses() -> None:
+    fp = collect()
+    assert set(fp) == set(Fingerprint.__annotations__)
+    assert parse(json.loads(json.dumps(fp))) == fp
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ([], "fingerprint is not an object"),
+        ({"torch": 2.11}, "fingerprint field torch: expected a string or null, got float"),
+        ({"schema": "2"}, "fingerprint field schema: expected an integer, got str"),
+        ({"schema": True}, "fingerprint field schema: expected an integer, got bool"),
+        ({"gpus": None}, "fingerprint field gpus: expected a list, got null"),
+        ({"gpus": {"0": "H200"}}, "fingerprint field gpus: expected a list, got dict"),
+        (
+            {"gpus": [BASE["gpus"][0], {"index": "1", "name": "H200", "capability": "9.0"}]},
+            "fingerprint field gpus[1].index: expected an integer, got str",
+        ),
+        ({"gpus": [{"index": 0, "capability": "9.0"}]}, "fingerprint field gpus[0].name: missing"),
+        ({"gpus": ["H200"]}, "fingerprint field gpus[0]: expected an object, got str"),
+        ({"env": {"TORCHINDUCTOR_MAX_AUTOTUNE": 1}}, "env.TORCHINDUCTOR_MAX_AUTOTUNE: expected a"),
+        ({"cuda_wheels": ["nvidia-cublas"]}, "cuda_wheels: expected an object, got list"),
+        ({"cpu": None}, "fingerprint field cpu: expected an object, got null"),
+        ({"cpu": {**NEWER["cpu"], "threads": "4"}}, "cpu.threads: expected an integer, got str"),
+        ({"cpu": {"threads": 4}}, "fingerprint field cpu.threads_from: missing"),
+    ],
+)
+def test_parse_names_the_bad_field(raw: object, named: str) -> None:
+    with pytest.raises(InvalidManifest, match=re.escape(named)):
+        parse(raw)
+
+
+def test_parse_checks_every_field_the_shape_declares() -> None:
+    # a value no field may hold, in each declared field: refused, naming that field
+    for field in Fingerprint.__annotations__:
+        with pytest.raises(InvalidManifest, match=f"field {field}: expected"):
+            parse({field: 1.5})
+    for field in Gpu.__annotations__:
+        gpu = {**BASE["gpus"][0], field: 1.5}
+        with pytest.raises(InvalidManifest, match=re.escape(f"field gpus[0].{field}: expected")):
+            parse({"gpus": [gpu]})
+    for field in CpuState.__annotations__:
+        state = {**NEWER["cpu"], field: 1.5}
+        with pytest.raises(InvalidManifest, match=f"field cpu.{field}: expected"):
+            parse({"cpu": state})
+
+
+def test_with_cpu_is_a_new_fingerprint_with_that_state() -> None:
+    state = {"threads": 1, "threads_from": "OMP_NUM_THREADS=1", "isa": None}
+    state["aten_cpu_capability"] = None
+    variant = with_cpu(BASE, state)
+    assert variant == {**BASE, "cpu": state} and "cpu" not in BASE  # BASE itself unchanged

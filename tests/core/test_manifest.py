@@ -86,3 +86,14 @@ def test_files_are_sorted_and_verified_flag() -> None:
     assert [f.path for f in m.files] == ["a", "b"]
     assert m.verified and m.digests == {D} and m.size_bytes == 2
     assert json.loads(m.to_json())["files"][0]["path"] == "a"
+
+
+def test_the_fingerprint_is_parsed_naming_a_bad_field_and_kept_as_sent() -> None:
+    with pytest.raises(InvalidManifest, match="manifest 'fingerprint' is not an object"):
+        Manifest.from_dict(raw(fingerprint=["torch"]))
+    bad = {"torch": "t", "cpu": {"threads": 2, "threads_from": "x", "isa": 5}}
+    with pytest.raises(InvalidManifest, match=r"'fingerprint' field cpu\.isa: expected a string"):
+        Manifest.from_dict(raw(fingerprint=bad))
+    newer = {"torch": "t", "schema": 7, "compiler": {"cxx": "g++"}}  # a newer cachekeeper's
+    m = Manifest.from_dict(raw(fingerprint=newer))
+    assert m.fingerprint == newer and Manifest.from_json(m.to_json()).id == m.id

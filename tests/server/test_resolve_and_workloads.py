@@ -104,3 +104,38 @@ def test_workload_routes(client: httpx.Client) -> None:
     assert client.delete("/v1/workloads/drafter-gqa").status_code == 204
     gone = client.get("/v1/workloads/drafter-gqa")
     assert gone.status_code == 404 and gone.json()["error"] == "workload_not_found"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"gpus": "NVIDIA H200"}, "fingerprint field gpus: expected a list, got str"),
+        ({"gpus": [{"index": "0", "name": "H200", "capability": "9.0"}]}, "gpus[0].index"),
+        ({"cpu": {"threads": "2"}}, "fingerprint field cpu.threads: expected an integer"),
+        ({"driver": 580}, "fingerprint field driver: expected a string or null, got int"),
+    ],
+)
+def test_a_malformed_fingerprint_is_refused_naming_the_field(
+    client: httpx.Client, change: dict, named: str
+) -> None:
+    manifest, blobs = make_snapshot({"a.bin": b"bad-fingerprint"}, workload="bad-fp")
+    assert push(client, manifest, blobs).status_code in (200, 201)  # one per session
+    r = client.post("/v1/resolve", json={"fingerprint": FINGERPRINT | change, "workload": "bad-fp"})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_manifest", r.text
+    assert named in r.json()["detail"]
+
+
+def test_a_manifest_with_a_malformed_fingerprint_is_refused_and_resolve_stays_whole(
+    client: httpx.Client,
+) -> None:
+    # Before the typed fingerprint the server stored it, and every resolve of its workload
+    # then failed ("'str' object has no attribute 'get'"), whatever node asked.
+    bad = dict(FINGERPRINT, gpus="NVIDIA H200")
+    manifest, blobs = make_snapshot({"a.bin": b"poisoned"}, workload="poison", fingerprint=bad)
+    r = push(client, manifest, blobs)
+    assert r.status_code == 422 and r.json()["error"] == "invalid_manifest", r.text
+    assert "manifest 'fingerprint' field gpus: expected a list, got str" in r.json()["detail"]
+    assert client.get(f"/v1/snapshots/{manifest.id}/manifest").status_code == 404
+    good, blobs = make_snapshot({"a.bin": b"healthy"}, workload="poison")
+    assert push(client, good, blobs).status_code in (200, 201)
+    assert _resolve(client, FINGERPRINT, "poison")["snapshot"]["id"] == good.id

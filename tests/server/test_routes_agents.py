@@ -90,6 +90,12 @@ def test_bad_registrations_and_unknown_agents_are_refused(fresh_server) -> None:
         assert "not the digest" in r.json()["detail"]
         r = c.post("/v1/agents", json={"name": "../x", "fingerprint": FINGERPRINT})
         assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+        # a malformed fingerprint is refused naming its field, and registers nothing
+        bad_fp = dict(FINGERPRINT, gpus=[{"index": 0, "name": "NVIDIA H200"}])
+        r = c.post("/v1/agents", json={"name": "b", "fingerprint": bad_fp})
+        assert r.status_code == 422 and r.json()["error"] == "invalid_manifest"
+        assert r.json()["detail"] == "fingerprint field gpus[0].capability: missing"
+        assert c.get("/v1/agents").json()["agents"] == []
         for path in ("/v1/agents/0123456789abcdef/heartbeat", "/v1/agents/0123456789abcdef/events"):
             body = {"workload": "w", "fingerprint_digest": "a" * 64, "status": "built"}
             r = c.post(path, json=body)
