@@ -154,7 +154,13 @@ def test_a_stalled_store_answers_nil_and_ok_within_the_bound(tmp_path: Path, rel
     saved = {k: os.environ.get(k) for k in moto.env}
     os.environ.update(moto.env)
     try:
-        handle = _live(tmp_path, blob_store=moto.new_bucket(), remote_cache_get_timeout_s=0.5)
+        # No hot-value memory: this GET has to reach the store, or the stall is never seen.
+        handle = _live(
+            tmp_path,
+            blob_store=moto.new_bucket(),
+            remote_cache_get_timeout_s=0.5,
+            remote_cache_memory_bytes=0,
+        )
         try:
             # The tier holds a value for the first compile, so its GET has to reach the store.
             primer = finish(
