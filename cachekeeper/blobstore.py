@@ -28,7 +28,7 @@ from typing import BinaryIO, Protocol
 import zstandard
 
 from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
-from cachekeeper.manifest import is_digest
+from cachekeeper.integrity import is_digest
 
 __all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES", "copy_verified"]
 

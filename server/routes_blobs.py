@@ -23,6 +23,7 @@ from cachekeeper.errors import (
     ServerUnavailable,
     UnsupportedEncoding,
 )
+from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
 from .auth import ReadScope, WriteScope, covers
@@ -35,7 +36,7 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
 
-Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="lowercase sha256 hex")]
+Digest = Annotated[str, Path(pattern=DIGEST_PATTERN, description="lowercase sha256 hex")]
 _READ_BYTES = 1 << 20
 _END, _ABORT = object(), object()
 

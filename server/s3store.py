@@ -43,7 +43,7 @@ from cachekeeper.errors import (
     DigestMismatch,
     SnapshotNotFound,
 )
-from cachekeeper.manifest import is_digest
+from cachekeeper.integrity import is_digest
 
 __all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
 
