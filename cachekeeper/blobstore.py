@@ -28,7 +28,7 @@ from typing import BinaryIO, Protocol
 import zstandard
 
 from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
-from cachekeeper.integrity import is_digest
+from cachekeeper.integrity import is_digest, require_digest
 
 __all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES", "copy_verified"]
 
@@ -114,8 +114,7 @@ class LocalBlobStore:
         self.level = level
 
     def path_for(self, digest: str) -> Path:
-        if not is_digest(digest):
-            raise DigestMismatch(f"{digest!r} is not a sha256 hex digest")
+        require_digest(digest)
         return self.root / digest[:2] / digest[2:4] / f"{digest}.zst"
 
     def has(self, digest: str) -> bool:

@@ -40,10 +40,8 @@ from cachekeeper.blobstore import BlobStat, PutResult, copy_verified
 from cachekeeper.errors import (
     BlobMissing,
     ConfigInvalid,
-    DigestMismatch,
-    SnapshotNotFound,
 )
-from cachekeeper.integrity import is_digest
+from cachekeeper.integrity import is_digest, require_digest
 
 __all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
 
@@ -114,13 +112,10 @@ class S3BlobStore:
 
     # -- keys -------------------------------------------------------------------------
     def key_for(self, digest: str) -> str:
-        if not is_digest(digest):
-            raise DigestMismatch(f"{digest!r} is not a sha256 hex digest")
-        return f"{self.location.prefix}blobs/{digest}"
+        return f"{self.location.prefix}blobs/{require_digest(digest)}"
 
     def archive_key(self, snapshot_id: str) -> str:
-        if not is_digest(snapshot_id):
-            raise SnapshotNotFound(f"{snapshot_id!r} is not a snapshot id")
+        require_digest(snapshot_id, what="snapshot id")
         return f"{self.location.prefix}archives/{snapshot_id}.tar.zst"
 
     # -- BlobBackend ------------------------------------------------------------------
