@@ -15,22 +15,21 @@ point leaves at most a temp file, which ``sweep_temp`` removes.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 import zstandard
 
-from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
-from cachekeeper.integrity import is_digest, require_digest
+from cachekeeper.errors import BlobMissing, InsufficientStorage
+from cachekeeper.integrity import copy_verified, is_digest, require_digest
 
-__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES", "copy_verified"]
+__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 1 << 20
 
@@ -48,39 +47,6 @@ class BlobStat:
     digest: str
     stored_bytes: int  # as stored (zstd)
     modified_at: float  # UTC, seconds since the epoch
-
-
-def copy_verified(
-    chunks: Iterable[bytes],
-    write: Callable[[bytes], object],
-    *,
-    digest: str,
-    size_bytes: int | None = None,
-) -> int:
-    """Pass ``chunks`` to ``write`` while hashing them; their length, once they are exactly
-    the blob ``digest`` names (and ``size_bytes`` long, when declared).
-
-    The one check every blob backend makes before a blob becomes visible. Raises
-    BlobTooLarge as soon as more than ``size_bytes`` arrive, DigestMismatch when the bytes
-    hash to another digest or are shorter than declared; the caller then stores nothing.
-    """
-    hasher = hashlib.sha256()
-    total = 0
-    for chunk in chunks:
-        total += len(chunk)
-        if size_bytes is not None and total > size_bytes:
-            raise BlobTooLarge(f"blob {digest} is larger than its declared {size_bytes} bytes")
-        hasher.update(chunk)
-        write(chunk)
-    actual = hasher.hexdigest()
-    if actual != digest:
-        raise DigestMismatch(
-            f"blob content hashes to {actual}, not {digest}",
-            extra={"expected": digest, "actual": actual},
-        )
-    if size_bytes is not None and total != size_bytes:
-        raise DigestMismatch(f"blob {digest} is {total} bytes, declared {size_bytes}")
-    return total
 
 
 class BlobStore(Protocol):

@@ -1,4 +1,4 @@
-"""The one integrity check: what a digest looks like.
+"""The one integrity check: what a digest looks like, and bytes checked against one.
 
 Every blob is named by the sha256 of its uncompressed bytes, written as 64 lowercase hex
 characters (``DIGEST_PATTERN``; snapshot ids are digests too). The wire shapes, the
@@ -7,16 +7,35 @@ that is not one is refused with ``InvalidDigest`` (``require_digest``) before an
 looked up or written: a malformed name is a bad request, never ``DigestMismatch``, which
 means bytes that hash to another digest than the one they came with.
 
+Bytes are checked against a digest and, when one is declared, a size by one
+``BlobCheck``: it hashes them as they pass, refuses more than the declared size the moment
+they pass it (``BlobTooLarge``: a decompression bomb stops there), and at the end refuses
+bytes of another length or another hash (``DigestMismatch``, with ``expected`` and
+``actual``). Nothing is visible before the check passed: every caller writes to a temp
+file or a spool first. The callers:
+
+- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``).
+
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from cachekeeper.errors import InvalidDigest
+from cachekeeper.errors import BlobTooLarge, DigestMismatch, InvalidDigest
 
-__all__ = ["DIGEST_PATTERN", "is_digest", "require_digest"]
+__all__ = [
+    "DIGEST_PATTERN",
+    "BlobCheck",
+    "copy_verified",
+    "is_digest",
+    "refuse_oversize",
+    "require_digest",
+]
 
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"  # lowercase sha256 hex: the wire's and the routes' too
 _DIGEST_RE = re.compile(DIGEST_PATTERN)
@@ -32,3 +51,80 @@ def require_digest(value: object, *, what: str = "blob digest") -> str:
     if not isinstance(value, str) or not is_digest(value):
         raise InvalidDigest(f"{value!r} is not a {what} (64 lowercase hex characters of a sha256)")
     return value
+
+
+def refuse_oversize(
+    n: int, *, size_bytes: int, name: str, extra: Mapping[str, Any] | None = None
+) -> None:
+    """BlobTooLarge when ``n`` bytes are more than the declared ``size_bytes``."""
+    if n > size_bytes:
+        raise BlobTooLarge(
+            f"{name} is larger than its declared {size_bytes} bytes", extra=dict(extra or {})
+        )
+
+
+class BlobCheck:
+    """Bytes checked against ``digest`` (and ``size_bytes`` when declared) as they pass.
+
+    ``update`` each chunk (BlobTooLarge as soon as more than ``size_bytes`` passed), then
+    ``finish`` (DigestMismatch when the bytes are of another length or hash). ``name``
+    says what the bytes are in the errors (default ``blob <digest>``); ``extra`` goes into
+    both errors (the restore writer adds the file's path).
+    """
+
+    def __init__(
+        self,
+        *,
+        digest: str,
+        size_bytes: int | None = None,
+        name: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.digest = digest
+        self.size_bytes = size_bytes
+        self.name = name or f"blob {digest}"
+        self.extra = dict(extra or {})
+        self.total_bytes = 0
+        self._hasher = hashlib.sha256()
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        self.total_bytes += len(chunk)
+        if self.size_bytes is not None:
+            refuse_oversize(
+                self.total_bytes, size_bytes=self.size_bytes, name=self.name, extra=self.extra
+            )
+        self._hasher.update(chunk)
+
+    def finish(self) -> int:
+        """The number of bytes, once they are exactly the ones declared."""
+        actual = self._hasher.hexdigest()
+        declared = "" if self.size_bytes is None else f"{self.size_bytes} "
+        if actual != self.digest or (
+            self.size_bytes is not None and self.total_bytes != self.size_bytes
+        ):
+            raise DigestMismatch(
+                f"{self.name} does not match its digest: {self.total_bytes} bytes hashing to"
+                f" {actual}, expected {declared}bytes hashing to {self.digest}",
+                extra={**self.extra, "expected": self.digest, "actual": actual},
+            )
+        return self.total_bytes
+
+
+def copy_verified(
+    chunks: Iterable[bytes],
+    write: Callable[[bytes], object],
+    *,
+    digest: str,
+    size_bytes: int | None = None,
+) -> int:
+    """Pass ``chunks`` to ``write`` while checking them (``BlobCheck``); their length, once
+    they are exactly the blob ``digest`` names.
+
+    The check every blob backend's ``put`` makes before a blob becomes visible: on an
+    error the caller stores nothing (what ``write`` wrote is a temp file or a spool).
+    """
+    check = BlobCheck(digest=digest, size_bytes=size_bytes)
+    for chunk in chunks:
+        check.update(chunk)
+        write(chunk)
+    return check.finish()

@@ -36,12 +36,12 @@ import zstandard
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from cachekeeper.blobstore import BlobStat, PutResult, copy_verified
+from cachekeeper.blobstore import BlobStat, PutResult
 from cachekeeper.errors import (
     BlobMissing,
     ConfigInvalid,
 )
-from cachekeeper.integrity import is_digest, require_digest
+from cachekeeper.integrity import copy_verified, is_digest, require_digest
 
 __all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
 
