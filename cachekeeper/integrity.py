@@ -14,7 +14,10 @@ bytes of another length or another hash (``DigestMismatch``, with ``expected`` a
 ``actual``). Nothing is visible before the check passed: every caller writes to a temp
 file or a spool first. The callers:
 
-- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``).
+- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``);
+- ``BlobCheck``, ``verify_bytes`` and ``refuse_oversize``: the restore writer
+  (``cachekeeper.restore_writer``), which counts a small blob's bytes as it reads them and
+  hashes them in its thread pool.
 
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).
 """
@@ -35,6 +38,7 @@ __all__ = [
     "is_digest",
     "refuse_oversize",
     "require_digest",
+    "verify_bytes",
 ]
 
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"  # lowercase sha256 hex: the wire's and the routes' too
@@ -108,6 +112,20 @@ class BlobCheck:
                 extra={**self.extra, "expected": self.digest, "actual": actual},
             )
         return self.total_bytes
+
+
+def verify_bytes(
+    data: bytes,
+    *,
+    digest: str,
+    size_bytes: int | None = None,
+    name: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """``BlobCheck`` of bytes already in memory."""
+    check = BlobCheck(digest=digest, size_bytes=size_bytes, name=name, extra=extra)
+    check.update(data)
+    check.finish()
 
 
 def copy_verified(
