@@ -17,7 +17,8 @@ file or a spool first. The callers:
 - ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``);
 - ``BlobCheck``, ``verify_bytes`` and ``refuse_oversize``: the restore writer
   (``cachekeeper.restore_writer``), which counts a small blob's bytes as it reads them and
-  hashes them in its thread pool.
+  hashes them in its thread pool;
+- ``HashingReader``: a blob read back from the object store at publish (``server.packing``).
 
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).
 """
@@ -25,15 +26,17 @@ Stdlib only and light: the hook's modules import it (through ``cachekeeper.manif
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from cachekeeper.errors import BlobTooLarge, DigestMismatch, InvalidDigest
 
 __all__ = [
     "DIGEST_PATTERN",
     "BlobCheck",
+    "HashingReader",
     "copy_verified",
     "is_digest",
     "refuse_oversize",
@@ -146,3 +149,56 @@ def copy_verified(
         check.update(chunk)
         write(chunk)
     return check.finish()
+
+
+class HashingReader(io.RawIOBase):
+    """``body`` read through a ``BlobCheck`` of exactly ``size_bytes``; ``check()`` once read.
+
+    A read past ``size_bytes``, or an end of ``body`` before it, fails at once (a reader
+    such as a zstd compressor told the size never sees other bytes). ``refuse`` turns the
+    check's error into the caller's own (publish: ``server.packing``'s ``BlobMissing``).
+    """
+
+    def __init__(
+        self,
+        body: BinaryIO,
+        *,
+        digest: str,
+        size_bytes: int,
+        name: str | None = None,
+        refuse: Callable[[DigestMismatch], Exception] | None = None,
+    ) -> None:
+        super().__init__()
+        self._body = body
+        self._check = BlobCheck(digest=digest, size_bytes=size_bytes, name=name)
+        self._refuse = refuse
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._body.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        try:
+            self._check.update(data)
+            if not n and len(buffer) and self._check.total_bytes < (self._check.size_bytes or 0):
+                self._check.finish()  # the body ended early: fails here
+        except DigestMismatch as exc:
+            if self._refuse is None:
+                raise
+            raise self._refuse(exc) from exc
+        return n
+
+    def check(self) -> None:
+        """Fail unless every byte was read and they are the ones ``digest`` names."""
+        try:
+            self._check.finish()
+        except DigestMismatch as exc:
+            if self._refuse is None:
+                raise
+            raise self._refuse(exc) from exc
+
+    def close(self) -> None:
+        self._body.close()
+        super().close()
