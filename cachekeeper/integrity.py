@@ -18,7 +18,11 @@ file or a spool first. The callers:
 - ``BlobCheck``, ``verify_bytes`` and ``refuse_oversize``: the restore writer
   (``cachekeeper.restore_writer``), which counts a small blob's bytes as it reads them and
   hashes them in its thread pool;
-- ``HashingReader``: a blob read back from the object store at publish (``server.packing``).
+- ``HashingReader``: a blob read back from the object store at publish (``server.packing``);
+- ``refuse_oversize``: a restore source whose member declares more bytes than the
+  manifest (``cachekeeper.restore_sources``), before a byte of it is read;
+- ``digest_of``: the sha256 of bytes in memory (the per-key tier's values, ``server.tier``,
+  named by it when stored and checked against it when read).
 
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).
 """
@@ -38,6 +42,7 @@ __all__ = [
     "BlobCheck",
     "HashingReader",
     "copy_verified",
+    "digest_of",
     "is_digest",
     "refuse_oversize",
     "require_digest",
@@ -58,6 +63,11 @@ def require_digest(value: object, *, what: str = "blob digest") -> str:
     if not isinstance(value, str) or not is_digest(value):
         raise InvalidDigest(f"{value!r} is not a {what} (64 lowercase hex characters of a sha256)")
     return value
+
+
+def digest_of(data: bytes) -> str:
+    """The sha256 hex of ``data``."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def refuse_oversize(

@@ -25,7 +25,6 @@ and is dropped.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import Any
 
 from cachekeeper import remote_tier
 from cachekeeper.errors import BlobMissing
+from cachekeeper.integrity import digest_of
 from cachekeeper.wire import RemoteCacheOffer, utc_now
 
 from .catalog import Catalog
@@ -157,7 +157,7 @@ class TierStore:
         except BlobMissing:
             self._drop_dangling(key, entry.digest)
             return None
-        if hashlib.sha256(value).hexdigest() != entry.digest:
+        if digest_of(value) != entry.digest:
             return None  # never hand torch bytes that are not what was written
         with self._uses_lock:
             self._uses[key] = utc_now()
@@ -167,7 +167,7 @@ class TierStore:
         """Store ``value`` under ``key`` (a later put of a key replaces it), then evict."""
         if len(value) > self.max_value_bytes:
             return TierPut(stored=False, reason="too_large")
-        digest = hashlib.sha256(value).hexdigest()
+        digest = digest_of(value)
         stat = self.blobs.stat(digest)
         if stat is None:
             self.blobs.put([value], digest=digest, size_bytes=len(value))
