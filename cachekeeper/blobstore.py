@@ -27,11 +27,9 @@ from typing import BinaryIO, Protocol
 import zstandard
 
 from cachekeeper.errors import BlobMissing, InsufficientStorage
-from cachekeeper.integrity import copy_verified, is_digest, require_digest
+from cachekeeper.integrity import CHUNK_BYTES, copy_verified, is_digest, require_digest
 
-__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES"]
-
-CHUNK_BYTES = 1 << 20
+__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult"]
 
 
 @dataclass(frozen=True)

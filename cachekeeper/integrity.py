@@ -21,7 +21,8 @@ file or a spool first. The callers:
 - ``HashingReader``: a blob read back from the object store at publish (``server.packing``);
 - ``refuse_oversize``: a restore source whose member declares more bytes than the
   manifest (``cachekeeper.restore_sources``), before a byte of it is read;
-- ``digest_of``: the sha256 of bytes in memory (the per-key tier's values, ``server.tier``,
+- ``hash_file`` and ``digest_of``: the sha256 of a file (a snapshot's files, a restored
+  file found in place) or of bytes in memory (the per-key tier's values, ``server.tier``,
   named by it when stored and checked against it when read).
 
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).
@@ -33,22 +34,26 @@ import hashlib
 import io
 import re
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from cachekeeper.errors import BlobTooLarge, DigestMismatch, InvalidDigest
 
 __all__ = [
+    "CHUNK_BYTES",
     "DIGEST_PATTERN",
     "BlobCheck",
     "HashingReader",
     "copy_verified",
     "digest_of",
+    "hash_file",
     "is_digest",
     "refuse_oversize",
     "require_digest",
     "verify_bytes",
 ]
 
+CHUNK_BYTES = 1 << 20  # what one read of a file or a blob takes
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"  # lowercase sha256 hex: the wire's and the routes' too
 _DIGEST_RE = re.compile(DIGEST_PATTERN)
 
@@ -63,6 +68,17 @@ def require_digest(value: object, *, what: str = "blob digest") -> str:
     if not isinstance(value, str) or not is_digest(value):
         raise InvalidDigest(f"{value!r} is not a {what} (64 lowercase hex characters of a sha256)")
     return value
+
+
+def hash_file(path: Path) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, read in ``CHUNK_BYTES`` chunks."""
+    hasher = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            hasher.update(chunk)
+            size += len(chunk)
+    return hasher.hexdigest(), size
 
 
 def digest_of(data: bytes) -> str:
