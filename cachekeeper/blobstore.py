@@ -1,5 +1,9 @@
 """Content-addressed blob storage on local disk, shared by the local store and the server.
 
+``LocalBlobStore`` is the server's default blob backend (``server/backend.py``'s
+``BlobBackend``, a protocol it meets without importing the server) and the local store's
+(``cachekeeper.store``) blob folder.
+
 Layout (``root`` is ``$CACHEKEEPER_HOME/blobs`` locally, ``<data>/blobs`` on the server)::
 
     root/
@@ -22,14 +26,14 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 
 import zstandard
 
 from cachekeeper.errors import BlobMissing, InsufficientStorage
 from cachekeeper.integrity import CHUNK_BYTES, copy_verified, is_digest, require_digest
 
-__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult"]
+__all__ = ["BlobStat", "LocalBlobStore", "PutResult"]
 
 
 @dataclass(frozen=True)
@@ -47,31 +51,8 @@ class BlobStat:
     modified_at: float  # UTC, seconds since the epoch
 
 
-class BlobStore(Protocol):
-    """What the routes and the restore code need of blob storage; backends implement it."""
-
-    def has(self, digest: str) -> bool: ...
-
-    def size(self, digest: str) -> int | None:
-        """Stored (compressed) size in bytes, or None when absent."""
-
-    def open(self, digest: str) -> BinaryIO:
-        """The blob's uncompressed bytes; raises BlobMissing."""
-
-    def open_raw(self, digest: str) -> BinaryIO:
-        """The blob's bytes as stored (a zstd frame); raises BlobMissing."""
-
-    def put(
-        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
-    ) -> PutResult: ...
-
-    def delete(self, digest: str) -> bool: ...
-
-    def digests(self) -> Iterator[str]: ...
-
-
 class LocalBlobStore:
-    """Blobs on a local filesystem, sharded by digest prefix, zstd at rest."""
+    """Blobs on a local filesystem, sharded by digest prefix, zstd at rest; no direct access."""
 
     def __init__(self, root: str | os.PathLike[str], *, level: int = 3) -> None:
         self.root = Path(root)
@@ -99,8 +80,8 @@ class LocalBlobStore:
             if found is not None:
                 yield found
 
-    def presigned_url(self, digest: str, *, method: str = "GET", expires_s: int = 900) -> None:
-        """A local directory has no URL of its own: clients go through the server."""
+    def direct_access(self) -> None:
+        """A local directory has no URL of its own: nodes go through the server."""
         return None
 
     def size(self, digest: str) -> int | None:

@@ -47,13 +47,14 @@ from . import (
     routes_ui,
     routes_workloads,
 )
+from .backend import BlobBackend
 from .catalog import Catalog
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
 from .s3store import S3BlobStore
 from .settings import Settings
-from .storage import BlobBackend, Storage
+from .storage import Storage
 from .tier import TierStore
 
 __all__ = ["create_app", "open_storage", "open_tier"]

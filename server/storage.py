@@ -1,10 +1,9 @@
 """The one storage interface the routes use: ``Storage``.
 
 ``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
-``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (the local directory,
-``cachekeeper.blobstore.LocalBlobStore``, by default; an S3-compatible backend implements
-the same protocol). ``create_app`` (``server/app.py``) is the one place that picks the
-backend. What this module adds on top: the upload size limit, publishing a manifest, and
+``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (``server/backend.py``:
+the local directory by default, or the object store). ``create_app`` (``server/app.py``) is
+the one place that picks the backend. What this module adds on top: the upload size limit, publishing a manifest, and
 GC as plan -> execute (which evicts LRU snapshots down to the hard cap; uploads never
 evict, see ``limits.StoreRoom``). Routes call one
 method each and never see the catalog or the backend.
@@ -22,10 +21,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 from cachekeeper import remote_tier
-from cachekeeper.blobstore import BlobStat, PutResult
+from cachekeeper.blobstore import PutResult
 from cachekeeper.errors import (
     AgentNotFound,
     BlobMissing,
@@ -50,6 +49,7 @@ from cachekeeper.wire import (
 )
 
 from .archive import archive_chunks
+from .backend import BlobBackend
 from .catalog import Catalog
 from .fleet import fleet_status
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
@@ -58,38 +58,7 @@ from .resolver import miss_reason, rank, unknown_workload
 from .s3store import S3BlobStore, checksum_b64
 from .settings import Settings
 
-__all__ = ["BlobBackend", "CheckReport", "GcPlan", "Storage", "StoredBlob", "limit_size"]
-
-
-class BlobBackend(Protocol):
-    """Where blob bytes live. ``LocalBlobStore`` implements it; an S3 backend will too.
-
-    Blobs are named by the sha256 of their uncompressed bytes and stored as one zstd
-    frame each. ``put`` verifies the digest while streaming and makes the blob visible
-    only when complete; ``stat`` and ``scan`` give the stored size and age (what GC's
-    grace period is measured on); ``presigned_url`` is a URL a client may use directly
-    instead of the server (None when the backend has none, as the local directory).
-    """
-
-    def put(
-        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
-    ) -> PutResult: ...
-
-    def open(self, digest: str) -> BinaryIO:
-        """The uncompressed bytes; raises BlobMissing."""
-
-    def open_raw(self, digest: str) -> BinaryIO:
-        """The bytes as stored (one zstd frame); raises BlobMissing."""
-
-    def stat(self, digest: str) -> BlobStat | None: ...
-
-    def delete(self, digest: str) -> bool: ...
-
-    def scan(self) -> Iterator[BlobStat]: ...
-
-    def presigned_url(
-        self, digest: str, *, method: str = "GET", expires_s: int = 900
-    ) -> str | None: ...
+__all__ = ["CheckReport", "GcPlan", "Storage", "StoredBlob", "limit_size"]
 
 
 def limit_size(chunks: Iterable[bytes], *, max_bytes: int, what: str) -> Iterator[bytes]:

@@ -37,10 +37,10 @@ from cachekeeper.errors import BlobMissing
 from cachekeeper.integrity import digest_of
 from cachekeeper.wire import RemoteCacheOffer, utc_now
 
+from .backend import BlobBackend
 from .catalog import Catalog
 from .metrics import Metrics
 from .settings import Settings
-from .storage import BlobBackend
 
 __all__ = [
     "EVICT_BATCH",
