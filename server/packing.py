@@ -1,7 +1,8 @@
 """Publish into an object store: read every blob back, hash it, write the archive object.
 
-With the S3 backend, nodes upload blobs straight to the store (presigned PUTs) and
-download one archive object per snapshot (a presigned GET). The store may or may not have
+With a backend nodes reach directly (``server/backend.py``'s ``DirectAccess``: the S3
+one), nodes upload blobs straight to the store (presigned PUTs) and download one archive
+object per snapshot (a presigned GET). The store may or may not have
 checked a PUT's ``x-amz-checksum-sha256`` (moto does not), so the server checks here, at
 publish, before any row names the snapshot: ``pack_snapshot`` builds the snapshot's archive
 (the one format, ``cachekeeper.archive``, through ``server.archive.archive_chunks``) from the
@@ -58,8 +59,8 @@ from cachekeeper.integrity import HashingReader
 from cachekeeper.manifest import Manifest
 
 from .archive import SPLICE_MIN_BYTES, archive_chunks
+from .backend import DirectAccess
 from .catalog import Transaction
-from .s3store import S3BlobStore
 
 __all__ = [
     "INLINE_MAX_BYTES",
@@ -134,7 +135,7 @@ def _corrupt(digest: str, exc: DigestMismatch) -> BlobMissing:
     )
 
 
-def _fetch(store: S3BlobStore, digest: str, size_bytes: int) -> tuple[bytes, float]:
+def _fetch(store: DirectAccess, digest: str, size_bytes: int) -> tuple[bytes, float]:
     """One whole blob from the store, checked (as its zstd frame when the archive splices
     it), and its object's last-modified time."""
     body, modified_at = store.open_dated(digest)
@@ -153,7 +154,9 @@ class _PrefetchingSource:
     ``PREFETCH_BYTES`` of them unread); larger ones are streamed when the writer gets there.
     """
 
-    def __init__(self, store: S3BlobStore, sizes: dict[str, int], pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, store: DirectAccess, sizes: dict[str, int], pool: ThreadPoolExecutor
+    ) -> None:
         self._store = store
         self._sizes = sizes
         self._pool = pool
@@ -211,7 +214,7 @@ class _PrefetchingSource:
 
 
 def pack_snapshot(
-    store: S3BlobStore,
+    store: DirectAccess,
     manifest: Manifest,
     *,
     tmp_dir: Path,
@@ -253,7 +256,7 @@ def pack_snapshot(
     return Packed(manifest.id, archive_bytes, sizes, source.modified_at, archive_etag=etag)
 
 
-def record_checked(tx: Transaction, store: S3BlobStore, packed: Packed, *, grace_s: float) -> None:
+def record_checked(tx: Transaction, store: DirectAccess, packed: Packed, *, grace_s: float) -> None:
     """Rows for blobs a node uploaded to the object store, checked by ``pack_snapshot``.
 
     Called under the catalog's write lock (``tx``). GC deletes an object that has no row
@@ -285,7 +288,7 @@ def record_checked(tx: Transaction, store: S3BlobStore, packed: Packed, *, grace
 
 
 def _all_missing(
-    store: S3BlobStore, sizes: dict[str, int], manifest: Manifest, first: BlobMissing
+    store: DirectAccess, sizes: dict[str, int], manifest: Manifest, first: BlobMissing
 ) -> BlobMissing:
     """``first`` (a blob that failed) with every other blob absent or of the wrong size."""
     found = store.stat_many(sizes)

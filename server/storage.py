@@ -49,13 +49,12 @@ from cachekeeper.wire import (
 )
 
 from .archive import archive_chunks
-from .backend import BlobBackend
+from .backend import BlobBackend, DirectAccess
 from .catalog import Catalog
 from .fleet import fleet_status
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts
 from .resolver import miss_reason, rank, unknown_workload
-from .s3store import S3BlobStore, checksum_b64
 from .settings import Settings
 
 __all__ = ["CheckReport", "GcPlan", "Storage", "StoredBlob", "limit_size"]
@@ -114,6 +113,8 @@ class Storage:
         self.settings = settings
         self.catalog = catalog
         self.blobs = blobs
+        # Asked once: the object store's URLs and archive objects, None for a local dir.
+        self.direct: DirectAccess | None = blobs.direct_access()
         self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
         self.packs = 0  # archive objects packed by publish since start (for /metrics)
         self._publishing = SnapshotLocks()  # one publish of a snapshot at a time (packing.py)
@@ -127,28 +128,18 @@ class Storage:
         return [d for d in wanted if d not in present or self.blobs.stat(d) is None]
 
     def upload_targets(self, digests: Iterable[str]) -> list[Upload]:
-        """Presigned PUTs for ``digests`` when blobs live in an object store; else none.
-
-        Each carries the blob's sha256 as ``x-amz-checksum-sha256`` (signed into the URL:
-        a store that checks it refuses other bytes); publish hashes them again regardless.
-        """
-        if not isinstance(self.blobs, S3BlobStore):
+        """Where nodes PUT ``digests`` themselves (direct access); else none: they upload
+        through the server. Publish hashes what they uploaded regardless."""
+        if self.direct is None:
             return []
         expires = self.settings.presign_expires_s
-        return [
-            Upload(
-                digest=d,
-                url=self.blobs.presigned_url(d, method="PUT", expires_s=expires),
-                headers={"x-amz-checksum-sha256": checksum_b64(d)},
-            )
-            for d in digests
-        ]
+        return [self.direct.upload_target(d, expires_s=expires) for d in digests]
 
     def archive_url(self, snapshot_id: str) -> str | None:
-        """A presigned GET of the snapshot's archive object (object store only)."""
-        if not isinstance(self.blobs, S3BlobStore):
+        """Where nodes GET the snapshot's archive object (direct access only)."""
+        if self.direct is None:
             return None
-        return self.blobs.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
+        return self.direct.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
 
     def blob(self, digest: str) -> StoredBlob | None:
         """The blob's sizes when both its row and its bytes are there."""
@@ -234,11 +225,12 @@ class Storage:
             order = [d for d in order if d in chosen]
         with self.catalog.writing() as tx:
             tx.touch_snapshot(snapshot_id)
-        if isinstance(self.blobs, S3BlobStore) and len(order) == len(sizes):
+        direct = self.direct
+        if direct is not None and len(order) == len(sizes):
             # The whole snapshot: its archive object as written at publish (no recompression),
             # unless it was changed behind our back: then the stream is built from the blobs.
-            if self._archive_intact(snapshot_id):
-                return _read_chunks(self.blobs.open_archive(snapshot_id))
+            if self._archive_intact(direct, snapshot_id):
+                return _read_chunks(direct.open_archive(snapshot_id))
         return archive_chunks(
             manifest_json=text.encode(),
             blobs=[(d, sizes[d]) for d in order],
@@ -348,8 +340,8 @@ class Storage:
                     f" {entry.digest[:12]} ({sizes[entry.digest]} bytes)"
                 )
         with self.catalog.writing() as tx:
-            if checked is not None and isinstance(self.blobs, S3BlobStore):
-                record_checked(tx, self.blobs, checked, grace_s=self.settings.gc_grace_s)
+            if checked is not None and self.direct is not None:  # packed: direct access
+                record_checked(tx, self.direct, checked, grace_s=self.settings.gc_grace_s)
                 tx.record_archive(
                     snapshot_id, etag=checked.archive_etag, size_bytes=checked.archive_bytes
                 )
@@ -376,21 +368,21 @@ class Storage:
         return self.snapshot(snapshot_id), created
 
     def _pack(self, manifest: Manifest) -> Packed | None:
-        """Object store: hash every blob there and write the archive object; None otherwise.
+        """Direct access: hash every blob there and write the archive object; else None.
 
         Skipped (None) for a snapshot published before whose archive object is there as
         this server wrote it (``_archive_intact``) and whose manifest does not change (a
         re-push); a newly added signature rewrites it, and so does an archive object that
         is gone or was changed behind the server's back: the re-push repairs it.
         """
-        if not isinstance(self.blobs, S3BlobStore):
+        if self.direct is None:
             return None
         existing = self.catalog.summary(manifest.id)
-        if existing is not None and self._archive_intact(manifest.id):
+        if existing is not None and self._archive_intact(self.direct, manifest.id):
             if manifest.signature is None or existing.signed:
                 return None
         packed = pack_snapshot(
-            self.blobs,
+            self.direct,
             manifest,
             tmp_dir=self.settings.data_dir / "tmp",
             level=self.settings.archive_level,
@@ -398,11 +390,10 @@ class Storage:
         self.packs += 1
         return packed
 
-    def _archive_intact(self, snapshot_id: str) -> bool:
+    def _archive_intact(self, direct: DirectAccess, snapshot_id: str) -> bool:
         """Whether the snapshot's archive object is the one this server wrote (its ETag)."""
-        assert isinstance(self.blobs, S3BlobStore)
         recorded = self.catalog.archive_etag(snapshot_id)
-        return recorded is not None and self.blobs.archive_etag(snapshot_id) == recorded
+        return recorded is not None and direct.archive_etag(snapshot_id) == recorded
 
     def check(self) -> CheckReport:
         """The start-up check: make every row agree with what is stored.
@@ -554,8 +545,8 @@ class Storage:
         ]
         freed += sum(s.stored_bytes for s in orphans)
         archives: list[str] = []
-        if isinstance(self.blobs, S3BlobStore):
-            for found in self.blobs.archives():
+        if self.direct is not None:
+            for found in self.direct.archives():
                 if found.digest in evicted or (
                     found.modified_at < too_new and not self.catalog.summary(found.digest)
                 ):
@@ -605,9 +596,8 @@ class Storage:
             tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
             # Archive objects (object store) go with their snapshot, once no row names it.
             archives = [a for a in plan.orphan_archives if not tx.snapshot_exists(a)]
-            if isinstance(self.blobs, S3BlobStore):
-                store = self.blobs
-                tx.after_commit(lambda: [store.delete_archive(a) for a in archives])
+            if (direct := self.direct) is not None:
+                tx.after_commit(lambda: [direct.delete_archive(a) for a in archives])
         self.evictions += len(evicted)
         rows = tuple(sorted(d for d in freed if d not in orphans))
         return replace(
