@@ -17,7 +17,7 @@ removed before the bytes, and an upload records its row under the same lock afte
 checking that its file is there (``Storage.put_blob``), so it never records a row for a
 file about to be deleted. The answer is what was done, not what was planned.
 
-Uploads never evict: the store's cap against uploads is ``limits.StoreRoom``'s.
+Uploads never evict: the store's cap against uploads is ``server/capacity.py``'s.
 """
 
 from __future__ import annotations

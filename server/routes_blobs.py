@@ -27,8 +27,9 @@ from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
 from .auth import ReadScope, WriteScope, covers
+from .capacity import Reservation, StoreRoom, store_room
 from .deps import StorageDep, metrics_of, storage_of
-from .limits import Reservation, StoreRoom, store_room, upload_limiter
+from .limits import upload_limiter
 from .responses import error_responses
 from .storage import Storage
 

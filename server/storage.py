@@ -6,7 +6,7 @@ the local directory by default, or the object store). ``create_app`` (``server/a
 the one place that picks the backend. What this module adds on top: the upload size limit, publishing a manifest
 (packing it first when the backend has direct access, ``server/packing.py``), resolve, and
 GC (``server/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down
-to the hard cap, which uploads never do, see ``limits.StoreRoom``). Routes call one method
+to the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
 each and never see the catalog or the backend.
 
 Ordering rules that keep a crash harmless: a blob's row is written only after the blob
