@@ -2,14 +2,17 @@
 
 As in bazel-remote (``cache/cache.go`` is the interface; ``cache/disk``, ``cache/s3proxy``,
 ``cache/gcsproxy`` each implement it in their own package), the server's storage
-(``server/storage.py``) and the per-key tier (``server/tier.py``) depend on ``BlobBackend`` alone and never ask which backend they hold. Each backend is one
-module:
+(``server/storage.py``), GC (``server/gc.py``), packing (``server/packing.py``) and the
+per-key tier (``server/tier.py``) depend on this interface alone and never ask which
+backend they hold. Each backend is one module:
 
 - ``cachekeeper.blobstore.LocalBlobStore``: a local directory (``<data>/blobs``), the default;
 - ``server.s3store.S3BlobStore``: an S3-compatible object store (``s3://BUCKET/PREFIX``).
 
-``server/app.py`` is the one place that picks one. A new backend (GCS, Azure, a shared
-filesystem) is one new module whose class has these methods.
+``server/app.py`` ``open_backend`` is the one place that picks one, by URL scheme. A new
+backend (GCS, Azure, a shared filesystem) is one new module whose class has these methods,
+plus its scheme in ``open_backend``'s table and in ``Settings``' ``blob_store`` check
+(``tests/server/test_backend.py`` runs the snapshot path on a third, in-memory one).
 
 Blobs are named by the sha256 of their uncompressed bytes (``cachekeeper.integrity``). A
 backend's ``put`` checks the bytes while they stream (``integrity.copy_verified``) and makes
