@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -86,13 +86,24 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _named(digest: str, path: str | None, name: str | None) -> tuple[str, dict[str, Any]]:
+    """(what the errors call the bytes, the extra fields they carry): built on failure only."""
+    if name is not None:
+        return name, {}
+    if path is not None:
+        return f"blob {digest} for {path}", {"path": path}
+    return f"blob {digest}", {}
+
+
 def refuse_oversize(
-    n: int, *, size_bytes: int, name: str, extra: Mapping[str, Any] | None = None
+    n: int, *, size_bytes: int, digest: str, path: str | None = None, name: str | None = None
 ) -> None:
-    """BlobTooLarge when ``n`` bytes are more than the declared ``size_bytes``."""
+    """BlobTooLarge when ``n`` bytes of blob ``digest`` are more than its declared
+    ``size_bytes``. The error names ``path`` (the file the blob is for) or ``name``."""
     if n > size_bytes:
+        what, extra = _named(digest, path, name)
         raise BlobTooLarge(
-            f"{name} is larger than its declared {size_bytes} bytes", extra=dict(extra or {})
+            f"{what} is larger than its declared {size_bytes} bytes ({n} or more)", extra=extra
         )
 
 
@@ -100,59 +111,61 @@ class BlobCheck:
     """Bytes checked against ``digest`` (and ``size_bytes`` when declared) as they pass.
 
     ``update`` each chunk (BlobTooLarge as soon as more than ``size_bytes`` passed), then
-    ``finish`` (DigestMismatch when the bytes are of another length or hash). ``name``
-    says what the bytes are in the errors (default ``blob <digest>``); ``extra`` goes into
-    both errors (the restore writer adds the file's path).
+    ``finish`` (DigestMismatch when the bytes are of another length or hash). The errors
+    call the bytes ``blob <digest>``, ``blob <digest> for <path>`` (with ``path`` in their
+    extra fields: the restore writer's files) or ``name``.
     """
+
+    __slots__ = ("_hasher", "digest", "name", "path", "size_bytes", "total_bytes")
 
     def __init__(
         self,
         *,
         digest: str,
         size_bytes: int | None = None,
+        path: str | None = None,
         name: str | None = None,
-        extra: Mapping[str, Any] | None = None,
     ) -> None:
         self.digest = digest
         self.size_bytes = size_bytes
-        self.name = name or f"blob {digest}"
-        self.extra = dict(extra or {})
+        self.path = path
+        self.name = name
         self.total_bytes = 0
         self._hasher = hashlib.sha256()
 
     def update(self, chunk: bytes | memoryview) -> None:
         self.total_bytes += len(chunk)
-        if self.size_bytes is not None:
+        if self.size_bytes is not None and self.total_bytes > self.size_bytes:
             refuse_oversize(
-                self.total_bytes, size_bytes=self.size_bytes, name=self.name, extra=self.extra
+                self.total_bytes,
+                size_bytes=self.size_bytes,
+                digest=self.digest,
+                path=self.path,
+                name=self.name,
             )
         self._hasher.update(chunk)
 
     def finish(self) -> int:
         """The number of bytes, once they are exactly the ones declared."""
         actual = self._hasher.hexdigest()
-        declared = "" if self.size_bytes is None else f"{self.size_bytes} "
         if actual != self.digest or (
             self.size_bytes is not None and self.total_bytes != self.size_bytes
         ):
+            what, extra = _named(self.digest, self.path, self.name)
+            declared = "" if self.size_bytes is None else f"{self.size_bytes} "
             raise DigestMismatch(
-                f"{self.name} does not match its digest: {self.total_bytes} bytes hashing to"
+                f"{what} does not match its digest: {self.total_bytes} bytes hashing to"
                 f" {actual}, expected {declared}bytes hashing to {self.digest}",
-                extra={**self.extra, "expected": self.digest, "actual": actual},
+                extra={**extra, "expected": self.digest, "actual": actual},
             )
         return self.total_bytes
 
 
 def verify_bytes(
-    data: bytes,
-    *,
-    digest: str,
-    size_bytes: int | None = None,
-    name: str | None = None,
-    extra: Mapping[str, Any] | None = None,
+    data: bytes, *, digest: str, size_bytes: int | None = None, path: str | None = None
 ) -> None:
     """``BlobCheck`` of bytes already in memory."""
-    check = BlobCheck(digest=digest, size_bytes=size_bytes, name=name, extra=extra)
+    check = BlobCheck(digest=digest, size_bytes=size_bytes, path=path)
     check.update(data)
     check.finish()
 

@@ -105,11 +105,8 @@ def archive_blobs(manifest: Manifest, tar_stream: BinaryIO) -> Iterator[tuple[st
         entry = declared.get(digest)
         if entry is None:
             raise InvalidManifest(f"archive member {name!r} is not in the manifest")
-        refuse_oversize(  # before a byte of it is read; the writer checks the bytes
-            member.size,
-            size_bytes=entry.size_bytes,
-            name=f"blob {digest} for {entry.path} ({member.size} bytes in the archive)",
-        )
+        # Before a byte of it is read; the writer checks the bytes themselves.
+        refuse_oversize(member.size, size_bytes=entry.size_bytes, digest=digest, path=entry.path)
         yield digest, member.stream  # type: ignore[misc]
 
 

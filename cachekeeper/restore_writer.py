@@ -256,11 +256,6 @@ def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:
         view = view[out.write(view) :]
 
 
-def _named(digest: str, entry: FileEntry) -> dict[str, Any]:
-    """How the integrity check names a blob in its errors: by the file it is restored to."""
-    return {"name": f"blob {digest} for {entry.path}", "extra": {"path": entry.path}}
-
-
 def _write_settled(path: Path, data: bytes) -> None:
     with open(path, "wb", buffering=0) as out:
         _write_all(out, data)
@@ -336,14 +331,14 @@ class Writer:
             parts, total = [], 0
             while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
                 total += len(chunk)
-                refuse_oversize(total, size_bytes=declared, **_named(digest, first))
+                refuse_oversize(total, size_bytes=declared, digest=digest, path=first.path)
                 parts.append(chunk)
             self._futures.append(self._pool.submit(self._store, digest, b"".join(parts), entries))
             if len(self._futures) > _MAX_IN_FLIGHT:
                 self._futures.popleft().result()
         else:
             tmp = self._tmp()
-            check = BlobCheck(digest=digest, size_bytes=declared, **_named(digest, first))
+            check = BlobCheck(digest=digest, size_bytes=declared, path=first.path)
             with open(tmp, "wb", buffering=0) as out:
                 while chunk := stream.read(min(CHUNK_BYTES, declared - check.total_bytes + 1)):
                     check.update(chunk)
@@ -362,7 +357,7 @@ class Writer:
     def _store(self, digest: str, data: bytes, entries: list[FileEntry]) -> None:
         """(pool thread) Verify a small blob's bytes, write them to staging, queue them."""
         first = entries[0]
-        verify_bytes(data, digest=digest, size_bytes=first.size_bytes, **_named(digest, first))
+        verify_bytes(data, digest=digest, size_bytes=first.size_bytes, path=first.path)
         tmp = self._tmp()
         _write_settled(tmp, data)
         self._queue(tmp, entries)

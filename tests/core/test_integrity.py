@@ -85,13 +85,13 @@ def test_the_check_stops_at_the_first_chunk_past_the_declared_size() -> None:
 def test_other_bytes_or_another_length_are_a_mismatch_naming_both_digests(
     data: bytes, declared: int | None
 ) -> None:
-    check = BlobCheck(digest=GOOD, size_bytes=declared, name="blob for a/b", extra={"path": "a/b"})
+    check = BlobCheck(digest=GOOD, size_bytes=declared, path="a/b")
     check.update(data)
     with pytest.raises(DigestMismatch) as raised:
         check.finish()
     assert not isinstance(raised.value, BlobTooLarge)
     assert raised.value.extra == {"path": "a/b", "expected": GOOD, "actual": _sha(data)}
-    assert str(raised.value).startswith("blob for a/b does not match its digest")
+    assert str(raised.value).startswith(f"blob {GOOD} for a/b does not match its digest")
     verify_bytes(b"x", digest=GOOD, size_bytes=1)  # the right bytes pass
 
 
