@@ -154,7 +154,7 @@ class BlobCheck:
             what, extra = _named(self.digest, self.path, self.name)
             declared = "" if self.size_bytes is None else f"{self.size_bytes} "
             raise DigestMismatch(
-                f"{what} does not match its digest: {self.total_bytes} bytes hashing to"
+                f"{what} is corrupt: {self.total_bytes} bytes hashing to"
                 f" {actual}, expected {declared}bytes hashing to {self.digest}",
                 extra={**extra, "expected": self.digest, "actual": actual},
             )

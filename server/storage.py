@@ -2,11 +2,12 @@
 
 ``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
 ``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (``server/backend.py``:
-the local directory by default, or the object store). ``create_app`` (``server/app.py``) is
-the one place that picks the backend. What this module adds on top: the upload size limit, publishing a manifest
-(packing it first when the backend has direct access, ``server/packing.py``), resolve, and
-GC (``server/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down
-to the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
+the local directory by default, or the object store; ``server/app.py`` ``open_backend``
+picks it). Storage asks the backend for its direct access once and never for its class.
+What this module adds on top: the upload size limit, publishing a manifest (packing it
+first when the backend has direct access, ``server/packing.py``), resolve, and GC
+(``server/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down to
+the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
 each and never see the catalog or the backend.
 
 Ordering rules that keep a crash harmless: a blob's row is written only after the blob

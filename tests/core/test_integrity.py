@@ -91,7 +91,7 @@ def test_other_bytes_or_another_length_are_a_mismatch_naming_both_digests(
         check.finish()
     assert not isinstance(raised.value, BlobTooLarge)
     assert raised.value.extra == {"path": "a/b", "expected": GOOD, "actual": _sha(data)}
-    assert str(raised.value).startswith(f"blob {GOOD} for a/b does not match its digest")
+    assert str(raised.value).startswith(f"blob {GOOD} for a/b is corrupt: ")
     verify_bytes(b"x", digest=GOOD, size_bytes=1)  # the right bytes pass
 
 
@@ -112,11 +112,11 @@ def test_the_hashing_reader_fails_on_a_short_or_long_body_and_maps_its_error() -
         return out
 
     assert read_all(data, len(data)) == data
-    with pytest.raises(Refused, match="does not match its digest"):  # ends early: at the read
+    with pytest.raises(Refused, match="is corrupt"):  # ends early: at the read
         read_all(data[:-1], len(data))
     with pytest.raises(Refused, match="larger than its declared"):
         read_all(data + b"!", len(data))
-    with pytest.raises(Refused, match="does not match"):  # same length, other bytes
+    with pytest.raises(Refused, match="is corrupt"):  # same length, other bytes
         read_all(data[:-1] + b"!", len(data))
     reader = HashingReader(io.BytesIO(data[:10]), digest=digest, size_bytes=len(data))
     assert reader.read(100) == data[:10]
