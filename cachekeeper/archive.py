@@ -39,7 +39,8 @@ from typing import Any, BinaryIO
 import zstandard
 
 from cachekeeper.errors import BlobMissing, InvalidManifest, UnsupportedFormat
-from cachekeeper.manifest import MAX_FILES, Manifest, is_digest
+from cachekeeper.integrity import is_digest
+from cachekeeper.manifest import MAX_FILES, Manifest
 
 __all__ = [
     "MANIFEST_MEMBER",

@@ -1,5 +1,9 @@
 """Content-addressed blob storage on local disk, shared by the local store and the server.
 
+``LocalBlobStore`` is the server's default blob backend (``server/backend.py``'s
+``BlobBackend``, a protocol it meets without importing the server) and the local store's
+(``cachekeeper.store``) blob folder.
+
 Layout (``root`` is ``$CACHEKEEPER_HOME/blobs`` locally, ``<data>/blobs`` on the server)::
 
     root/
@@ -15,24 +19,21 @@ point leaves at most a temp file, which ``sweep_temp`` removes.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 
 import zstandard
 
-from cachekeeper.errors import BlobMissing, BlobTooLarge, DigestMismatch, InsufficientStorage
-from cachekeeper.manifest import is_digest
+from cachekeeper.errors import BlobMissing, InsufficientStorage
+from cachekeeper.integrity import CHUNK_BYTES, copy_verified, is_digest, require_digest
 
-__all__ = ["BlobStat", "BlobStore", "LocalBlobStore", "PutResult", "CHUNK_BYTES", "copy_verified"]
-
-CHUNK_BYTES = 1 << 20
+__all__ = ["BlobStat", "LocalBlobStore", "PutResult"]
 
 
 @dataclass(frozen=True)
@@ -50,72 +51,15 @@ class BlobStat:
     modified_at: float  # UTC, seconds since the epoch
 
 
-def copy_verified(
-    chunks: Iterable[bytes],
-    write: Callable[[bytes], object],
-    *,
-    digest: str,
-    size_bytes: int | None = None,
-) -> int:
-    """Pass ``chunks`` to ``write`` while hashing them; their length, once they are exactly
-    the blob ``digest`` names (and ``size_bytes`` long, when declared).
-
-    The one check every blob backend makes before a blob becomes visible. Raises
-    BlobTooLarge as soon as more than ``size_bytes`` arrive, DigestMismatch when the bytes
-    hash to another digest or are shorter than declared; the caller then stores nothing.
-    """
-    hasher = hashlib.sha256()
-    total = 0
-    for chunk in chunks:
-        total += len(chunk)
-        if size_bytes is not None and total > size_bytes:
-            raise BlobTooLarge(f"blob {digest} is larger than its declared {size_bytes} bytes")
-        hasher.update(chunk)
-        write(chunk)
-    actual = hasher.hexdigest()
-    if actual != digest:
-        raise DigestMismatch(
-            f"blob content hashes to {actual}, not {digest}",
-            extra={"expected": digest, "actual": actual},
-        )
-    if size_bytes is not None and total != size_bytes:
-        raise DigestMismatch(f"blob {digest} is {total} bytes, declared {size_bytes}")
-    return total
-
-
-class BlobStore(Protocol):
-    """What the routes and the restore code need of blob storage; backends implement it."""
-
-    def has(self, digest: str) -> bool: ...
-
-    def size(self, digest: str) -> int | None:
-        """Stored (compressed) size in bytes, or None when absent."""
-
-    def open(self, digest: str) -> BinaryIO:
-        """The blob's uncompressed bytes; raises BlobMissing."""
-
-    def open_raw(self, digest: str) -> BinaryIO:
-        """The blob's bytes as stored (a zstd frame); raises BlobMissing."""
-
-    def put(
-        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
-    ) -> PutResult: ...
-
-    def delete(self, digest: str) -> bool: ...
-
-    def digests(self) -> Iterator[str]: ...
-
-
 class LocalBlobStore:
-    """Blobs on a local filesystem, sharded by digest prefix, zstd at rest."""
+    """Blobs on a local filesystem, sharded by digest prefix, zstd at rest; no direct access."""
 
     def __init__(self, root: str | os.PathLike[str], *, level: int = 3) -> None:
         self.root = Path(root)
         self.level = level
 
     def path_for(self, digest: str) -> Path:
-        if not is_digest(digest):
-            raise DigestMismatch(f"{digest!r} is not a sha256 hex digest")
+        require_digest(digest)
         return self.root / digest[:2] / digest[2:4] / f"{digest}.zst"
 
     def has(self, digest: str) -> bool:
@@ -136,8 +80,8 @@ class LocalBlobStore:
             if found is not None:
                 yield found
 
-    def presigned_url(self, digest: str, *, method: str = "GET", expires_s: int = 900) -> None:
-        """A local directory has no URL of its own: clients go through the server."""
+    def direct_access(self) -> None:
+        """A local directory has no URL of its own: nodes go through the server."""
         return None
 
     def size(self, digest: str) -> int | None:

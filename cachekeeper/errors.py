@@ -308,6 +308,16 @@ class FingerprintUnavailable(CachekeeperError):
     code = "fingerprint_unavailable"
 
 
+class InvalidDigest(InvalidRequest):
+    """A digest or snapshot id that is not 64 lowercase hex characters: a malformed name,
+    not bytes that hash to another digest (that is ``DigestMismatch``)."""
+
+    code = "invalid_digest"
+
+
+__all__.append("InvalidDigest")  # (issue 26a: one block, so 26b's reordering merges)
+
+
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:
     out: list[type[CachekeeperError]] = []
     for sub in cls.__subclasses__():

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -40,6 +39,7 @@ from typing import Any
 from cachekeeper import wire
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
 from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of, parse
+from cachekeeper.integrity import is_digest
 
 __all__ = [
     "FORMAT",
@@ -49,7 +49,6 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "check_relpath",
-    "is_digest",
 ]
 
 FORMAT = 1
@@ -59,12 +58,6 @@ MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
 # cachekeeper's own folder in a cache dir (cachekeeper.marker draws it): no snapshot path
 # may be inside it, or a restore would write our lock, staging or markers.
 STATE_DIR = ".cachekeeper"
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-def is_digest(value: object) -> bool:
-    """True for a lowercase sha256 hex string."""
-    return isinstance(value, str) and _DIGEST_RE.fullmatch(value) is not None
 
 
 def check_relpath(path: object) -> str:

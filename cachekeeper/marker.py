@@ -53,7 +53,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cachekeeper.errors import CacheDirUnusable
-from cachekeeper.manifest import STATE_DIR, Manifest, is_digest
+from cachekeeper.integrity import is_digest
+from cachekeeper.manifest import STATE_DIR, Manifest
 from cachekeeper.triton_groups import is_group_path
 
 __all__ = [

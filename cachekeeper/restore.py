@@ -89,6 +89,7 @@ from cachekeeper.errors import (
     DigestMismatch,
     InvalidManifest,
 )
+from cachekeeper.integrity import hash_file
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.marker import STATE_DIR, is_restored, record_conflicts, state_dir, write_marker
 from cachekeeper.restore_sources import (
@@ -101,7 +102,7 @@ from cachekeeper.restore_sources import (
 )
 from cachekeeper.restore_writer import Progress, Writer, is_present, links_above
 from cachekeeper.signing import TrustedKey, verify_manifest
-from cachekeeper.snapshot import hash_file, scan_dir
+from cachekeeper.snapshot import scan_dir
 
 __all__ = [
     "BlobSource",  # defined in restore_sources, where every source lives

@@ -29,11 +29,11 @@ from cachekeeper.archive import (
 )
 from cachekeeper.errors import (
     BlobMissing,
-    BlobTooLarge,
     DigestMismatch,
     InvalidManifest,
     UnsafePath,
 )
+from cachekeeper.integrity import refuse_oversize
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.snapshot import read_archive_manifest
 
@@ -84,8 +84,9 @@ class SnapshotSource(Protocol):
 def archive_blobs(manifest: Manifest, tar_stream: BinaryIO) -> Iterator[tuple[str, BinaryIO]]:
     """The blobs of an uncompressed snapshot tar stream (non-seekable is fine).
 
-    A ``manifest.json`` member is skipped; any other member must be a regular
-    ``blobs/<sha256>`` of ``manifest``, at most its declared size, and appear once.
+        A ``manifest.json`` member is skipped; any other member must be a regular
+        ``blobs/<sha256>`` of ``manifest``, at most its declared size, and appear once. Its bytes
+    are checked where they are written (the restore writer's ``BlobCheck``), not here.
     """
     declared = {e.digest: e for e in manifest.files}
     seen: set[str] = set()
@@ -104,11 +105,8 @@ def archive_blobs(manifest: Manifest, tar_stream: BinaryIO) -> Iterator[tuple[st
         entry = declared.get(digest)
         if entry is None:
             raise InvalidManifest(f"archive member {name!r} is not in the manifest")
-        if member.size > entry.size_bytes:
-            raise BlobTooLarge(
-                f"blob {digest} for {entry.path} is {member.size} bytes in the "
-                f"archive, larger than its declared {entry.size_bytes}"
-            )
+        # Before a byte of it is read; the writer checks the bytes themselves.
+        refuse_oversize(member.size, size_bytes=entry.size_bytes, digest=digest, path=entry.path)
         yield digest, member.stream  # type: ignore[misc]
 
 

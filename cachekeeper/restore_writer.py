@@ -1,7 +1,8 @@
 """Restore's writer: verified staging files that appear in the cache dir without clobbering.
 
 See ``cachekeeper.restore`` for the rules; this module holds the mechanics: the staging
-folder ``CACHE_DIR/.cachekeeper/staging/<host>-<pid>-<rand>/``, hashing and size checks,
+folder ``CACHE_DIR/.cachekeeper/staging/<host>-<pid>-<rand>/``, the integrity check of every
+blob (``cachekeeper.integrity``: its size as it is read, then its length and hash),
 a thread pool for small blobs, per-file ``sync_file_range`` before publication, and an
 atomic no-clobber rename (``renameat2``, else ``os.link``) to publish.
 
@@ -26,7 +27,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import hashlib
 import os
 import re
 import shutil
@@ -41,12 +41,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from cachekeeper._proc import pid_alive
-from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.daemon_pool import DaemonPool
-from cachekeeper.errors import BlobTooLarge, DigestMismatch
+from cachekeeper.integrity import CHUNK_BYTES, BlobCheck, hash_file, refuse_oversize, verify_bytes
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.marker import FOLDER_MODE, STATE_DIR, StateDir
-from cachekeeper.snapshot import hash_file
 from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
 
 __all__ = ["SAFE_MODE_MASK", "Writer", "is_present", "links_above"]
@@ -333,25 +331,20 @@ class Writer:
             parts, total = [], 0
             while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
                 total += len(chunk)
-                if total > declared:
-                    raise self._too_large(digest, first)
+                refuse_oversize(total, size_bytes=declared, digest=digest, path=first.path)
                 parts.append(chunk)
             self._futures.append(self._pool.submit(self._store, digest, b"".join(parts), entries))
             if len(self._futures) > _MAX_IN_FLIGHT:
                 self._futures.popleft().result()
         else:
             tmp = self._tmp()
-            hasher = hashlib.sha256()
-            total = 0
+            check = BlobCheck(digest=digest, size_bytes=declared, path=first.path)
             with open(tmp, "wb", buffering=0) as out:
-                while chunk := stream.read(min(CHUNK_BYTES, declared - total + 1)):
-                    total += len(chunk)
-                    if total > declared:
-                        raise self._too_large(digest, first)
-                    hasher.update(chunk)
+                while chunk := stream.read(min(CHUNK_BYTES, declared - check.total_bytes + 1)):
+                    check.update(chunk)
                     _write_all(out, chunk)
                 _settle(out.fileno())
-            self._check(digest, first, total, hasher.hexdigest())
+            check.finish()
             self._queue(tmp, entries)
         if self.hold:
             return
@@ -361,24 +354,10 @@ class Writer:
                 raise error
             self._flush_async()
 
-    @staticmethod
-    def _too_large(digest: str, entry: FileEntry) -> BlobTooLarge:
-        return BlobTooLarge(
-            f"blob {digest} for {entry.path} is larger than its declared {entry.size_bytes} bytes"
-        )
-
-    @staticmethod
-    def _check(digest: str, entry: FileEntry, total: int, actual: str) -> None:
-        if total != entry.size_bytes or actual != digest:
-            raise DigestMismatch(
-                f"blob for {entry.path} is corrupt: {total} bytes hashing to {actual}, "
-                f"expected {entry.size_bytes} bytes hashing to {digest}",
-                extra={"path": entry.path, "expected": digest, "actual": actual},
-            )
-
     def _store(self, digest: str, data: bytes, entries: list[FileEntry]) -> None:
         """(pool thread) Verify a small blob's bytes, write them to staging, queue them."""
-        self._check(digest, entries[0], len(data), hashlib.sha256(data).hexdigest())
+        first = entries[0]
+        verify_bytes(data, digest=digest, size_bytes=first.size_bytes, path=first.path)
         tmp = self._tmp()
         _write_settled(tmp, data)
         self._queue(tmp, entries)

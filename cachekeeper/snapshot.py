@@ -18,7 +18,6 @@ next to the output, fsynced, that appears by ``os.replace`` only when complete.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -28,8 +27,9 @@ import zstandard
 
 from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
-from cachekeeper.blobstore import CHUNK_BYTES, LocalBlobStore
+from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.fsutil import atomic_writer
+from cachekeeper.integrity import digest_of, hash_file
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu, recorded_workloads
 from cachekeeper.scan import is_excluded, scan_dir
@@ -39,7 +39,6 @@ from cachekeeper.store import LocalStore
 __all__ = [
     "is_excluded",
     "scan_dir",
-    "hash_file",
     "snapshot_dir",
     "devices_of",
     "write_archive",
@@ -47,17 +46,6 @@ __all__ = [
 ]
 
 _SMALL_FILE_BYTES = 8 << 20
-
-
-def hash_file(path: Path) -> tuple[str, int]:
-    """(sha256 hex, size in bytes) of a file, read in large chunks."""
-    hasher = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            hasher.update(chunk)
-            size += len(chunk)
-    return hasher.hexdigest(), size
 
 
 def devices_of(root: Path, fingerprint: fingerprint_mod.Fingerprint) -> list[str]:
@@ -82,7 +70,7 @@ def _store_file(blobs: LocalBlobStore, path: Path) -> tuple[str, int]:
     size = path.stat().st_size
     if size <= _SMALL_FILE_BYTES:
         data = path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
+        digest = digest_of(data)
         if not blobs.has(digest):
             blobs.put([data], digest=digest, size_bytes=len(data))
         return digest, len(data)

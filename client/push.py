@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachekeeper.blobstore import CHUNK_BYTES
 from cachekeeper.errors import BlobMissing, Forbidden, Unauthorized, WorkloadNotFound
+from cachekeeper.integrity import CHUNK_BYTES
 from cachekeeper.manifest import Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_workloads
 from cachekeeper.snapshot import snapshot_dir

@@ -1,8 +1,9 @@
 """The composition root: ``create_app(settings)`` builds the FastAPI app and its store.
 
-``open_storage`` is the one place that picks the blob backend (the local directory
-``<data>/blobs`` today; an S3-compatible backend next) and opens the catalog
-(``<data>/meta.sqlite``), then runs the start-up check. Routers, one per resource, are
+``open_backend`` is the one place that picks a blob backend (``server/backend.py``): the
+local directory by default, or the object store ``--blob-store`` names (``s3://``).
+``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``),
+then runs the start-up check. Routers, one per resource, are
 included directly below: ``routes_admin`` (/healthz, /metrics, /v1/gc), ``routes_resolve``,
 ``routes_blobs``, ``routes_snapshots``, ``routes_workloads``, ``routes_agents``
 (/v1/agents, /v1/status), ``routes_reports`` (/v1/reports), ``routes_ui`` (the status
@@ -11,7 +12,7 @@ page: /, /ui). To add one: write the module with an ``APIRouter`` named
 methods (``server/catalog.py``) behind a ``Storage`` method, and include it in
 ``create_app``.
 
-The per-key tier (``settings.resp_port`` set): ``open_tier`` picks its blob backend (beside
+The per-key tier (``settings.resp_port`` set): ``open_tier`` opens its blob backend (beside
 the snapshots' own, never the same folder or prefix, so GC of one never touches the
 other) and ``app.state.resp`` is its listener (``server/resp.py``), which ``serve``
 starts and stops with uvicorn; ``app.state.tier`` is None without it.
@@ -27,6 +28,8 @@ Starlette's HTTP errors (404, 405, ...) with a code derived from the status.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
-from cachekeeper.errors import CachekeeperError
+from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
 from . import (
     routes_admin,
@@ -47,16 +50,17 @@ from . import (
     routes_ui,
     routes_workloads,
 )
+from .backend import BlobBackend
 from .catalog import Catalog
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
 from .s3store import S3BlobStore
 from .settings import Settings
-from .storage import BlobBackend, Storage
+from .storage import Storage
 from .tier import TierStore
 
-__all__ = ["create_app", "open_storage", "open_tier"]
+__all__ = ["create_app", "open_backend", "open_storage", "open_tier"]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -112,20 +116,37 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
+def _open_s3(url: str) -> BlobBackend:
+    store = S3BlobStore.from_url(url)
+    store.check()  # an unreachable bucket fails at start-up, in one line
+    return store
+
+
+# Backends by URL scheme: a new one (GCS, Azure, ...) is its module and one entry here (and
+# its scheme in Settings' blob_store check).
+_BACKENDS: dict[str, Callable[[str], BlobBackend]] = {"s3": _open_s3}
+
+
+def open_backend(url: str | None, *, local_root: Path) -> BlobBackend:
+    """The blob backend ``url`` names (``s3://BUCKET/PREFIX``), or, with none, the local
+    directory ``local_root`` (its abandoned uploads swept: nothing uploads before start)."""
+    if url is None:
+        local = LocalBlobStore(local_root)
+        local.sweep_temp(older_than_s=0)
+        return local
+    scheme = url.partition("://")[0]
+    if scheme not in _BACKENDS:
+        raise ConfigInvalid(f"blob store {url!r}: no backend for {scheme}:// (one of: s3://)")
+    return _BACKENDS[scheme](url)
+
+
 def open_storage(settings: Settings) -> Storage:
     """SQLite at ``<data>/meta.sqlite``; blobs at ``<data>/blobs`` (the default) or in the
     S3-compatible object store ``settings.blob_store`` names (``s3://BUCKET/PREFIX``)."""
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     catalog = Catalog.create(data / "meta.sqlite")
-    blobs: BlobBackend
-    if settings.blob_store is not None:
-        blobs = S3BlobStore.from_url(settings.blob_store)
-        blobs.check()  # an unreachable bucket fails at start-up, in one line
-    else:
-        local = LocalBlobStore(data / "blobs")
-        local.sweep_temp(older_than_s=0)  # nothing is uploading before we start
-        blobs = local
+    blobs = open_backend(settings.blob_store, local_root=data / "blobs")
     storage = Storage(settings=settings, catalog=catalog, blobs=blobs)
     report = storage.check()
     if report.stale_blob_rows or report.completed or report.quarantined:
@@ -143,13 +164,8 @@ def open_storage(settings: Settings) -> Storage:
 def open_tier(settings: Settings, storage: Storage) -> TierStore:
     """The per-key tier: keys in ``storage``'s catalog, values in ``<data>/tier-blobs`` or
     under ``tier/`` of the object store's prefix."""
-    blobs: BlobBackend
-    if settings.blob_store is not None:
-        blobs = S3BlobStore.from_url(f"{settings.blob_store.rstrip('/')}/tier")
-    else:
-        local = LocalBlobStore(settings.data_dir / "tier-blobs")
-        local.sweep_temp(older_than_s=0)
-        blobs = local
+    url = None if settings.blob_store is None else f"{settings.blob_store.rstrip('/')}/tier"
+    blobs = open_backend(url, local_root=settings.data_dir / "tier-blobs")
     return TierStore(
         catalog=storage.catalog,
         blobs=blobs,

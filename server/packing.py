@@ -1,11 +1,13 @@
 """Publish into an object store: read every blob back, hash it, write the archive object.
 
-With the S3 backend, nodes upload blobs straight to the store (presigned PUTs) and
-download one archive object per snapshot (a presigned GET). The store may or may not have
+With a backend nodes reach directly (``server/backend.py``'s ``DirectAccess``: the S3
+one), nodes upload blobs straight to the store (presigned PUTs) and download one archive
+object per snapshot (a presigned GET). The store may or may not have
 checked a PUT's ``x-amz-checksum-sha256`` (moto does not), so the server checks here, at
 publish, before any row names the snapshot: ``pack_snapshot`` builds the snapshot's archive
 (the one format, ``cachekeeper.archive``, through ``server.archive.archive_chunks``) from the
-blobs as the store holds them, hashing each one on the way, into a temp file, and uploads
+blobs as the store holds them, each read through the integrity check
+(``cachekeeper.integrity.HashingReader``), into a temp file, and uploads
 it as ``archives/<id>.tar.zst``. A blob that is absent, of another size or of other bytes
 refuses the publish (``BlobMissing`` naming every such blob, so ``push`` uploads them
 again); nothing is recorded. A blob object holding other bytes than its name says (changed
@@ -36,7 +38,6 @@ server processes) two packs are still harmless: each writes its own temp file
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import tempfile
@@ -48,17 +49,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import BinaryIO, cast
 
 import zstandard
 
 from cachekeeper.blobstore import BlobStat
 from cachekeeper.errors import BlobMissing, DigestMismatch
+from cachekeeper.integrity import HashingReader
 from cachekeeper.manifest import Manifest
 
 from .archive import SPLICE_MIN_BYTES, archive_chunks
+from .backend import DirectAccess
 from .catalog import Transaction
-from .s3store import S3BlobStore
 
 __all__ = [
     "INLINE_MAX_BYTES",
@@ -114,57 +116,30 @@ class SnapshotLocks:
                     self._held[snapshot_id] = (lock, users - 1)
 
 
-class _Hashing(io.RawIOBase):
-    """A blob's bytes from the store, hashed as read; ``check()`` once they are all read."""
-
-    def __init__(self, body: BinaryIO, digest: str, size_bytes: int) -> None:
-        self._body = body
-        self._digest = digest
-        self._size_bytes = size_bytes
-        self._hasher = hashlib.sha256()
-        self._seen = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._body.read(len(buffer))
-        n = len(data)
-        if not n and len(buffer) and self._seen < self._size_bytes:
-            raise _corrupt(self._digest, f"it is {self._seen} bytes, not {self._size_bytes}")
-        buffer[:n] = data
-        self._hasher.update(data)
-        self._seen += n
-        if self._seen > self._size_bytes:
-            raise _corrupt(self._digest, f"it holds more than {self._size_bytes} bytes")
-        return n
-
-    def check(self) -> None:
-        if self._seen != self._size_bytes:
-            raise _corrupt(self._digest, f"it is {self._seen} bytes, not {self._size_bytes}")
-        actual = self._hasher.hexdigest()
-        if actual != self._digest:
-            raise _corrupt(self._digest, f"its bytes hash to {actual}")
-
-    def close(self) -> None:
-        self._body.close()
-        super().close()
-
-
-def _corrupt(digest: str, why: str) -> BlobMissing:
-    """The blob's object holds other bytes: ``corrupt`` names it, so the publish removes the
-    object and the push's next ``blobs/missing`` asks for it again (see ``Storage``)."""
-    return BlobMissing(
-        f"blob {digest} in the object store is not what the manifest names: {why}; upload it again",
-        extra={"missing": [digest], "corrupt": [digest]},
+def _checked(body: BinaryIO, digest: str, size_bytes: int) -> HashingReader:
+    """A blob's bytes from the store through the integrity check; a failure is ``_corrupt``."""
+    return HashingReader(
+        body,
+        digest=digest,
+        size_bytes=size_bytes,
+        name=f"blob {digest} in the object store",
+        refuse=lambda exc: _corrupt(digest, exc),
     )
 
 
-def _fetch(store: S3BlobStore, digest: str, size_bytes: int) -> tuple[bytes, float]:
+def _corrupt(digest: str, exc: DigestMismatch) -> BlobMissing:
+    """The blob's object holds other bytes: ``corrupt`` names it, so the publish removes the
+    object and the push's next ``blobs/missing`` asks for it again (see ``Storage``)."""
+    return BlobMissing(
+        f"{exc.detail}; upload it again", extra={"missing": [digest], "corrupt": [digest]}
+    )
+
+
+def _fetch(store: DirectAccess, digest: str, size_bytes: int) -> tuple[bytes, float]:
     """One whole blob from the store, checked (as its zstd frame when the archive splices
     it), and its object's last-modified time."""
     body, modified_at = store.open_dated(digest)
-    with _Hashing(body, digest, size_bytes) as reader:
+    with _checked(body, digest, size_bytes) as reader:
         data = reader.read(size_bytes + 1)  # one byte more: an overlong object fails check
         reader.check()
     if size_bytes >= SPLICE_MIN_BYTES:
@@ -179,7 +154,9 @@ class _PrefetchingSource:
     ``PREFETCH_BYTES`` of them unread); larger ones are streamed when the writer gets there.
     """
 
-    def __init__(self, store: S3BlobStore, sizes: dict[str, int], pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, store: DirectAccess, sizes: dict[str, int], pool: ThreadPoolExecutor
+    ) -> None:
         self._store = store
         self._sizes = sizes
         self._pool = pool
@@ -187,7 +164,7 @@ class _PrefetchingSource:
         self._fetched: dict[str, Future[tuple[bytes, float]]] = {}
         self.modified_at: dict[str, float] = {}
         self._ahead_bytes = 0
-        self._streaming: dict[str, _Hashing] = {}
+        self._streaming: dict[str, HashingReader] = {}
         self._fill()
 
     def _fill(self) -> None:
@@ -217,7 +194,7 @@ class _PrefetchingSource:
         if digest in self._fetched:
             return io.BytesIO(self._take(digest))
         body, self.modified_at[digest] = self._store.open_dated(digest)
-        reader = _Hashing(body, digest, self._sizes[digest])
+        reader = _checked(body, digest, self._sizes[digest])
         self._streaming[digest] = reader
         frame = zstandard.ZstdCompressor(level=FRAME_LEVEL, threads=FRAME_THREADS).stream_reader(
             cast(BinaryIO, reader), size=self._sizes[digest], closefd=True
@@ -237,7 +214,7 @@ class _PrefetchingSource:
 
 
 def pack_snapshot(
-    store: S3BlobStore,
+    store: DirectAccess,
     manifest: Manifest,
     *,
     tmp_dir: Path,
@@ -279,7 +256,7 @@ def pack_snapshot(
     return Packed(manifest.id, archive_bytes, sizes, source.modified_at, archive_etag=etag)
 
 
-def record_checked(tx: Transaction, store: S3BlobStore, packed: Packed, *, grace_s: float) -> None:
+def record_checked(tx: Transaction, store: DirectAccess, packed: Packed, *, grace_s: float) -> None:
     """Rows for blobs a node uploaded to the object store, checked by ``pack_snapshot``.
 
     Called under the catalog's write lock (``tx``). GC deletes an object that has no row
@@ -311,7 +288,7 @@ def record_checked(tx: Transaction, store: S3BlobStore, packed: Packed, *, grace
 
 
 def _all_missing(
-    store: S3BlobStore, sizes: dict[str, int], manifest: Manifest, first: BlobMissing
+    store: DirectAccess, sizes: dict[str, int], manifest: Manifest, first: BlobMissing
 ) -> BlobMissing:
     """``first`` (a blob that failed) with every other blob absent or of the wrong size."""
     found = store.stat_many(sizes)

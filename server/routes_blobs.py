@@ -23,11 +23,13 @@ from cachekeeper.errors import (
     ServerUnavailable,
     UnsupportedEncoding,
 )
+from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
 from .auth import ReadScope, WriteScope, covers
+from .capacity import Reservation, StoreRoom, store_room
 from .deps import StorageDep, metrics_of, storage_of
-from .limits import Reservation, StoreRoom, store_room, upload_limiter
+from .limits import upload_limiter
 from .responses import error_responses
 from .storage import Storage
 
@@ -35,7 +37,7 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
 
-Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="lowercase sha256 hex")]
+Digest = Annotated[str, Path(pattern=DIGEST_PATTERN, description="lowercase sha256 hex")]
 _READ_BYTES = 1 << 20
 _END, _ABORT = object(), object()
 

@@ -20,6 +20,7 @@ from cachekeeper.errors import (
     UnsafePath,
     UnsupportedFormat,
 )
+from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.manifest import Manifest
 from cachekeeper.signing import load_trusted_keys, verify_manifest
 from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
@@ -33,7 +34,7 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
 
-SnapshotId = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the manifest's sha256")]
+SnapshotId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="the manifest's sha256")]
 
 
 def _publish(storage: Storage, body: bytes) -> tuple[Summary, bool]:

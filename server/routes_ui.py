@@ -31,6 +31,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 
 from cachekeeper.errors import SnapshotNotFound
+from cachekeeper.integrity import DIGEST_PATTERN
 
 from .auth import scope_of_token
 from .deps import StorageDep, read_body, storage_of
@@ -176,7 +177,7 @@ def cell(
     request: Request,
     storage: StorageDep,
     workload: Annotated[str, Query(max_length=128)],
-    digest: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$")],
+    digest: Annotated[str, Query(pattern=DIGEST_PATTERN)],
 ) -> Response:
     scope = _scope(request)
     if scope is None:

@@ -1,6 +1,8 @@
 """Blobs and snapshot archives on S3-compatible object storage (``--blob-store s3://B/P``).
 
-The second ``BlobBackend`` beside ``cachekeeper.blobstore.LocalBlobStore``. Endpoint,
+The second ``BlobBackend`` (``server/backend.py``) beside
+``cachekeeper.blobstore.LocalBlobStore``, and the one with ``DirectAccess``: nodes PUT blobs
+and GET archives by presigned URL (``direct_access()`` is the store itself). Endpoint,
 region and credentials come from the standard AWS configuration chain (boto3:
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, profiles); boto3 signs every request
@@ -12,7 +14,7 @@ and every presigned URL (SigV4). Layout under ``PREFIX``::
 A blob is stored uncompressed so that its name is also its ``x-amz-checksum-sha256``: a
 node's presigned PUT carries that header (signed into the URL), and a store that checks
 it refuses wrong bytes itself. Not every store checks (moto does not), so the server never
-relies on it: publish reads every new blob back and hashes it (``server.storage``).
+relies on it: publish reads every new blob back and hashes it (``server.packing``).
 ``open_raw`` compresses on the fly into one zstd frame, which is what the archive stream
 splices. Nodes download the compressed archive object, never the blobs.
 """
@@ -36,14 +38,13 @@ import zstandard
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from cachekeeper.blobstore import BlobStat, PutResult, copy_verified
+from cachekeeper.blobstore import BlobStat, PutResult
 from cachekeeper.errors import (
     BlobMissing,
     ConfigInvalid,
-    DigestMismatch,
-    SnapshotNotFound,
 )
-from cachekeeper.manifest import is_digest
+from cachekeeper.integrity import copy_verified, is_digest, require_digest
+from cachekeeper.wire import Upload
 
 __all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
 
@@ -114,16 +115,13 @@ class S3BlobStore:
 
     # -- keys -------------------------------------------------------------------------
     def key_for(self, digest: str) -> str:
-        if not is_digest(digest):
-            raise DigestMismatch(f"{digest!r} is not a sha256 hex digest")
-        return f"{self.location.prefix}blobs/{digest}"
+        return f"{self.location.prefix}blobs/{require_digest(digest)}"
 
     def archive_key(self, snapshot_id: str) -> str:
-        if not is_digest(snapshot_id):
-            raise SnapshotNotFound(f"{snapshot_id!r} is not a snapshot id")
+        require_digest(snapshot_id, what="snapshot id")
         return f"{self.location.prefix}archives/{snapshot_id}.tar.zst"
 
-    # -- BlobBackend ------------------------------------------------------------------
+    # -- BlobBackend (server/backend.py) ------------------------------------------------
     def stat(self, digest: str) -> BlobStat | None:
         head = self._head(self.key_for(digest))
         if head is None:
@@ -139,13 +137,6 @@ class S3BlobStore:
         wanted = list(dict.fromkeys(digests))
         with ThreadPoolExecutor(max_workers=STAT_WORKERS, thread_name_prefix="ck-stat") as pool:
             return dict(zip(wanted, pool.map(self.stat, wanted), strict=True))
-
-    def has(self, digest: str) -> bool:
-        return self.stat(digest) is not None
-
-    def size(self, digest: str) -> int | None:
-        found = self.stat(digest)
-        return None if found is None else found.stored_bytes
 
     def open(self, digest: str) -> BinaryIO:
         """The blob's bytes as stored (uncompressed); raises BlobMissing."""
@@ -207,9 +198,20 @@ class S3BlobStore:
             if is_digest(name):
                 yield BlobStat(name, int(item["Size"]), item["LastModified"].timestamp())
 
-    def digests(self) -> Iterator[str]:
-        for found in self.scan():
-            yield found.digest
+    def direct_access(self) -> S3BlobStore:
+        """Nodes reach the object store by presigned URLs: it is its own direct access."""
+        return self
+
+    # -- DirectAccess -------------------------------------------------------------------
+    def upload_target(self, digest: str, *, expires_s: int) -> Upload:
+        """A presigned PUT of blob ``digest`` carrying its sha256 as ``x-amz-checksum-sha256``
+        (signed into the URL: a store that checks it refuses other bytes; publish hashes
+        them again regardless, ``server.packing``)."""
+        return Upload(
+            digest=digest,
+            url=self.presigned_url(digest, method="PUT", expires_s=expires_s),
+            headers={"x-amz-checksum-sha256": checksum_b64(digest)},
+        )
 
     def presigned_url(self, digest: str, *, method: str = "GET", expires_s: int = 900) -> str:
         """A URL a node uses directly; a PUT's URL requires the blob's sha256 checksum header."""

@@ -1,13 +1,14 @@
 """The one storage interface the routes use: ``Storage``.
 
 ``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
-``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (the local directory,
-``cachekeeper.blobstore.LocalBlobStore``, by default; an S3-compatible backend implements
-the same protocol). ``create_app`` (``server/app.py``) is the one place that picks the
-backend. What this module adds on top: the upload size limit, publishing a manifest, and
-GC as plan -> execute (which evicts LRU snapshots down to the hard cap; uploads never
-evict, see ``limits.StoreRoom``). Routes call one
-method each and never see the catalog or the backend.
+``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (``server/backend.py``:
+the local directory by default, or the object store; ``server/app.py`` ``open_backend``
+picks it). Storage asks the backend for its direct access once and never for its class.
+What this module adds on top: the upload size limit, publishing a manifest (packing it
+first when the backend has direct access, ``server/packing.py``), resolve, and GC
+(``server/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down to
+the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
+each and never see the catalog or the backend.
 
 Ordering rules that keep a crash harmless: a blob's row is written only after the blob
 store made the file visible (a crash before leaves at most a temp file, or a file with no
@@ -18,14 +19,12 @@ has a row; deletion removes rows (pointers) before files.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
-from typing import Any, BinaryIO, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO
 
 from cachekeeper import remote_tier
-from cachekeeper.blobstore import BlobStat, PutResult
+from cachekeeper.blobstore import PutResult
 from cachekeeper.errors import (
     AgentNotFound,
     BlobMissing,
@@ -50,46 +49,16 @@ from cachekeeper.wire import (
 )
 
 from .archive import archive_chunks
+from .backend import BlobBackend, DirectAccess
 from .catalog import Catalog
 from .fleet import fleet_status
+from .gc import Collector, GcPlan
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts
 from .resolver import miss_reason, rank, unknown_workload
-from .s3store import S3BlobStore, checksum_b64
 from .settings import Settings
 
-__all__ = ["BlobBackend", "CheckReport", "GcPlan", "Storage", "StoredBlob", "limit_size"]
-
-
-class BlobBackend(Protocol):
-    """Where blob bytes live. ``LocalBlobStore`` implements it; an S3 backend will too.
-
-    Blobs are named by the sha256 of their uncompressed bytes and stored as one zstd
-    frame each. ``put`` verifies the digest while streaming and makes the blob visible
-    only when complete; ``stat`` and ``scan`` give the stored size and age (what GC's
-    grace period is measured on); ``presigned_url`` is a URL a client may use directly
-    instead of the server (None when the backend has none, as the local directory).
-    """
-
-    def put(
-        self, chunks: Iterable[bytes], *, digest: str, size_bytes: int | None = None
-    ) -> PutResult: ...
-
-    def open(self, digest: str) -> BinaryIO:
-        """The uncompressed bytes; raises BlobMissing."""
-
-    def open_raw(self, digest: str) -> BinaryIO:
-        """The bytes as stored (one zstd frame); raises BlobMissing."""
-
-    def stat(self, digest: str) -> BlobStat | None: ...
-
-    def delete(self, digest: str) -> bool: ...
-
-    def scan(self) -> Iterator[BlobStat]: ...
-
-    def presigned_url(
-        self, digest: str, *, method: str = "GET", expires_s: int = 900
-    ) -> str | None: ...
+__all__ = ["CheckReport", "Storage", "StoredBlob", "limit_size"]
 
 
 def limit_size(chunks: Iterable[bytes], *, max_bytes: int, what: str) -> Iterator[bytes]:
@@ -118,26 +87,6 @@ class CheckReport:
     quarantined: tuple[str, ...]  # snapshots taken out of service: blobs are gone
 
 
-@dataclass(frozen=True)
-class GcPlan:
-    """What a GC run deletes; ``Storage.execute_gc`` carries it out."""
-
-    snapshots_evicted: tuple[str, ...]
-    blobs: tuple[str, ...]
-    bytes_freed: int
-    orphan_files: tuple[str, ...] = field(default=())
-    planned_at: str = ""  # blob rows used after this are kept by the execution
-    # Archive objects (object store) whose snapshot is gone: evicted, deleted, or a
-    # publish refused after its archive was written. Named by snapshot id.
-    orphan_archives: tuple[str, ...] = field(default=())
-    # Unreferenced blob rows kept because they were used less than gc_grace_s ago (an
-    # upload waiting for its publish, or a snapshot just removed): a GC after
-    # ``grace_ends_at`` frees them, unless a snapshot references them again.
-    in_grace: tuple[str, ...] = field(default=())
-    in_grace_bytes: int = 0
-    grace_ends_at: str | None = None
-
-
 class Storage:
     """The server's store: a blob backend plus the metadata catalog."""
 
@@ -145,9 +94,12 @@ class Storage:
         self.settings = settings
         self.catalog = catalog
         self.blobs = blobs
+        # Asked once: the object store's URLs and archive objects, None for a local dir.
+        self.direct: DirectAccess | None = blobs.direct_access()
         self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
         self.packs = 0  # archive objects packed by publish since start (for /metrics)
         self._publishing = SnapshotLocks()  # one publish of a snapshot at a time (packing.py)
+        self._gc = Collector(catalog=catalog, blobs=blobs, direct=self.direct, settings=settings)
 
     # -- blobs ------------------------------------------------------------------------
     def missing_blobs(self, digests: Iterable[str]) -> list[str]:
@@ -158,28 +110,18 @@ class Storage:
         return [d for d in wanted if d not in present or self.blobs.stat(d) is None]
 
     def upload_targets(self, digests: Iterable[str]) -> list[Upload]:
-        """Presigned PUTs for ``digests`` when blobs live in an object store; else none.
-
-        Each carries the blob's sha256 as ``x-amz-checksum-sha256`` (signed into the URL:
-        a store that checks it refuses other bytes); publish hashes them again regardless.
-        """
-        if not isinstance(self.blobs, S3BlobStore):
+        """Where nodes PUT ``digests`` themselves (direct access); else none: they upload
+        through the server. Publish hashes what they uploaded regardless."""
+        if self.direct is None:
             return []
         expires = self.settings.presign_expires_s
-        return [
-            Upload(
-                digest=d,
-                url=self.blobs.presigned_url(d, method="PUT", expires_s=expires),
-                headers={"x-amz-checksum-sha256": checksum_b64(d)},
-            )
-            for d in digests
-        ]
+        return [self.direct.upload_target(d, expires_s=expires) for d in digests]
 
     def archive_url(self, snapshot_id: str) -> str | None:
-        """A presigned GET of the snapshot's archive object (object store only)."""
-        if not isinstance(self.blobs, S3BlobStore):
+        """Where nodes GET the snapshot's archive object (direct access only)."""
+        if self.direct is None:
             return None
-        return self.blobs.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
+        return self.direct.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
 
     def blob(self, digest: str) -> StoredBlob | None:
         """The blob's sizes when both its row and its bytes are there."""
@@ -265,11 +207,12 @@ class Storage:
             order = [d for d in order if d in chosen]
         with self.catalog.writing() as tx:
             tx.touch_snapshot(snapshot_id)
-        if isinstance(self.blobs, S3BlobStore) and len(order) == len(sizes):
+        direct = self.direct
+        if direct is not None and len(order) == len(sizes):
             # The whole snapshot: its archive object as written at publish (no recompression),
             # unless it was changed behind our back: then the stream is built from the blobs.
-            if self._archive_intact(snapshot_id):
-                return _read_chunks(self.blobs.open_archive(snapshot_id))
+            if self._archive_intact(direct, snapshot_id):
+                return _read_chunks(direct.open_archive(snapshot_id))
         return archive_chunks(
             manifest_json=text.encode(),
             blobs=[(d, sizes[d]) for d in order],
@@ -379,8 +322,8 @@ class Storage:
                     f" {entry.digest[:12]} ({sizes[entry.digest]} bytes)"
                 )
         with self.catalog.writing() as tx:
-            if checked is not None and isinstance(self.blobs, S3BlobStore):
-                record_checked(tx, self.blobs, checked, grace_s=self.settings.gc_grace_s)
+            if checked is not None and self.direct is not None:  # packed: direct access
+                record_checked(tx, self.direct, checked, grace_s=self.settings.gc_grace_s)
                 tx.record_archive(
                     snapshot_id, etag=checked.archive_etag, size_bytes=checked.archive_bytes
                 )
@@ -407,21 +350,21 @@ class Storage:
         return self.snapshot(snapshot_id), created
 
     def _pack(self, manifest: Manifest) -> Packed | None:
-        """Object store: hash every blob there and write the archive object; None otherwise.
+        """Direct access: hash every blob there and write the archive object; else None.
 
         Skipped (None) for a snapshot published before whose archive object is there as
         this server wrote it (``_archive_intact``) and whose manifest does not change (a
         re-push); a newly added signature rewrites it, and so does an archive object that
         is gone or was changed behind the server's back: the re-push repairs it.
         """
-        if not isinstance(self.blobs, S3BlobStore):
+        if self.direct is None:
             return None
         existing = self.catalog.summary(manifest.id)
-        if existing is not None and self._archive_intact(manifest.id):
+        if existing is not None and self._archive_intact(self.direct, manifest.id):
             if manifest.signature is None or existing.signed:
                 return None
         packed = pack_snapshot(
-            self.blobs,
+            self.direct,
             manifest,
             tmp_dir=self.settings.data_dir / "tmp",
             level=self.settings.archive_level,
@@ -429,11 +372,10 @@ class Storage:
         self.packs += 1
         return packed
 
-    def _archive_intact(self, snapshot_id: str) -> bool:
+    def _archive_intact(self, direct: DirectAccess, snapshot_id: str) -> bool:
         """Whether the snapshot's archive object is the one this server wrote (its ETag)."""
-        assert isinstance(self.blobs, S3BlobStore)
         recorded = self.catalog.archive_etag(snapshot_id)
-        return recorded is not None and self.blobs.archive_etag(snapshot_id) == recorded
+        return recorded is not None and direct.archive_etag(snapshot_id) == recorded
 
     def check(self) -> CheckReport:
         """The start-up check: make every row agree with what is stored.
@@ -549,116 +491,17 @@ class Storage:
     def counts(self) -> Counts:
         return self.catalog.counts()
 
-    # -- GC ---------------------------------------------------------------------------
+    # -- GC (server/gc.py) --------------------------------------------------------------
     def plan_gc(self, *, target_bytes: int | None = None) -> GcPlan:
-        """LRU-evict unpinned snapshots until stored bytes <= target, then list dead blobs.
-
-        ``target_bytes`` defaults to ``max_store_bytes`` (no eviction when unlimited). A
-        blob is deleted only when no kept snapshot references it, and either an evicted
-        snapshot did or it was last touched more than ``gc_grace_s`` ago (so an upload
-        waiting for its publish survives).
-        """
-        target = self.settings.max_store_bytes if target_bytes is None else target_bytes
-        planned_at = utc_now()
-        usage = self.catalog.blob_usage()
-        refs = {u.digest: u.refs for u in usage}
-        stored = {u.digest: u.stored_bytes for u in usage}
-        cutoff = _iso_ago(self.settings.gc_grace_s)
-        dead = {u.digest for u in usage if u.refs == 0 and u.last_access_at < cutoff}
-        waiting = [u for u in usage if u.refs == 0 and u.last_access_at >= cutoff]
-        total = sum(stored.values())
-        freed = sum(stored[d] for d in dead)
-        evicted: list[str] = []
-        if target is not None and total - freed > target:
-            for snapshot_id in self.catalog.lru_unpinned():
-                if total - freed <= target:
-                    break
-                evicted.append(snapshot_id)
-                for digest in self.catalog.snapshot_blobs(snapshot_id):
-                    refs[digest] -= 1
-                    if refs[digest] == 0 and digest not in dead:
-                        dead.add(digest)
-                        freed += stored[digest]
-        too_new = time.time() - self.settings.gc_grace_s
-        orphans = [
-            s for s in self.blobs.scan() if s.digest not in stored and s.modified_at < too_new
-        ]
-        freed += sum(s.stored_bytes for s in orphans)
-        archives: list[str] = []
-        if isinstance(self.blobs, S3BlobStore):
-            for found in self.blobs.archives():
-                if found.digest in evicted or (
-                    found.modified_at < too_new and not self.catalog.summary(found.digest)
-                ):
-                    archives.append(found.digest)
-                    freed += found.stored_bytes
-        waiting = [u for u in waiting if u.digest not in dead]  # eviction frees them now
-        return GcPlan(
-            tuple(evicted),
-            tuple(sorted(dead)),
-            freed,
-            tuple(s.digest for s in orphans),
-            planned_at=planned_at,
-            orphan_archives=tuple(archives),
-            in_grace=tuple(sorted(u.digest for u in waiting)),
-            in_grace_bytes=sum(u.stored_bytes for u in waiting),
-            grace_ends_at=_iso_after(
-                max((u.last_access_at for u in waiting), default=None), self.settings.gc_grace_s
-            ),  # fmt: skip
-        )
+        """What a GC would delete now (``Collector.plan``); touches nothing."""
+        return self._gc.plan(target_bytes=target_bytes)
 
     def execute_gc(self, plan: GcPlan) -> GcPlan:
-        """Carry out ``plan``, re-validating each decision under the write lock; returns
-        what was done.
-
-        A snapshot is evicted only if it is still unpinned. A blob row goes only if nothing
-        references it and it was not used since ``plan.planned_at``; an orphan file only if
-        it still has no row and is still older than ``gc_grace_s``. Rows are committed
-        first; files are deleted after the commit, still under the lock, so an upload
-        cannot record a row for a file about to go (``put_blob`` checks its file under the
-        same lock).
-        """
-        evicted: list[str] = []
-        orphans: list[str] = []
-        too_new = time.time() - self.settings.gc_grace_s
-        with self.catalog.writing() as tx:
-            for snapshot_id in plan.snapshots_evicted:
-                if tx.delete_snapshot(snapshot_id, only_unpinned=True):
-                    tx.add_event(kind="snapshot.evicted", subject=snapshot_id, detail=None)
-                    evicted.append(snapshot_id)
-            freed = tx.delete_unused_blob_rows(plan.blobs, unused_since=plan.planned_at)
-            for digest in plan.orphan_files:
-                stat = self.blobs.stat(digest)
-                if tx.blob_last_access(digest) is None and stat and stat.modified_at < too_new:
-                    orphans.append(digest)
-                    freed[digest] = stat.stored_bytes
-            doomed = [*freed]
-            tx.after_commit(lambda: [self.blobs.delete(d) for d in doomed])
-            # Archive objects (object store) go with their snapshot, once no row names it.
-            archives = [a for a in plan.orphan_archives if not tx.snapshot_exists(a)]
-            if isinstance(self.blobs, S3BlobStore):
-                store = self.blobs
-                tx.after_commit(lambda: [store.delete_archive(a) for a in archives])
-        self.evictions += len(evicted)
-        rows = tuple(sorted(d for d in freed if d not in orphans))
-        return replace(
-            plan,
-            snapshots_evicted=tuple(evicted),
-            blobs=rows,
-            bytes_freed=sum(freed.values()),
-            orphan_files=tuple(orphans),
-            orphan_archives=tuple(archives),
-        )
-
-
-def _iso_ago(seconds: float) -> str:
-    return (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat(timespec="microseconds")
-
-
-def _iso_after(at: str | None, seconds: float) -> str | None:
-    if not at:
-        return None
-    return (datetime.fromisoformat(at) + timedelta(seconds=seconds)).isoformat(timespec="seconds")
+        """Carry out ``plan``, each decision re-checked under the write lock
+        (``Collector.execute``); returns what was done."""
+        done = self._gc.execute(plan)
+        self.evictions += len(done.snapshots_evicted)
+        return done
 
 
 def _uncompressed_size(blobs: BlobBackend, digest: str) -> int:

@@ -32,7 +32,6 @@ and is dropped.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import threading
 import time
@@ -42,12 +41,13 @@ from typing import Any
 
 from cachekeeper import remote_tier
 from cachekeeper.errors import BlobMissing
+from cachekeeper.integrity import digest_of
 from cachekeeper.wire import RemoteCacheOffer, utc_now
 
+from .backend import BlobBackend
 from .catalog import Catalog
 from .metrics import Metrics
 from .settings import Settings
-from .storage import BlobBackend
 
 __all__ = [
     "EVICT_BATCH",
@@ -205,7 +205,7 @@ class TierStore:
             except BlobMissing:
                 self._drop_dangling(key, entry.digest)
                 return None
-            if hashlib.sha256(value).hexdigest() != entry.digest:
+            if digest_of(value) != entry.digest:
                 return None  # never hand torch bytes that are not what was written
             self._hot.add(entry.digest, value)
         with self._uses_lock:
@@ -216,7 +216,7 @@ class TierStore:
         """Store ``value`` under ``key`` (a later put of a key replaces it), then evict."""
         if len(value) > self.max_value_bytes:
             return TierPut(stored=False, reason="too_large")
-        digest = hashlib.sha256(value).hexdigest()
+        digest = digest_of(value)
         stat = self.blobs.stat(digest)
         if stat is None:
             self.blobs.put([value], digest=digest, size_bytes=len(value))

@@ -7,8 +7,6 @@ against the server's list.
 
 from __future__ import annotations
 
-import re
-
 import click
 
 from cachekeeper.cli._common import (
@@ -24,18 +22,18 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.client.api import CacheClient
 from cachekeeper.errors import SnapshotNotFound
+from cachekeeper.integrity import is_digest
 from cachekeeper.wire import Summary, to_dict
 
 __all__ = ["snapshots_cmd", "resolve_server_id"]
 
-_FULL_ID = re.compile(r"[0-9a-f]{64}")
 _MIN_PREFIX = 4
 
 
 def resolve_server_id(client: CacheClient, ref: str) -> str:
     """The full id on the server for an id or a unique prefix of at least 4 characters."""
     ref = ref.strip().lower()
-    if _FULL_ID.fullmatch(ref):
+    if is_digest(ref):
         return ref
     if len(ref) < _MIN_PREFIX:
         raise SnapshotNotFound(f"snapshot id prefix {ref!r} is too short (at least 4 characters)")

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
+from cachekeeper.integrity import DIGEST_PATTERN
+
 T = TypeVar("T")
 
-DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 AGENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$"
 

@@ -113,7 +113,7 @@ def test_both_backends_refuse_the_same_puts(
     request: pytest.FixtureRequest,
     tmp_path: Path,
 ) -> None:
-    """One check (blobstore.copy_verified) for the local dir and the object store: a body
+    """One check (integrity.copy_verified) for the local dir and the object store: a body
     over or under its declared size, or hashing to another digest, stores nothing."""
     store: LocalBlobStore | S3BlobStore = (
         S3BlobStore.from_url(request.getfixturevalue("s3_bucket"))
