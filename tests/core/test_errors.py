@@ -52,3 +52,59 @@ def test_codes_statuses_and_exit_codes_are_as_they_were() -> None:
         cls = getattr(errors, name)
         assert (cls.code, cls.http_status, cls.exit_code) == (code, status, exit_code), name
         assert errors.error_for_code(code) is cls, code
+
+
+def _drawn_tree() -> dict[str, tuple[str | None, bool]]:
+    """The tree drawn at the top of errors.py: {class: (parent, marked retryable)}."""
+    drawn: dict[str, tuple[str | None, bool]] = {}
+    parents: list[str] = []
+    for line in (errors.__doc__ or "").splitlines():
+        stripped = line.lstrip()
+        if stripped[:2] not in ("* ", "x ", "+ ", "- "):
+            continue
+        depth = (len(line) - len(stripped)) // 2
+        name = stripped[2:].split()[0]
+        del parents[depth:]
+        drawn[name] = (parents[-1] if parents else None, "(retryable)" in stripped)
+        parents.append(name)
+    return drawn
+
+
+def test_the_tree_drawn_at_the_top_is_the_real_one() -> None:
+    real = {
+        cls.__name__: (
+            None if cls is errors.CachekeeperError else cls.__bases__[0].__name__,
+            cls.retryable,
+        )
+        for cls in errors.ERRORS.values()
+    }
+    assert _drawn_tree() == real
+
+
+def test_every_error_but_the_outcomes_is_in_one_category() -> None:
+    categories = (
+        errors.TransientError,
+        errors.IntegrityError,
+        errors.RequestRejected,
+        errors.LocalEnvironmentError,
+    )
+    outcomes = {errors.NoMatchingSnapshot, errors.PrewarmFailed, errors.ColdCompileBroken}
+    for cls in errors.ERRORS.values():
+        if cls is errors.CachekeeperError or cls in categories or cls in outcomes:
+            continue
+        assert sum(issubclass(cls, c) for c in categories) == 1, cls.__name__
+
+
+def test_retryable_is_what_a_second_download_may_cure() -> None:
+    """Before the categories, client.pull kept its own list of these (issue 26)."""
+    retryable = {cls for cls in errors.ERRORS.values() if cls.retryable}
+    assert retryable == {
+        errors.TransientError,
+        errors.ServerUnavailable,
+        errors.ServerError,
+        errors.DigestMismatch,
+        errors.BlobTooLarge,
+        errors.BlobMissing,
+    }
+    assert errors.ServerUnavailable("x").retryable
+    assert not errors.Unauthorized("x").retryable
