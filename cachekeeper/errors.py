@@ -40,6 +40,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + LinkInCacheDir
     + RestoreConflict
     + ConfigInvalid
+    + DeviceInvalid
     + FingerprintUnavailable
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
@@ -79,6 +80,7 @@ __all__ = [
     "LinkInCacheDir",
     "RestoreConflict",
     "CacheDirUnusable",
+    "DeviceInvalid",
     "Unauthorized",
     "Forbidden",
     "PayloadTooLarge",
@@ -252,6 +254,13 @@ class CacheDirUnusable(LocalEnvironmentError):
 
     code = "cache_dir_unusable"
     http_status = 500  # a node's own trouble; the server never answers it
+
+
+class DeviceInvalid(LocalEnvironmentError):
+    """A ``--device`` that does not parse, or names GPUs this machine does not see."""
+
+    code = "invalid_device"
+    exit_code = 2  # a usage error, as when it was a PrewarmFailed
 
 
 class Unauthorized(RequestRejected):
