@@ -35,8 +35,9 @@ from cachekeeper.archive import ReadAhead
 from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import ServerUnavailable
 
-from .api import Deadline, _import_httpx
+from .api import Deadline
 from .calls import read_within, tls_context
+from .transport import import_httpx as _import_httpx
 
 if TYPE_CHECKING:
     import httpx
