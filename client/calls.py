@@ -187,16 +187,19 @@ def _tls_context(bundle: str | None, cert_file: str | None, cert_dir: str | None
     return context
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, query: bool = True) -> str:
     """``url`` without its user name and password: ``http://u:pw@cache:8750/v1`` ->
-    ``http://cache:8750/v1`` (what messages, logs and reports show)."""
+    ``http://cache:8750/v1`` (what messages, logs and reports show). ``query=False`` drops
+    the query too: a presigned URL's signature is not for logs."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<a server URL that does not parse>"
-    if "@" not in parts.netloc:
+    if query and "@" not in parts.netloc:
         return url
     host = parts.netloc.rpartition("@")[2]
+    if not query:
+        return urlunsplit((parts.scheme, host, parts.path, "", ""))
     return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
