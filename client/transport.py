@@ -1,7 +1,7 @@
 """Every request of the client side, sent under the rules of ``client/calls.py``.
 
 ``CacheClient`` (the server's API) and ``ObjectStore`` (presigned URLs) are two users of
-one httpx transport:
+one httpx transport, and the pre-job hook's few requests are one stdlib function:
 
 - ``http_client()`` makes their httpx client: the User-Agent once (and the bearer token,
   for the server only), the one TLS context, no redirects followed.
@@ -16,24 +16,39 @@ one httpx transport:
   ``StreamReader`` is a streamed answer as a file (the archive download), mapping a
   connection cut mid-stream to ``ServerUnavailable``.
 
+- ``post_json()`` is the hook's quick resolve and the job reports: one plain
+  ``http.client`` POST, never an exception. Its time bound is a wall-clock bound on the
+  whole request, not a socket timeout (which bounds each read alone, so a server trickling
+  a byte a second would never trip it): the request runs in a daemon thread that the caller
+  stops waiting for at the bound, and the socket is shut down then, so the thread ends too.
+  Name resolution, connecting, sending and reading all count. The answer is read up to
+  ``RESOLVE_MAX_BYTES``; a longer one is trouble.
+
 httpx is imported on first use (``import_httpx``), without its command-line module (click,
 rich, pygments: ~100 ms); this module itself is stdlib only, so the pre-job hook's no-op
-path, which never sends through httpx, loads no httpx.
+path, which sends only ``post_json``, loads no httpx.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
+import socket
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 from cachekeeper.errors import CachekeeperError, ServerError, ServerUnavailable
 
 from .calls import (
+    RESOLVE_MAX_BYTES,
     RETRY_STATUSES,
     Backoff,
     Deadline,
+    endpoint,
     read_within,
     redact_url,
     request_headers,
@@ -43,7 +58,15 @@ from .calls import (
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["StreamReader", "describe", "http_client", "import_httpx", "read_answer", "send"]
+__all__ = [
+    "StreamReader",
+    "describe",
+    "http_client",
+    "import_httpx",
+    "post_json",
+    "read_answer",
+    "send",
+]
 
 _T = TypeVar("_T")
 _STREAM_CHUNK_BYTES = 1 << 20
@@ -229,3 +252,76 @@ def describe(exc: Exception) -> str:
     """A transport failure in a few words: its class and its message, once each."""
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+
+
+def post_json(
+    server: str | None, path: str, body: dict[str, Any], *, token: str | None, timeout_s: float
+) -> tuple[int, bytes] | None:
+    """POST ``body`` as JSON to route ``path`` of ``server`` (``calls.endpoint``): (status,
+    body), or None on any trouble, including not being done within ``timeout_s`` in all (see
+    the module docstring). No retry: the hook's budget has no room for one, and the callers
+    fall back (prejob to ``CacheClient``, which retries; a report is best-effort)."""
+    if not server or timeout_s <= 0:
+        return None
+    found: list[tuple[int, bytes] | None] = [None]
+    cut = threading.Event()
+    socks: list[socket.socket] = []
+
+    def run() -> None:
+        found[0] = _post(server, path, body, token=token, timeout_s=timeout_s, socks=socks, cut=cut)
+
+    worker = threading.Thread(target=run, name="cachekeeper-post", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        cut.set()
+        for sock in socks:  # a blocked read returns at once: the thread ends soon after
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        return None
+    return found[0]
+
+
+def _post(
+    server: str,
+    path: str,
+    body: dict[str, Any],
+    *,
+    token: str | None,
+    timeout_s: float,
+    socks: list[socket.socket],
+    cut: threading.Event,
+) -> tuple[int, bytes] | None:
+    import http.client  # only with a server set: the hook's start-up budget
+
+    try:
+        url = urlsplit(endpoint(server, path))
+        if url.scheme == "http":
+            conn: http.client.HTTPConnection = http.client.HTTPConnection(
+                url.hostname or "", url.port, timeout=timeout_s
+            )
+        elif url.scheme == "https":
+            conn = http.client.HTTPSConnection(
+                url.hostname or "", url.port, timeout=timeout_s, context=tls_context()
+            )
+        else:
+            return None
+    except (ValueError, CachekeeperError):  # a bad URL, or a CA bundle that cannot be read
+        return None
+    headers = {**request_headers(token=token), "Content-Type": "application/json"}
+    try:
+        conn.connect()
+        if conn.sock is not None:
+            socks.append(conn.sock)
+        if cut.is_set():  # connected after the caller gave up: nobody waits for the answer
+            return None
+        conn.request("POST", url.path, json.dumps(body).encode(), headers)
+        response = conn.getresponse()
+        data = response.read(RESOLVE_MAX_BYTES + 1)
+        if len(data) > RESOLVE_MAX_BYTES:
+            return None
+        return response.status, data
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()

@@ -68,7 +68,7 @@ def statuses(*codes: int) -> Route:
 
 
 def test_every_client_path_sends_one_user_agent_and_the_token_only_to_the_server() -> None:
-    from cachekeeper.client.reporting import post_json
+    from cachekeeper.client.transport import post_json
 
     routes = {"/metrics": statuses(), "/v1/reports": answer_json({}), "/obj": statuses()}
     with FakeServer(routes) as server:
