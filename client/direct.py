@@ -34,7 +34,7 @@ from cachekeeper.archive import ReadAhead
 from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import ServerUnavailable
 
-from .calls import Backoff, Deadline, read_within, redact_url
+from .calls import Backoff, Deadline, redact_url
 from .transport import http_client, read_answer, send
 
 if TYPE_CHECKING:
@@ -102,18 +102,15 @@ class ObjectStore:
                     f"GET {where} answered HTTP {status}"
                     + (" (the presigned URL expired or was refused)" if status == 403 else "")
                 )
-            limit = end - start + 1 if status == 206 else WHOLE_MAX_BYTES
-            data = read_within(
-                response.iter_bytes(),
-                limit=limit,
+            whole = read_answer(
+                response,
+                limit=end - start + 1 if status == 206 else WHOLE_MAX_BYTES,
                 deadline=deadline,
-                late=lambda n: DirectUnavailable(
-                    f"{what} passed the {deadline.seconds:g} s deadline ({n} bytes in)"
-                ),
-                over=lambda: DirectUnavailable(f"{what} sent more than {limit} bytes"),
+                what=what,
+                unavailable=DirectUnavailable,
+                too_long=DirectUnavailable,
             )
-            response.close()
-            return Part(status, response.headers, data)
+            return Part(status, whole.headers, whole.content)
 
         return send(
             self._http,
