@@ -36,7 +36,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -98,17 +97,26 @@ class Deadline:
         return min(timeout_s, left)
 
 
-@dataclass(frozen=True)
 class Backoff:
     """The one retry rule of every client path: ``retries`` more tries at most, the k-th
     after ``base_s * 2**k`` seconds (at most ``max_s``), jittered to between half and all
     of it so that the nodes of a job do not retry in step, and only while the deadline
     leaves more than that wait. What is retried: a request that failed on the way
-    (refused, reset, timed out) and an answer in ``RETRY_STATUSES``."""
+    (refused, reset, timed out) and an answer in ``RETRY_STATUSES``.
 
-    retries: int = 3
-    base_s: float = 0.2
-    max_s: float = 2.0
+    A value, never changed after it is made (a plain class, as ``Deadline``: the hook's
+    no-op path imports this module, and making a frozen dataclass costs it a millisecond).
+    """
+
+    __slots__ = ("base_s", "max_s", "retries")
+
+    def __init__(self, *, retries: int = 3, base_s: float = 0.2, max_s: float = 2.0) -> None:
+        self.retries = retries
+        self.base_s = base_s
+        self.max_s = max_s
+
+    def __repr__(self) -> str:
+        return f"Backoff(retries={self.retries}, base_s={self.base_s}, max_s={self.max_s})"
 
     def wait(self, retry: int, deadline: Deadline) -> bool:
         """Sleep before retry ``retry + 1`` (0 is the first); False, without sleeping, when

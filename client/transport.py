@@ -15,7 +15,6 @@ one httpx transport, and the pre-job hook's few requests are one stdlib function
 - ``read_answer()`` reads an answer whole, against the deadline and a size cap;
   ``StreamReader`` is a streamed answer as a file (the archive download), mapping a
   connection cut mid-stream to ``ServerUnavailable``.
-
 - ``post_json()`` is the hook's quick resolve and the job reports: one plain
   ``http.client`` POST, never an exception. Its time bound is a wall-clock bound on the
   whole request, not a socket timeout (which bounds each read alone, so a server trickling
