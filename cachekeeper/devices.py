@@ -16,7 +16,7 @@ prejob, status, a builder asked for indices it lacks) uses it or says the same.
 
 from __future__ import annotations
 
-from cachekeeper.errors import PrewarmFailed
+from cachekeeper.errors import DeviceInvalid
 
 __all__ = [
     "coverage_advice",
@@ -39,10 +39,10 @@ def _indices(spec: str) -> list[int]:
         part = part.strip().removeprefix("cuda:")
         first, dash, last = part.partition("-")
         if not first.isdigit() or (dash and not last.isdigit()):
-            raise PrewarmFailed(f"device {spec!r}: {part!r} is not a GPU index or range")
+            raise DeviceInvalid(f"device {spec!r}: {part!r} is not a GPU index or range")
         end = int(last) if dash else int(first)
         if end > _MAX_INDEX:
-            raise PrewarmFailed(f"device {spec!r}: {part!r} is past cuda:{_MAX_INDEX}")
+            raise DeviceInvalid(f"device {spec!r}: {part!r} is past cuda:{_MAX_INDEX}")
         for index in range(int(first), end + 1):
             if index not in indices:
                 indices.append(index)
@@ -110,7 +110,7 @@ def requested_devices(spec: str | None) -> list[str] | None:
     if spec == "cpu":
         return ["cpu"]
     if not spec.startswith("cuda:"):
-        raise PrewarmFailed(f"device {spec!r}: {_GRAMMAR}")
+        raise DeviceInvalid(f"device {spec!r}: {_GRAMMAR}")
     return [f"cuda:{i}" for i in _indices(spec)]
 
 
@@ -132,18 +132,18 @@ def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
     if spec == "cpu":
         return ["cpu"]
     if spec != "cuda" and not spec.startswith("cuda:"):
-        raise PrewarmFailed(f"device {spec!r}: {_GRAMMAR}")
+        raise DeviceInvalid(f"device {spec!r}: {_GRAMMAR}")
     gpus = visible_gpus() if visible is None else list(visible)
     if spec == "cuda":
         if not gpus:
-            raise PrewarmFailed("device 'cuda': no GPU is visible (use --device cpu)")
+            raise DeviceInvalid("device 'cuda': no GPU is visible (use --device cpu)")
         return [f"cuda:{i}" for i in gpus]
     indices = _indices(spec)
     absent = [f"cuda:{i}" for i in indices if i not in gpus]
     if absent:
         shown = format_devices([f"cuda:{i}" for i in gpus])
         needed = max(i for i in indices if i not in gpus) + 1
-        raise PrewarmFailed(
+        raise DeviceInvalid(
             f"device {format_devices(absent)} is not visible (visible: {shown}): this machine"
             f" cannot build {format_devices(absent)} (the device index is in Inductor's key);"
             f" build on one with >= {needed} GPUs, or train with one visible GPU per rank"

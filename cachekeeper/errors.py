@@ -2,7 +2,58 @@
 
 Each exception class carries a stable ``code`` (what the server answers as
 ``{"error": code, "detail": message}`` and what the client maps back to the class),
-the HTTP status the server answers with, and the exit code the CLI exits with.
+the HTTP status the server answers with, the exit code the CLI exits with, and whether
+the same operation, tried again, may succeed (``retryable``). Callers catch a category,
+as httpx's exception tree lets them catch a transport or a timeout error:
+
+* CachekeeperError
+  x TransientError (retryable)     the server or the way to it is briefly unwell
+    + ServerUnavailable (retryable)
+    + ServerError (retryable)
+  x IntegrityError                 bytes or records that fail their checks
+    + DigestMismatch (retryable)
+      - BlobTooLarge (retryable)
+    + BlobMissing (retryable)
+    + InvalidManifest
+      - UnsafePath
+      - UnsupportedFormat
+    + SignatureInvalid
+  x RequestRejected                refused as asked: the same request gets the same answer
+    + BadRequest
+    + InvalidRequest
+    + Unauthorized
+    + Forbidden
+    + NotFound
+      - AgentNotFound
+    + SnapshotNotFound
+    + WorkloadNotFound
+    + WorkloadInvalid
+    + MethodNotAllowed
+    + UnsupportedEncoding
+    + UnsupportedMediaType
+    + RangeNotSatisfiable
+    + PayloadTooLarge
+    + RequestTimeout
+    + InsufficientStorage
+  x LocalEnvironmentError          this machine: its dirs, settings, devices, drivers
+    + CacheDirUnusable
+    + LinkInCacheDir
+    + RestoreConflict
+    + ConfigInvalid
+    + DeviceInvalid
+    + FingerprintUnavailable
+  x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
+  x PrewarmFailed                  a build that failed, a workload whose cold compile
+  x ColdCompileBroken              raises
+(``cachekeeper.client.direct.DirectUnavailable``, the object store's refusal after which
+the client falls back to the server, is a ``ServerUnavailable``.)
+
+``retryable`` is what a caller that may run an operation again reads (``client.pull``
+downloads a snapshot again on one): a transient failure, and bytes that arrived damaged
+or incomplete, which a second download may bring whole. Which *requests* the client
+sends again is the transport's one rule (``client.calls.Backoff``): a failure on the way
+or a 5xx answer. A category's own code is in the table so that every class is; no one
+raises a category itself.
 """
 
 from __future__ import annotations
@@ -12,6 +63,10 @@ from typing import Any, ClassVar
 
 __all__ = [
     "CachekeeperError",
+    "TransientError",
+    "IntegrityError",
+    "RequestRejected",
+    "LocalEnvironmentError",
     "InvalidManifest",
     "UnsafePath",
     "UnsupportedFormat",
@@ -25,6 +80,7 @@ __all__ = [
     "LinkInCacheDir",
     "RestoreConflict",
     "CacheDirUnusable",
+    "DeviceInvalid",
     "Unauthorized",
     "Forbidden",
     "PayloadTooLarge",
@@ -57,6 +113,7 @@ class CachekeeperError(Exception):
     code: ClassVar[str] = "error"
     http_status: ClassVar[int] = 500
     exit_code: ClassVar[int] = 1
+    retryable: ClassVar[bool] = False  # the same operation, run again, may succeed
 
     def __init__(self, detail: str, *, extra: dict[str, Any] | None = None) -> None:
         super().__init__(detail)
@@ -77,7 +134,36 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-class InvalidManifest(CachekeeperError):
+class TransientError(CachekeeperError):
+    """The server, or the way to it, is briefly unwell: the same call may succeed soon."""
+
+    code = "transient"
+    http_status = 503
+    retryable = True
+
+
+class IntegrityError(CachekeeperError):
+    """Bytes or records that fail their checks: a digest, a size, a manifest, a signature."""
+
+    code = "integrity"
+    http_status = 422
+
+
+class RequestRejected(CachekeeperError):
+    """A request refused as asked (by the server, or by this library for the same reason):
+    sent again unchanged, it gets the same answer."""
+
+    code = "request_rejected"
+    http_status = 400
+
+
+class LocalEnvironmentError(CachekeeperError):
+    """This machine is in the way: a cache dir, a setting, a device, a hung driver."""
+
+    code = "local_environment"
+
+
+class InvalidManifest(IntegrityError):
     """A manifest that is malformed: bad JSON, bad fields, bad digests, duplicate paths."""
 
     code = "invalid_manifest"
@@ -96,18 +182,20 @@ class UnsupportedFormat(InvalidManifest):
     code = "unsupported_format"
 
 
-class DigestMismatch(CachekeeperError):
+class DigestMismatch(IntegrityError):
     """Bytes whose sha256 is not the one they were declared with."""
 
     code = "digest_mismatch"
     http_status = 422
+    retryable = True  # damaged on the way: a second download may bring the bytes whole
 
 
-class BlobMissing(CachekeeperError):
+class BlobMissing(IntegrityError):
     """A blob a manifest references is not available."""
 
     code = "blob_missing"
     http_status = 409
+    retryable = True  # a stream cut short, or a blob the store has again by the next try
 
 
 class BlobTooLarge(DigestMismatch):
@@ -116,14 +204,14 @@ class BlobTooLarge(DigestMismatch):
     code = "blob_too_large"
 
 
-class SnapshotNotFound(CachekeeperError):
+class SnapshotNotFound(RequestRejected):
     """No snapshot with that id."""
 
     code = "snapshot_not_found"
     http_status = 404
 
 
-class WorkloadInvalid(CachekeeperError):
+class WorkloadInvalid(RequestRejected):
     """A workload file that does not parse or validate."""
 
     code = "invalid_workload"
@@ -131,7 +219,7 @@ class WorkloadInvalid(CachekeeperError):
     exit_code = 2
 
 
-class WorkloadNotFound(CachekeeperError):
+class WorkloadNotFound(RequestRejected):
     """No workload registered under that name."""
 
     code = "workload_not_found"
@@ -145,21 +233,21 @@ class NoMatchingSnapshot(CachekeeperError):
     http_status = 404
 
 
-class LinkInCacheDir(CachekeeperError):
+class LinkInCacheDir(LocalEnvironmentError):
     """A symbolic link inside a cache dir being snapshotted."""
 
     code = "link_in_cache_dir"
     http_status = 422
 
 
-class RestoreConflict(CachekeeperError):
+class RestoreConflict(LocalEnvironmentError):
     """A different file already exists where a restore would write (it is kept)."""
 
     code = "restore_conflict"
     http_status = 409
 
 
-class CacheDirUnusable(CachekeeperError):
+class CacheDirUnusable(LocalEnvironmentError):
     """A cache dir a restore cannot write: its disk is full or read-only, a name is too
     long for its filesystem, or cachekeeper's ``.cachekeeper`` folder there is a file or
     a link."""
@@ -168,49 +256,56 @@ class CacheDirUnusable(CachekeeperError):
     http_status = 500  # a node's own trouble; the server never answers it
 
 
-class Unauthorized(CachekeeperError):
+class DeviceInvalid(LocalEnvironmentError):
+    """A ``--device`` that does not parse, or names GPUs this machine does not see."""
+
+    code = "invalid_device"
+    exit_code = 2  # a usage error, as when it was a PrewarmFailed
+
+
+class Unauthorized(RequestRejected):
     """No valid bearer token."""
 
     code = "unauthorized"
     http_status = 401
 
 
-class Forbidden(CachekeeperError):
+class Forbidden(RequestRejected):
     """The token lacks the scope this route needs."""
 
     code = "forbidden"
     http_status = 403
 
 
-class PayloadTooLarge(CachekeeperError):
+class PayloadTooLarge(RequestRejected):
     """A request over one of the server's limits (blob size, manifest size, file count)."""
 
     code = "payload_too_large"
     http_status = 413
 
 
-class InsufficientStorage(CachekeeperError):
+class InsufficientStorage(RequestRejected):
     """The store is full (hard cap reached, or the disk itself)."""
 
     code = "insufficient_storage"
     http_status = 507
 
 
-class SignatureInvalid(CachekeeperError):
+class SignatureInvalid(IntegrityError):
     """A snapshot that is unsigned, signed by an untrusted key, or tampered with."""
 
     code = "signature_invalid"
     http_status = 422
 
 
-class ServerUnavailable(CachekeeperError):
+class ServerUnavailable(TransientError):
     """The cache server could not be reached in time."""
 
     code = "server_unavailable"
     http_status = 503
 
 
-class ServerError(CachekeeperError):
+class ServerError(TransientError):
     """The server answered with an error the client does not know."""
 
     code = "server_error"
@@ -233,21 +328,21 @@ class ColdCompileBroken(CachekeeperError):
     exit_code = 3
 
 
-class InvalidRequest(CachekeeperError):
+class InvalidRequest(RequestRejected):
     """A request body or parameter that does not validate (the server's 422)."""
 
     code = "invalid_request"
     http_status = 422
 
 
-class BadRequest(CachekeeperError):
+class BadRequest(RequestRejected):
     """A request the server cannot read at all."""
 
     code = "bad_request"
     http_status = 400
 
 
-class NotFound(CachekeeperError):
+class NotFound(RequestRejected):
     """No such route or resource."""
 
     code = "not_found"
@@ -260,49 +355,49 @@ class AgentNotFound(NotFound):
     code = "agent_not_found"
 
 
-class MethodNotAllowed(CachekeeperError):
+class MethodNotAllowed(RequestRejected):
     """The route exists but not for that HTTP method."""
 
     code = "method_not_allowed"
     http_status = 405
 
 
-class UnsupportedEncoding(CachekeeperError):
+class UnsupportedEncoding(RequestRejected):
     """A Content-Encoding the server does not accept (identity or zstd only)."""
 
     code = "unsupported_encoding"
     http_status = 415
 
 
-class UnsupportedMediaType(CachekeeperError):
+class UnsupportedMediaType(RequestRejected):
     """A Content-Type the route does not accept."""
 
     code = "unsupported_media_type"
     http_status = 415
 
 
-class RangeNotSatisfiable(CachekeeperError):
+class RangeNotSatisfiable(RequestRejected):
     """A Range header outside the blob."""
 
     code = "range_not_satisfiable"
     http_status = 416
 
 
-class RequestTimeout(CachekeeperError):
+class RequestTimeout(RequestRejected):
     """A request body that stopped arriving (no bytes for the server's body timeout)."""
 
     code = "request_timeout"
     http_status = 408
 
 
-class ConfigInvalid(CachekeeperError):
+class ConfigInvalid(LocalEnvironmentError):
     """A server setting that is wrong or unsafe: named with its value and where it came from."""
 
     code = "invalid_config"
     exit_code = 2
 
 
-class FingerprintUnavailable(CachekeeperError):
+class FingerprintUnavailable(LocalEnvironmentError):
     """This machine's fingerprint could not be collected in time (a hung NVML or nvidia-smi)."""
 
     code = "fingerprint_unavailable"

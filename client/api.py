@@ -1,13 +1,14 @@
 """``CacheClient``: the httpx client for the cache server's HTTP API (docs/api.md).
 
-Every call runs under a timeout: the smaller of the client's ``timeout_s`` and what is left
-of an optional ``Deadline``, so the pre-job hook can promise an overall bound. Connection
-errors, timeouts and 5xx answers are retried with jittered exponential backoff, never past
-the deadline. The server's ``{"error": code, "detail": ...}`` answers come back as the same
-exception class (``cachekeeper.errors.error_for_code``); transport failures become
-``ServerUnavailable``; an answer that is not the JSON the contract promises is a
-``ServerError``. Nothing here imports torch, and httpx is imported without its optional
-command-line module (rich, pygments), which would double the hook's start-up time.
+Every call goes through the one client transport (``client/transport.py``, under the
+rules of ``client/calls.py``): a timeout that is the smaller of the client's ``timeout_s``
+and what is left of an optional ``Deadline``, so the pre-job hook can promise an overall
+bound; connection errors, timeouts and 5xx answers retried by the one ``Backoff`` rule,
+never past the deadline; answers read against the deadline and a size cap. The server's
+``{"error": code, "detail": ...}`` answers come back as the same exception class
+(``cachekeeper.errors.error_for_code``, mapped here and only here); transport failures
+become ``ServerUnavailable``; an answer that is not the JSON the contract promises is a
+``ServerError``. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import random
-import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 from urllib.parse import urlencode
@@ -64,13 +62,16 @@ from cachekeeper.wire import (
 )
 
 from .calls import (  # Deadline and server_root: public here since 0.1
+    ANSWER_MAX_BYTES,
+    MANIFEST_MAX_BYTES,
+    RESOLVE_MAX_BYTES,
+    Backoff,
     Deadline,
     endpoint,
-    read_within,
     redact_url,
     server_root,
-    tls_context,
 )
+from .transport import StreamReader, http_client, read_answer, send
 
 if TYPE_CHECKING:
     import httpx
@@ -82,33 +83,9 @@ __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 Resolution = ResolveAnswer  # the client's name for the resolve answer (public since 0.1)
 _Shape = TypeVar("_Shape")
 
-# The most bytes a JSON answer may have (a manifest's: MANIFEST_MAX_BYTES): a server that
-# sends more is refused, so the hook's memory stays bounded whatever it is sent.
-ANSWER_MAX_BYTES = 64 << 20
-MANIFEST_MAX_BYTES = 512 << 20  # 200,000 files are about 50 MB of manifest
-RESOLVE_MAX_BYTES = 16 << 20  # a resolve answer is kilobytes (the hook's, as reporting's)
-# Answers worth another try: the server or a proxy in front of it is briefly unwell.
-_RETRY_STATUSES = frozenset({500, 502, 503, 504})
-_MAX_BACKOFF_S = 2.0
-_STREAM_CHUNK_BYTES = 1 << 20
 # The archive download reads the response in zstandard's recommended input size, as it
 # always has (local archive files are read 1 MiB at a time).
 _RESPONSE_READ_BYTES = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE
-
-
-def _import_httpx() -> Any:
-    """Import httpx without ``httpx._main`` (its CLI: click + rich + pygments, ~100 ms)."""
-    if "httpx" in sys.modules:
-        return sys.modules["httpx"]
-    blocked = "httpx._main" not in sys.modules
-    if blocked:
-        sys.modules["httpx._main"] = None  # type: ignore[assignment]  # httpx falls back to a stub
-    try:
-        import httpx
-    finally:
-        if blocked and sys.modules.get("httpx._main") is None:
-            del sys.modules["httpx._main"]
-    return httpx
 
 
 class CacheClient:
@@ -129,7 +106,6 @@ class CacheClient:
         transport: httpx.BaseTransport | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        httpx = _import_httpx()
         # One deadline for every call of this client (an operator command's --timeout);
         # a call's own ``deadline`` replaces it.
         self._deadline = Deadline(deadline_s) if deadline_s is not None else None
@@ -140,20 +116,9 @@ class CacheClient:
         self.base_url = redact_url(root)  # what messages show: never a password in the URL
         self._has_token = bool(token)
         self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        headers = {"User-Agent": "cachekeeper-client"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        # Plain http needs no TLS context; building one loads the CA bundle (~100 ms).
-        verify: Any = tls_context() if root.lower().startswith("https://") else False
-        self._http = httpx.Client(
-            base_url=root,
-            headers=headers,
-            transport=transport,
-            verify=verify,
-            follow_redirects=False,
-            timeout=timeout_s,
+        self.backoff = Backoff(retries=retries, base_s=backoff_s)
+        self._http = http_client(
+            base_url=root, token=token, timeout_s=timeout_s, transport=transport
         )
 
     def close(self) -> None:
@@ -286,7 +251,7 @@ class CacheClient:
         )
         ahead: BinaryIO | None = None
         try:
-            raw = cast(BinaryIO, _ResponseReader(response, deadline))
+            raw = cast(BinaryIO, StreamReader(response, deadline))
             # Download and decompress in a thread, ahead of the hashing and writing.
             ahead = open_archive_stream(raw, read_bytes=_RESPONSE_READ_BYTES)
             yield ahead
@@ -464,135 +429,38 @@ class CacheClient:
         timeout_s: float | None = None,
         max_answer_bytes: int = ANSWER_MAX_BYTES,
     ) -> httpx.Response:
-        """One request with retries; returns a 2xx response or raises a CachekeeperError.
+        """One request (``transport.send``); returns a 2xx response or raises a
+        CachekeeperError.
 
-        Each attempt waits ``timeout_s`` (default: the client's) at most, bounded by
+        Each try waits ``timeout_s`` (default: the client's) at most, bounded by
         ``deadline``. Unless ``stream``, the answer is read here, checked against the
         deadline as it arrives (a server trickling a byte a second cannot hold a call past
         it) and refused past ``max_answer_bytes`` (a ServerError: memory stays bounded)."""
-        httpx = _import_httpx()
         deadline = deadline or self._deadline or Deadline(None)
-        url = endpoint(self._root, path)  # the real URL (a password in it included)
-        shown = endpoint(self.base_url, path)  # what messages show
-        attempt = 0
-        while True:
-            try:
-                timeout = deadline.bound(self.timeout_s if timeout_s is None else timeout_s)
-            except ServerUnavailable as exc:
-                raise ServerUnavailable(f"{method} {shown}: {exc.detail}") from None
-            body = open_body() if open_body is not None else None
-            try:
-                request = self._http.build_request(
-                    method,
-                    url,
-                    json=json_body,
-                    content=body,
-                    headers=headers,
-                    timeout=httpx.Timeout(timeout),
-                )
-                response = self._http.send(request, stream=True)
-                if not (stream and response.is_success):
-                    response = _read_answer(
-                        response,
-                        limit=max_answer_bytes,
-                        deadline=deadline,
-                        what=f"{method} {shown}",
-                    )
-            except httpx.TransportError as exc:
-                reason = f"{method} {shown} failed: {_describe(exc)}"
-                if self._backoff(attempt, deadline):
-                    attempt += 1
-                    continue
-                raise ServerUnavailable(reason) from exc
-            finally:
-                if body is not None:
-                    body.close()
-            if response.status_code in _RETRY_STATUSES and self._backoff(attempt, deadline):
-                response.close()
-                attempt += 1
-                continue
-            if response.is_success:
-                return response
-            raise _error_from(response, method=method, url=shown, sent_token=self._has_token)
+        shown = endpoint(self.base_url, path)  # what messages show: no password
+        what = f"{method} {shown}"
 
-    def _backoff(self, attempt: int, deadline: Deadline) -> bool:
-        """Sleep before retry ``attempt + 1``; False when retries or time are used up."""
-        if attempt >= self.retries:
-            return False
-        delay = min(self.backoff_s * (2**attempt), _MAX_BACKOFF_S) * (0.5 + random.random() / 2)
-        left = deadline.remaining()
-        if left is not None and left <= delay:
-            return False
-        time.sleep(delay)
-        return True
+        def read(response: httpx.Response) -> httpx.Response:
+            if stream and response.is_success:
+                return response  # the caller streams it
+            return read_answer(response, limit=max_answer_bytes, deadline=deadline, what=what)
 
-
-def _read_answer(
-    response: httpx.Response, *, limit: int, deadline: Deadline, what: str
-) -> httpx.Response:
-    """``response`` read whole, as a new (closed) response; ServerUnavailable once the
-    deadline passes, ServerError past ``limit`` bytes. TransportErrors pass through."""
-    httpx = _import_httpx()
-    try:
-        data = read_within(
-            response.iter_bytes(),
-            limit=limit,
+        response = send(
+            self._http,
+            method,
+            endpoint(self._root, path),  # the real URL (a password in it included)
+            what=what,
+            read=read,
             deadline=deadline,
-            late=lambda n: ServerUnavailable(
-                f"{what}: the answer passed the {deadline.seconds:g} s deadline ({n} bytes in)"
-            ),
-            over=lambda: ServerError(f"{what}: the answer is over {limit} bytes; refused"),
+            backoff=self.backoff,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            json_body=json_body,
+            open_body=open_body,
+            headers=headers,
         )
-    finally:
-        response.close()
-    # The bytes are decoded already: the new response must not decode them again.
-    kept = [
-        (k, v)
-        for k, v in response.headers.multi_items()
-        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
-    ]
-    return httpx.Response(
-        response.status_code, headers=kept, content=data, request=response.request
-    )
-
-
-class _ResponseReader(io.RawIOBase):
-    """A streaming response body as a readable file, mapping transport errors."""
-
-    def __init__(self, response: httpx.Response, deadline: Deadline | None) -> None:
-        self._chunks = response.iter_raw(_STREAM_CHUNK_BYTES)
-        self._url = redact_url(str(response.request.url))
-        self._deadline = deadline
-        self._pending = memoryview(b"")  # a view, so handing out a chunk copies it once
-        self._done = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        httpx = _import_httpx()
-        while not self._pending and not self._done:
-            if self._deadline is not None and self._deadline.expired:
-                raise ServerUnavailable(
-                    f"download of {self._url} passed the {self._deadline.seconds:g} s deadline"
-                )
-            try:
-                self._pending = memoryview(next(self._chunks))
-            except StopIteration:
-                self._done = True
-            except httpx.TransportError as exc:
-                raise ServerUnavailable(
-                    f"download of {self._url} was cut off: {_describe(exc)}"
-                ) from exc
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-
-def _describe(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+        if response.is_success:
+            return response
+        raise _error_from(response, method=method, url=shown, sent_token=self._has_token)
 
 
 _TOKEN_SOURCE = "--token or CACHEKEEPER_TOKEN"

@@ -1,4 +1,6 @@
-"""What every call to the server shares: its URLs, the TLS context, one deadline per operation.
+"""The rules every request of the client side follows, in one place: URLs, TLS, headers,
+deadlines, answer sizes, and the one retry rule. ``client/transport.py`` applies them to
+each request (httpx for ``CacheClient`` and the object store, ``http.client`` for the hook).
 
 - ``endpoint(server, path)`` is the one place a route's URL is built, for every client path:
   ``CacheClient`` (httpx), the hook's quick resolve and the job reports (``http.client``).
@@ -8,19 +10,30 @@
   (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else certifi's bundle when installed, as
   httpx does, else the system's), plus the CAs of ``$CACHEKEEPER_CA_BUNDLE``
   (``--ca-bundle``), e.g. a site's private CA behind its reverse proxy.
+- ``request_headers(token=...)`` are the headers every request sends: the User-Agent, and
+  to the server the bearer token (never to the object store: its URLs carry their own
+  signature, and the server's token is not the store's).
+- ``Deadline`` is one point in time that every request of an operation ends by, retries
+  and the reading of answers included; ``read_within`` reads an answer against it and a
+  size cap (``*_MAX_BYTES``), so a server trickling a byte a second cannot hold a call past
+  it and one sending gigabytes cannot fill the memory.
+- ``Backoff`` is the one retry rule (huggingface_hub's ``http_backoff``): a request that
+  failed on the way or got an answer in ``RETRY_STATUSES`` is sent again, after a jittered
+  exponential wait, a bounded number of times, never past the deadline.
 
 A server URL may carry a user name and password (``http://user:pw@cache:8750``, for a proxy
 in front of the server); ``redact_url`` is the form every message, log line and job report
 shows, so the password is never echoed on stderr or stored on the server.
 
 Stdlib only: the pre-job hook uses them before it knows whether it needs the HTTP client
-(``cachekeeper.client.api``, which re-exports them).
+(``cachekeeper.client.api``, which re-exports ``Deadline`` and ``server_root``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -32,7 +45,30 @@ from cachekeeper.errors import ConfigInvalid, ServerUnavailable
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["Deadline", "endpoint", "read_within", "redact_url", "server_root", "tls_context"]
+__all__ = [
+    "ANSWER_MAX_BYTES",
+    "MANIFEST_MAX_BYTES",
+    "RESOLVE_MAX_BYTES",
+    "RETRY_STATUSES",
+    "USER_AGENT",
+    "Backoff",
+    "Deadline",
+    "endpoint",
+    "read_within",
+    "redact_url",
+    "request_headers",
+    "server_root",
+    "tls_context",
+]
+
+USER_AGENT = "cachekeeper-client"
+# The most bytes an answer read whole may have: a server that sends more is refused, so
+# the hook's memory stays bounded whatever it is sent.
+ANSWER_MAX_BYTES = 64 << 20
+MANIFEST_MAX_BYTES = 512 << 20  # 200,000 files are about 50 MB of manifest
+RESOLVE_MAX_BYTES = 16 << 20  # a resolve answer is kilobytes (the hook's POSTs too)
+# Answers worth another try: the server or a proxy in front of it is briefly unwell.
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
 
 
 class Deadline:
@@ -59,6 +95,48 @@ class Deadline:
         if left <= 0.0:
             raise ServerUnavailable(f"gave up after the {self.seconds:g} s deadline")
         return min(timeout_s, left)
+
+
+class Backoff:
+    """The one retry rule of every client path: ``retries`` more tries at most, the k-th
+    after ``base_s * 2**k`` seconds (at most ``max_s``), jittered to between half and all
+    of it so that the nodes of a job do not retry in step, and only while the deadline
+    leaves more than that wait. What is retried: a request that failed on the way
+    (refused, reset, timed out) and an answer in ``RETRY_STATUSES``.
+
+    A value, never changed after it is made (a plain class, as ``Deadline``: the hook's
+    no-op path imports this module, and making a frozen dataclass costs it a millisecond).
+    """
+
+    __slots__ = ("base_s", "max_s", "retries")
+
+    def __init__(self, *, retries: int = 3, base_s: float = 0.2, max_s: float = 2.0) -> None:
+        self.retries = retries
+        self.base_s = base_s
+        self.max_s = max_s
+
+    def __repr__(self) -> str:
+        return f"Backoff(retries={self.retries}, base_s={self.base_s}, max_s={self.max_s})"
+
+    def wait(self, retry: int, deadline: Deadline) -> bool:
+        """Sleep before retry ``retry + 1`` (0 is the first); False, without sleeping, when
+        the retries or the deadline's time are used up."""
+        if retry >= self.retries:
+            return False
+        delay = min(self.base_s * (2**retry), self.max_s) * (0.5 + random.random() / 2)
+        left = deadline.remaining()
+        if left is not None and left <= delay:
+            return False
+        time.sleep(delay)
+        return True
+
+
+def request_headers(*, token: str | None = None) -> dict[str, str]:
+    """The headers of every request: the User-Agent and, to the server, the bearer token."""
+    headers = {"User-Agent": USER_AGENT}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
 
 
 def server_root(url: str) -> str:
@@ -117,16 +195,19 @@ def _tls_context(bundle: str | None, cert_file: str | None, cert_dir: str | None
     return context
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, query: bool = True) -> str:
     """``url`` without its user name and password: ``http://u:pw@cache:8750/v1`` ->
-    ``http://cache:8750/v1`` (what messages, logs and reports show)."""
+    ``http://cache:8750/v1`` (what messages, logs and reports show). ``query=False`` drops
+    the query too: a presigned URL's signature is not for logs."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<a server URL that does not parse>"
-    if "@" not in parts.netloc:
+    if query and "@" not in parts.netloc:
         return url
     host = parts.netloc.rpartition("@")[2]
+    if not query:
+        return urlunsplit((parts.scheme, host, parts.path, "", ""))
     return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 

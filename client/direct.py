@@ -29,14 +29,13 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
-from urllib.parse import urlsplit
 
 from cachekeeper.archive import ReadAhead
 from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import ServerUnavailable
 
-from .api import Deadline, _import_httpx
-from .calls import read_within, tls_context
+from .calls import Backoff, Deadline, redact_url
+from .transport import http_client, read_answer, send
 
 if TYPE_CHECKING:
     import httpx
@@ -46,6 +45,11 @@ __all__ = ["DirectUnavailable", "ObjectStore", "Part", "PART_BYTES", "PARALLEL",
 PART_BYTES = 8 << 20
 PARALLEL = 4
 WHOLE_MAX_BYTES = 64 << 20  # the most a store that ignores Range may send in one answer
+PUT_ANSWER_MAX_BYTES = 1 << 20  # a PUT's answer is empty, or an error of a few hundred bytes
+# The transport's one retry rule, with this store's counts: a part asked twice at most
+# (the parallel window has other parts to fetch meanwhile), a PUT sent three times.
+RANGE_BACKOFF = Backoff(retries=1)
+PUT_BACKOFF = Backoff(retries=2)
 _RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19})")
 
 
@@ -62,27 +66,16 @@ class Part:
     content: bytes
 
 
-def _where(url: str) -> str:
-    """The URL without its query (the signature is not for logs) nor a password."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
-
-
 class ObjectStore:
-    """An httpx client for presigned URLs; ``transport`` is the test seam, as CacheClient's."""
+    """An httpx client for presigned URLs (``transport.http_client``: the one User-Agent and
+    TLS context, no token); ``transport`` is the test seam, as CacheClient's."""
 
     def __init__(
         self, *, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None
     ) -> None:
-        httpx = _import_httpx()
         self.timeout_s = timeout_s
-        self._http = httpx.Client(
-            transport=transport,
-            verify=tls_context(),  # the server's CAs and --ca-bundle's (client/calls.py)
-            timeout=timeout_s,
-            follow_redirects=False,
-            headers={"User-Agent": "cachekeeper-client"},
-            limits=httpx.Limits(max_connections=PARALLEL * 2),
+        self._http = http_client(
+            timeout_s=timeout_s, transport=transport, max_connections=PARALLEL * 2
         )
 
     def close(self) -> None:
@@ -96,37 +89,41 @@ class ObjectStore:
 
     def get_range(self, url: str, start: int, end: int, *, deadline: Deadline | None) -> Part:
         """Bytes ``start..end`` (inclusive) of ``url`` (206), or the whole object (200, at
-        most ``WHOLE_MAX_BYTES``); read as they arrive, never past ``deadline``."""
-        httpx = _import_httpx()
+        most ``WHOLE_MAX_BYTES``); read as they arrive, never past ``deadline``. A part cut
+        off or answered 5xx is asked again once (``RANGE_BACKOFF``)."""
         deadline = deadline or Deadline(None)
-        timeout = deadline.bound(self.timeout_s)
-        try:
-            with self._http.stream(
-                "GET",
-                url,
-                headers={"Range": f"bytes={start}-{end}"},
-                timeout=httpx.Timeout(timeout),
-            ) as response:
-                status = response.status_code
-                if status not in (200, 206):
-                    raise DirectUnavailable(
-                        f"GET {_where(url)} answered HTTP {status}"
-                        + (" (the presigned URL expired or was refused)" if status == 403 else "")
-                    )
-                limit = end - start + 1 if status == 206 else WHOLE_MAX_BYTES
-                what = f"GET {_where(url)} bytes {start}-{end}"
-                data = read_within(
-                    response.iter_bytes(),
-                    limit=limit,
-                    deadline=deadline,
-                    late=lambda n: DirectUnavailable(
-                        f"{what} passed the {deadline.seconds:g} s deadline ({n} bytes in)"
-                    ),
-                    over=lambda: DirectUnavailable(f"{what} sent more than {limit} bytes"),
+        where = redact_url(url, query=False)
+        what = f"GET {where} bytes {start}-{end}"
+
+        def read(response: httpx.Response) -> Part:
+            status = response.status_code
+            if status not in (200, 206):
+                raise DirectUnavailable(
+                    f"GET {where} answered HTTP {status}"
+                    + (" (the presigned URL expired or was refused)" if status == 403 else "")
                 )
-                return Part(status, response.headers, data)
-        except httpx.TransportError as exc:
-            raise DirectUnavailable(f"GET {_where(url)} failed: {exc!r}") from exc
+            whole = read_answer(
+                response,
+                limit=end - start + 1 if status == 206 else WHOLE_MAX_BYTES,
+                deadline=deadline,
+                what=what,
+                unavailable=DirectUnavailable,
+                too_long=DirectUnavailable,
+            )
+            return Part(status, whole.headers, whole.content)
+
+        return send(
+            self._http,
+            "GET",
+            url,
+            what=f"GET {where}",
+            read=read,
+            deadline=deadline,
+            backoff=RANGE_BACKOFF,
+            timeout_s=self.timeout_s,
+            headers={"Range": f"bytes={start}-{end}"},
+            unavailable=DirectUnavailable,
+        )
 
     def open_archive(
         self,
@@ -173,33 +170,35 @@ class ObjectStore:
         size_bytes: int,
         headers: dict[str, str],
         deadline: Deadline | None = None,
-        attempts: int = 3,
     ) -> None:
-        """PUT ``size_bytes`` from ``open_body()`` to a presigned URL, retrying transport errors."""
-        httpx = _import_httpx()
-        last: Exception | None = None
-        for _ in range(attempts):
-            timeout = (deadline or Deadline(None)).bound(self.timeout_s)
-            try:
-                response = self._http.put(
-                    url,
-                    content=open_body(),
-                    headers={**headers, "Content-Length": str(size_bytes)},
-                    timeout=httpx.Timeout(timeout),
-                )
-            except httpx.TransportError as exc:
-                last = exc
-                continue
-            if response.status_code in (500, 502, 503, 504):
-                last = DirectUnavailable(f"HTTP {response.status_code}")
-                continue
-            if not response.is_success:
-                raise DirectUnavailable(
-                    f"PUT {_where(url)} answered HTTP {response.status_code}:"
-                    f" {response.text[:200]!r}"
-                )
-            return
-        raise DirectUnavailable(f"PUT {_where(url)} failed: {last!r}")
+        """PUT ``size_bytes`` from ``open_body()`` to a presigned URL; a PUT cut off or
+        answered 5xx is sent again (``PUT_BACKOFF``)."""
+        deadline = deadline or Deadline(None)
+        what = f"PUT {redact_url(url, query=False)}"
+        response = send(
+            self._http,
+            "PUT",
+            url,
+            what=what,
+            read=lambda answer: read_answer(
+                answer,
+                limit=PUT_ANSWER_MAX_BYTES,
+                deadline=deadline,
+                what=what,
+                unavailable=DirectUnavailable,
+                too_long=DirectUnavailable,
+            ),
+            deadline=deadline,
+            backoff=PUT_BACKOFF,
+            timeout_s=self.timeout_s,
+            open_body=open_body,
+            headers={**headers, "Content-Length": str(size_bytes)},
+            unavailable=DirectUnavailable,
+        )
+        if not response.is_success:
+            raise DirectUnavailable(
+                f"{what} answered HTTP {response.status_code}: {response.text[:200]!r}"
+            )
 
 
 class _RangedReader(io.RawIOBase):
@@ -234,20 +233,13 @@ class _RangedReader(io.RawIOBase):
 
     def _fetch(self, start: int) -> bytes:
         end = min(start + self._part_bytes, self.total_bytes) - 1
-        last: Exception | None = None
-        for _ in range(2):  # one more try of a part that broke off
-            try:
-                response = self._store.get_range(self._url, start, end, deadline=self._deadline)
-            except DirectUnavailable as exc:
-                last = exc
-                continue
-            data = response.content
-            if response.status_code != 206 or len(data) != end - start + 1:
-                raise DirectUnavailable(
-                    f"GET {_where(self._url)} bytes {start}-{end}: got {len(data)} bytes"
-                )
-            return data
-        raise DirectUnavailable(str(last))
+        part = self._store.get_range(self._url, start, end, deadline=self._deadline)
+        if part.status_code != 206 or len(part.content) != end - start + 1:
+            where = redact_url(self._url, query=False)
+            raise DirectUnavailable(
+                f"GET {where} bytes {start}-{end}: got {len(part.content)} bytes"
+            )
+        return part.content
 
     def _fill(self) -> None:
         while self._offsets and len(self._window) < self._parallel * 2:

@@ -34,7 +34,7 @@ The deadline (``timeout_s``) is a promise: the hook returns within it and a mome
 inside it (a hung NVML or ``nvidia-smi`` gets what is left, then the start is cold); the
 work runs in a daemon thread that the hook stops waiting for at the deadline, so a stuck
 filesystem or server cannot hold the job; every request inside is bounded in wall time
-and in the bytes it reads (``reporting.post_json``, ``CacheClient``), and the object
+and in the bytes it reads (``transport.post_json``, ``CacheClient``), and the object
 store's downloads run in daemon threads (``cachekeeper.daemon_pool``) that never keep the
 process alive. The report gets what is left of the deadline, at most ``REPORT_TIMEOUT_S``.
 
@@ -84,8 +84,9 @@ from cachekeeper.wire import (
 )
 
 from .calls import Deadline
-from .reporting import job_id, node_name, post_json, send_report, utc_now
+from .reporting import job_id, node_name, send_report, utc_now
 from .tier import PROBE_TIMEOUT_S, tier_exports
+from .transport import post_json
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
 JOIN_SLACK_S = 0.1  # how long past the deadline the hook waits for its worker

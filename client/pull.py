@@ -21,12 +21,9 @@ from typing import Any, BinaryIO
 
 from cachekeeper.archive import read_manifest_member
 from cachekeeper.errors import (
-    BlobMissing,
     CachekeeperError,
-    DigestMismatch,
     NoMatchingSnapshot,
     ServerError,
-    ServerUnavailable,
 )
 from cachekeeper.fingerprint import Fingerprint, collect, format_mismatches
 from cachekeeper.manifest import FileEntry, Manifest
@@ -39,9 +36,6 @@ from .api import CacheClient, Deadline, Resolution
 from .direct import DirectUnavailable, ObjectStore
 
 __all__ = ["PullReport", "pull", "require_snapshot", "resolve_snapshot"]
-
-# Errors a rerun of the download can cure: a broken stream, a flaky server.
-_RETRYABLE = (ServerUnavailable, ServerError, DigestMismatch, BlobMissing)
 
 
 @dataclass(frozen=True)
@@ -318,9 +312,12 @@ def _restore(
             report = restore_snapshot(
                 source, Path(cache_dir), trusted_keys=trusted_keys, reuse_marker=True
             )
-        except _RETRYABLE as exc:
-            if source.fetched_manifest is None:
-                raise  # the manifest itself: the client retried it already
+        except CachekeeperError as exc:
+            # What a rerun of the download can cure (a broken stream, a flaky server,
+            # damaged bytes: cachekeeper.errors' retryable); not the manifest itself, which
+            # the client's transport retried already.
+            if not exc.retryable or source.fetched_manifest is None:
+                raise
             source.after_failure(exc)
             last = exc
         else:
