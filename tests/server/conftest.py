@@ -28,6 +28,14 @@ FINGERPRINT: dict[str, Any] = {
 }
 
 
+def workload_toml(name: str) -> str:
+    """The smallest valid workload file named ``name`` (one CPU-sized attention regime)."""
+    return (
+        f'name = "{name}"\n[[attention]]\nbatch = 1\nq_heads = 2\nhead_dim = 16\n'
+        'seq_lens = [128]\ndtype = "float32"\n'
+    )
+
+
 def make_snapshot(
     files: dict[str, bytes],
     *,
