@@ -25,6 +25,8 @@ from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer, start_moto
+from tests.helpers.redis_py import redis_py_versions
+from tests.helpers.requires import require
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "flex_probe.py"
@@ -44,11 +46,25 @@ def run_probe(cache_dir: Path, *, extra_env: dict[str, str] | None = None) -> di
 @pytest.fixture(scope="session")
 def compiled_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real Inductor cache dir holding one compiled CPU flex_attention (read-only use)."""
-    pytest.importorskip("torch")
+    require("torch")
     cache = tmp_path_factory.mktemp("compiled") / "inductor"
     counters = run_probe(cache)
     assert counters["inductor"].get("fxgraph_cache_miss", 0) >= 1, counters
     return cache
+
+
+@pytest.fixture(scope="session")
+def redis_py() -> list[str]:
+    """The redis-py versions scripts/setup installs side by side (7.x and 8.x, oldest
+    first). Without them a test fails, never skips: the tier's proof runs through both."""
+    versions = redis_py_versions()
+    if len(versions) < 2:
+        pytest.fail(
+            f"redis-py 7.x and 8.x are not both in .venv/redis-py (found {versions}):"
+            " ./scripts/setup installs them",
+            pytrace=False,
+        )
+    return versions
 
 
 @pytest.fixture
@@ -74,7 +90,7 @@ def moto_s3() -> Iterator[MotoServer]:
     The variables are set in this process (the live server runs in a thread here) and so
     reach the CLI subprocesses too; they are restored when the session ends.
     """
-    pytest.importorskip("boto3")
+    require("boto3")
     handle = start_moto()
     saved = {k: os.environ.get(k) for k in handle.env}
     os.environ.update(handle.env)

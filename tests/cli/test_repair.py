@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cachekeeper.marker import recorded_conflicts
+from tests.helpers.requires import require
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def ck(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 def test_repair_replaces_a_corrupt_entry_that_verify_names(
     compiled_cache: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     home = tmp_path / "home"
     archive = tmp_path / "snap.tar.zst"
     assert ck("snapshot", str(compiled_cache), "-o", str(archive), home=home).returncode == 0

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml  # pyyaml comes with the dev extra (schemathesis)
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
@@ -32,6 +33,7 @@ from cachekeeper.fingerprint import collect
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
+from tests.helpers.requires import require
 
 REPO = Path(__file__).resolve().parents[2]
 HOOKS_MD = REPO / "docs" / "hooks.md"
@@ -211,7 +213,7 @@ with open(out, "w") as fh:
 def ranks_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A server with drafter-gqa registered and a snapshot of the rank script's compile as
     torchrun's ranks run it (OMP_NUM_THREADS=1): one cold compile for the module."""
-    pytest.importorskip("torch")
+    require("torch")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs: with one, every process has 1 thread anyway")
     root = tmp_path_factory.mktemp("ranks")
@@ -273,7 +275,6 @@ def test_the_torchrun_wrapper_as_written_hits_on_both_ranks(
 def test_the_kubernetes_pod_as_written_hits_on_both_ranks(
     ranks_snapshot: LiveServer, tmp_path: Path
 ) -> None:
-    yaml = pytest.importorskip("yaml")
     pod = yaml.safe_load(doc_block("## Kubernetes", "kind: Pod", lang="yaml"))
     (init,) = pod["spec"]["initContainers"]
     (trainer,) = pod["spec"]["containers"]
