@@ -7,6 +7,17 @@ real Inductor cache dir, compiled once per session in a fresh process.
 The real servers (uvicorn on loopback, tests/helpers/live_server.py) that tests in several
 packages share: ``open_server`` (per test, no auth), ``authed_server`` (per module, with
 ``TOKENS``) and ``tiny_server`` (per module, with the cpu-tiny workload registered).
+
+Markers (registered in pyproject.toml, ``--strict-markers``): ``compile`` (runs
+torch.compile), ``slow`` (seconds or more each), ``hardening`` (tests/hardening/),
+``browser`` (drives chromium), ``gpu``. ``pytest_collection_modifyitems`` below applies
+the ones a test's place or fixtures imply, so a new test cannot forget them: every test
+under tests/hardening/ is ``hardening``; one that uses ``compiled_cache`` (directly or
+through another fixture) is ``compile``; one that uses the ``browser`` fixture is
+``browser``; every ``compile`` test is ``slow`` too. Each test then gets the timeout of
+its heaviest marker (``TIMEOUTS_S``) unless it sets its own ``timeout`` mark; the rest
+get pyproject's default. ``./scripts/test-fast`` runs ``not slow and not hardening and
+not browser``.
 """
 
 from __future__ import annotations
@@ -31,6 +42,32 @@ from tests.helpers.requires import require
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "flex_probe.py"
 TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"
+HARDENING = REPO / "tests" / "hardening"
+
+# Per-test timeouts by marker, heaviest first; the default (pyproject's ``timeout``) is for
+# the rest. Measured on the 2-core dev VM under the load of four engineers: the slowest
+# compile test took 110 s (a cold compile is ~25 s alone), the slowest hardening test
+# 76 s, the slowest unmarked one 5 s; each bound is several times that.
+TIMEOUTS_S = {"compile": 600, "hardening": 300, "slow": 300}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Apply the markers a test's place and fixtures imply, then its marker's timeout."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if HARDENING in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.hardening)
+        if "compiled_cache" in fixtures:
+            item.add_marker(pytest.mark.compile)
+        if "browser" in fixtures:
+            item.add_marker(pytest.mark.browser)
+        if item.get_closest_marker("compile") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("timeout") is None:
+            for name, seconds in TIMEOUTS_S.items():
+                if item.get_closest_marker(name):
+                    item.add_marker(pytest.mark.timeout(seconds))
+                    break
 
 
 def run_probe(cache_dir: Path, *, extra_env: dict[str, str] | None = None) -> dict:

@@ -214,6 +214,7 @@ kwargs = { seconds = 0 }
 """
 
 
+@pytest.mark.slow  # two torch children start
 def test_prewarm_json_prints_progress_on_stderr_and_only_json_on_stdout(tmp_path: Path) -> None:
     """An entrypoint that compiles nothing: the children start torch, nothing is cached,
     so the verify finds no hit (exit 1); the claim is only where each line goes."""

@@ -21,7 +21,7 @@ import pytest
 from cachekeeper.marker import recorded_conflicts
 from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
 TINY = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "cpu-tiny.toml"

@@ -102,6 +102,7 @@ def test_ck_torchrun_stops_with_a_message_when_the_workload_is_unset(
     assert not marker.exists(), "torchrun started although the workload was unset"
 
 
+@pytest.mark.slow  # torchrun starts its workers
 def test_ck_torchrun_runs_torchrun_with_the_hook_exports(
     wrapper: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -249,7 +250,7 @@ def _ranks(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in found]
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_the_torchrun_wrapper_as_written_hits_on_both_ranks(
     ranks_snapshot: LiveServer, tmp_path: Path
 ) -> None:
@@ -271,7 +272,7 @@ def test_the_torchrun_wrapper_as_written_hits_on_both_ranks(
     assert "compiled nothing new on top of snapshot" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_the_kubernetes_pod_as_written_hits_on_both_ranks(
     ranks_snapshot: LiveServer, tmp_path: Path
 ) -> None:

@@ -39,7 +39,7 @@ from cachekeeper.fingerprint import collect, digest_of
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

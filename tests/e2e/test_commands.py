@@ -37,7 +37,7 @@ from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -27,7 +27,7 @@ from cachekeeper.workload import load_workload
 from tests.helpers.live_server import LiveServer
 from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"

@@ -32,7 +32,7 @@ from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload, parse_workload
 from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -128,6 +128,7 @@ def test_pull_fetches_only_what_the_dir_lacks(authed_server, home, pushed_small,
     assert is_restored(pushed_small, cache)
 
 
+@pytest.mark.slow  # eight hook processes
 def test_eight_concurrent_prejobs_fetch_one_set(authed_server, home, pushed_small, tmp_path):
     cache = tmp_path / "shared-cache"
     archives = counter(authed_server.url, "cachekeeper_archive_requests_total")

@@ -292,6 +292,7 @@ def test_sets_past_the_pending_budget_are_answered_ok_and_dropped(tmp_path: Path
         assert handle.app.state.tier.totals()[0] == 0
 
 
+@pytest.mark.slow  # a serve process
 def test_serve_refuses_a_resp_port_it_cannot_bind_in_one_line(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
