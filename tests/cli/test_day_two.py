@@ -25,8 +25,7 @@ from cachekeeper.client.push import push as push_dir
 
 from cachekeeper.store import LocalStore
 from cachekeeper.wire import utc_now
-from tests.cli.conftest import run
-from tests.cli.test_first_day import ck
+from tests.cli.conftest import ck, run
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push

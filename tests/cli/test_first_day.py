@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -17,24 +16,11 @@ import httpx
 import pytest
 from cachekeeper.server.settings import Settings
 
+from tests.cli.conftest import ck
 from tests.helpers.live_server import LiveServer, start_server
 
-CK = str(Path(sys.executable).parent / "cachekeeper")
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"
-
-
-def ck(
-    *args: str, cwd: Path, home: Path | None = None, **env_extra: str
-) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("CACHEKEEPER_", "TORCHINDUCTOR_"))
-    }
-    env["CACHEKEEPER_HOME"] = str(home or cwd / "home")
-    env.update(env_extra)
-    return subprocess.run(
-        [CK, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe
-from tests.e2e.test_push_pull_prejob import ck, counter
+from tests.e2e.conftest import ck, counter
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer

@@ -11,68 +11,58 @@ together in milliseconds. test_fleet.py decides from hand-made facts what needs 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from itertools import count
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import digest_of
-from tests.helpers.in_process import in_process
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, workload_toml
 
 DIGEST = digest_of(FINGERPRINT)
 _unique = count()
 
 
-@pytest.fixture
-def c(tmp_path: Path) -> Iterator[httpx.Client]:
-    with in_process(Settings(data_dir=tmp_path / "data")) as server:
-        yield server.client
-
-
-def register_workload(c: httpx.Client, name: str = "w", *, toml: str | None = None) -> str:
-    answer = c.put(f"/v1/workloads/{name}", content=toml or workload_toml(name))
+def register_workload(api: httpx.Client, name: str = "w", *, toml: str | None = None) -> str:
+    answer = api.put(f"/v1/workloads/{name}", content=toml or workload_toml(name))
     assert answer.status_code == 200, answer.text
     return str(answer.json()["digest"])
 
 
-def register_agent(c: httpx.Client, name: str = "builder") -> str:
+def register_agent(api: httpx.Client, name: str = "builder") -> str:
     body = {"name": name, "fingerprint": FINGERPRINT, "fingerprint_digest": DIGEST}
-    answer = c.post("/v1/agents", json=body)
+    answer = api.post("/v1/agents", json=body)
     assert answer.status_code == 200, answer.text
     return str(answer.json()["id"])
 
 
-def report(c: httpx.Client, agent: str, status: str, **extra: Any) -> None:
+def report(api: httpx.Client, agent: str, status: str, **extra: Any) -> None:
     body = {"workload": "w", "fingerprint_digest": DIGEST, "status": status, **extra}
-    answer = c.post(f"/v1/agents/{agent}/events", json=body)
+    answer = api.post(f"/v1/agents/{agent}/events", json=body)
     assert answer.status_code == 201, answer.text
 
 
-def publish(c: httpx.Client, *, verified: bool | None = True, **manifest: Any) -> str:
+def publish(api: httpx.Client, *, verified: bool | None = True, **manifest: Any) -> str:
     files = {"entry.bin": f"snapshot {next(_unique)}".encode()}
     built, blobs = make_snapshot(files, workload="w", verified=verified)
     built = dataclasses.replace(built, **manifest)
-    answer = push(c, built, blobs)
+    answer = push(api, built, blobs)
     assert answer.status_code == 201, answer.text
     return built.id
 
 
-def row(c: httpx.Client, digest: str = DIGEST) -> dict[str, Any]:
-    answer = c.get("/v1/status")
+def row(api: httpx.Client, digest: str = DIGEST) -> dict[str, Any]:
+    answer = api.get("/v1/status")
     assert answer.status_code == 200, answer.text
     rows = {(r["workload"], r["fingerprint_digest"]): r for r in answer.json()["status"]}
     return rows[("w", digest)]
 
 
 @pytest.fixture
-def agent(c: httpx.Client) -> str:
-    register_workload(c)
-    return register_agent(c)
+def agent(api: httpx.Client) -> str:
+    register_workload(api)
+    return register_agent(api)
 
 
 @pytest.mark.parametrize(
@@ -85,96 +75,96 @@ def agent(c: httpx.Client) -> str:
     ],
 )
 def test_a_report_alone_decides_the_row(
-    c: httpx.Client, agent: str, reported: str, status: str
+    api: httpx.Client, agent: str, reported: str, status: str
 ) -> None:
-    assert row(c)["status"] == "missing"  # a registered workload x an agent's environment
-    report(c, agent, reported, detail="why")
-    found = row(c)
+    assert row(api)["status"] == "missing"  # a registered workload x an agent's environment
+    report(api, agent, reported, detail="why")
+    found = row(api)
     assert found["status"] == status and found["snapshot_id"] is None
     assert found["last_event"]["status"] == reported and found["agents"] == ["builder"]
 
 
 @pytest.mark.parametrize("reported", ["built", "skipped"])
 def test_a_build_report_naming_a_stored_snapshot_is_warm(
-    c: httpx.Client, agent: str, reported: str
+    api: httpx.Client, agent: str, reported: str
 ) -> None:
-    snapshot = publish(c, verified=None)
-    report(c, agent, reported, snapshot_id=snapshot)
-    found = row(c)
+    snapshot = publish(api, verified=None)
+    report(api, agent, reported, snapshot_id=snapshot)
+    found = row(api)
     assert (found["status"], found["snapshot_id"]) == ("warm", snapshot)
 
 
-def test_the_newest_fact_wins_whichever_kind_it_is(c: httpx.Client, agent: str) -> None:
-    report(c, agent, "failed")
-    assert row(c)["status"] == "failed"
-    snapshot = publish(c)  # a verified publish after the failure: warm again
-    assert (row(c)["status"], row(c)["snapshot_id"]) == ("warm", snapshot)
-    report(c, agent, "building")  # a rebuild started after it
-    assert row(c)["status"] == "building"
-    report(c, agent, "cold_compile_broken")
-    assert row(c)["status"] == "broken"
+def test_the_newest_fact_wins_whichever_kind_it_is(api: httpx.Client, agent: str) -> None:
+    report(api, agent, "failed")
+    assert row(api)["status"] == "failed"
+    snapshot = publish(api)  # a verified publish after the failure: warm again
+    assert (row(api)["status"], row(api)["snapshot_id"]) == ("warm", snapshot)
+    report(api, agent, "building")  # a rebuild started after it
+    assert row(api)["status"] == "building"
+    report(api, agent, "cold_compile_broken")
+    assert row(api)["status"] == "broken"
 
 
 def test_a_built_report_whose_snapshot_is_gone_is_missing_unless_another_serves(
-    c: httpx.Client, agent: str
+    api: httpx.Client, agent: str
 ) -> None:
-    reported = publish(c, verified=None)
-    report(c, agent, "built", snapshot_id=reported)
-    assert c.delete(f"/v1/snapshots/{reported}").status_code == 204
-    assert row(c)["status"] == "missing"
-    other = publish(c)
-    report(c, agent, "built", snapshot_id=reported)  # the newest fact, naming the gone one
-    found = row(c)
+    reported = publish(api, verified=None)
+    report(api, agent, "built", snapshot_id=reported)
+    assert api.delete(f"/v1/snapshots/{reported}").status_code == 204
+    assert row(api)["status"] == "missing"
+    other = publish(api)
+    report(api, agent, "built", snapshot_id=reported)  # the newest fact, naming the gone one
+    found = row(api)
     assert (found["status"], found["snapshot_id"]) == ("warm", other)
 
 
 def test_an_unverified_snapshot_is_warm_until_a_verified_one_comes(
-    c: httpx.Client, agent: str
+    api: httpx.Client, agent: str
 ) -> None:
-    unverified = publish(c, verified=None)
-    assert (row(c)["status"], row(c)["snapshot_id"]) == ("warm", unverified)
-    verified = publish(c, verified=True)
-    assert row(c)["snapshot_id"] == verified
-    newer_unverified = publish(c, verified=None)  # resolve still prefers the verified one
-    assert newer_unverified != verified and row(c)["snapshot_id"] == verified
+    unverified = publish(api, verified=None)
+    assert (row(api)["status"], row(api)["snapshot_id"]) == ("warm", unverified)
+    verified = publish(api, verified=True)
+    assert row(api)["snapshot_id"] == verified
+    newer_unverified = publish(api, verified=None)  # resolve still prefers the verified one
+    assert newer_unverified != verified and row(api)["snapshot_id"] == verified
 
 
-def test_a_warm_row_is_stale_when_its_workload_file_changed(c: httpx.Client) -> None:
-    built_from = register_workload(c)
-    register_agent(c)
-    publish(c, workload_digest=built_from)
-    assert row(c)["stale"] is None
-    assert register_workload(c) == built_from  # the same file again: still fresh
-    assert row(c)["stale"] is None
-    changed = register_workload(c, toml=workload_toml("w").replace("[128]", "[256]"))
-    found = row(c)
+def test_a_warm_row_is_stale_when_its_workload_file_changed(api: httpx.Client) -> None:
+    built_from = register_workload(api)
+    register_agent(api)
+    publish(api, workload_digest=built_from)
+    assert row(api)["stale"] is None
+    assert register_workload(api) == built_from  # the same file again: still fresh
+    assert row(api)["stale"] is None
+    changed = register_workload(api, toml=workload_toml("w").replace("[128]", "[256]"))
+    found = row(api)
     assert found["status"] == "warm" and found["stale"] is not None
     assert f"built from {built_from[:12]}, registered now: {changed[:12]}" in found["stale"]
 
 
-def job_report(c: httpx.Client, digest: str, **body: Any) -> None:
-    answer = c.post("/v1/reports", json={"workload": "w", "fingerprint_digest": digest, **body})
+def job_report(api: httpx.Client, digest: str, **body: Any) -> None:
+    answer = api.post("/v1/reports", json={"workload": "w", "fingerprint_digest": digest, **body})
     assert answer.status_code == 201, answer.text
 
 
 def test_job_reports_count_on_a_vouched_row_and_add_none_of_their_own(
-    c: httpx.Client, agent: str
+    api: httpx.Client, agent: str
 ) -> None:
-    snapshot = publish(c)
-    job_report(c, DIGEST, phase="prejob", outcome="restored", snapshot_id=snapshot)
-    job_report(c, DIGEST, phase="prejob", outcome="cold", reason_code="server_unavailable")
+    snapshot = publish(api)
+    job_report(api, DIGEST, phase="prejob", outcome="restored", snapshot_id=snapshot)
+    job_report(api, DIGEST, phase="prejob", outcome="cold", reason_code="server_unavailable")
     unknown = "e" * 64  # anyone with a read token may report any digest
-    job_report(c, unknown, phase="prejob", outcome="cold", reason_code="no_matching_snapshot")
-    rows = c.get("/v1/status").json()["status"]
+    job_report(api, unknown, phase="prejob", outcome="cold", reason_code="no_matching_snapshot")
+    rows = api.get("/v1/status").json()["status"]
     assert [(r["workload"], r["fingerprint_digest"]) for r in rows] == [("w", DIGEST)]
     jobs = rows[0]["jobs"]
     assert (jobs["restores"], jobs["cold"]) == (1, 1)
     assert jobs["cold_reasons"] == {"server_unavailable": 1}
 
 
-def test_a_snapshot_of_an_unregistered_workload_adds_no_row(c: httpx.Client) -> None:
-    register_agent(c)
-    publish(c)  # workload "w" is not registered
-    assert c.get("/v1/status").json()["status"] == []
-    register_workload(c)
-    assert row(c)["status"] == "warm"
+def test_a_snapshot_of_an_unregistered_workload_adds_no_row(api: httpx.Client) -> None:
+    register_agent(api)
+    publish(api)  # workload "w" is not registered
+    assert api.get("/v1/status").json()["status"] == []
+    register_workload(api)
+    assert row(api)["status"] == "warm"

@@ -9,6 +9,7 @@ import pytest
 from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import start_server
+from tests.helpers.metrics import scrape
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, random_files
 
 
@@ -54,10 +55,7 @@ def test_gc_evicts_lru_unpinned_and_keeps_referenced_blobs(fresh_server) -> None
 
 
 def _store_bytes(c: httpx.Client) -> int:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith("cachekeeper_store_bytes "):
-            return int(float(line.split()[1]))
-    raise AssertionError("no store bytes gauge")
+    return int(scrape(c, "cachekeeper_store_bytes"))
 
 
 def test_hard_cap_answers_507_and_only_gc_evicts(fresh_server) -> None:  # type: ignore[no-untyped-def]

@@ -14,38 +14,18 @@ gauge of ``/metrics`` before and after each publish.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.blobstore import LocalBlobStore
-from tests.helpers.in_process import InProcessServer, in_process
+from tests.helpers.metrics import scrape
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, random_files
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Callable[..., InProcessServer]]:
-    """``server(**settings)``: a fresh in-process app on this test's data dir."""
-    with ExitStack() as opened:
-
-        def make(**options: Any) -> InProcessServer:
-            settings = Settings(data_dir=tmp_path / "data", **options)
-            return opened.enter_context(in_process(settings))
-
-        yield make
-
-
 def stored_bytes(c: httpx.Client) -> int:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith("cachekeeper_store_bytes "):
-            return int(float(line.split()[1]))
-    raise AssertionError("/metrics has no cachekeeper_store_bytes")
+    return int(scrape(c, "cachekeeper_store_bytes"))
 
 
 def publish(c: httpx.Client, workload: str, files: dict[str, bytes]) -> tuple[str, int]:
@@ -87,8 +67,8 @@ def the_plan_is_what_the_run_does(c: httpx.Client) -> dict[str, Any]:
     return plan
 
 
-def test_without_a_cap_nothing_is_evicted_however_full(server) -> None:
-    c = server(gc_grace_s=0).client
+def test_without_a_cap_nothing_is_evicted_however_full(in_process_server) -> None:
+    c = in_process_server(gc_grace_s=0).client
     for i in range(3):
         publish(c, f"w{i}", random_files(3, size=50_000, seed=i, prefix=f"s{i}"))
     plan = the_plan_is_what_the_run_does(c)
@@ -96,8 +76,10 @@ def test_without_a_cap_nothing_is_evicted_however_full(server) -> None:
     assert plan["bytes_freed"] == 0 and len(snapshots(c)) == 3
 
 
-def test_the_least_recently_used_go_first_and_eviction_stops_under_the_cap(server) -> None:
-    live = server(gc_grace_s=3600)
+def test_the_least_recently_used_go_first_and_eviction_stops_under_the_cap(
+    in_process_server,
+) -> None:
+    live = in_process_server(gc_grace_s=3600)
     c = live.client
     ids, sizes = {}, {}
     for seed, name in enumerate("abc"):
@@ -122,8 +104,8 @@ def test_the_least_recently_used_go_first_and_eviction_stops_under_the_cap(serve
     assert stored_bytes(c) <= live.settings.max_store_bytes
 
 
-def test_a_pinned_snapshot_is_never_evicted_even_to_reach_the_cap(server) -> None:
-    live = server(gc_grace_s=0)
+def test_a_pinned_snapshot_is_never_evicted_even_to_reach_the_cap(in_process_server) -> None:
+    live = in_process_server(gc_grace_s=0)
     c = live.client
     old, _ = publish(c, "old", random_files(2, size=40_000, seed=1, prefix="old"))
     new, new_size = publish(c, "new", random_files(2, size=40_000, seed=2, prefix="new"))
@@ -135,8 +117,8 @@ def test_a_pinned_snapshot_is_never_evicted_even_to_reach_the_cap(server) -> Non
     assert c.get(f"/v1/snapshots/{old}/archive").status_code == 200
 
 
-def test_a_blob_a_kept_snapshot_shares_is_neither_freed_nor_counted(server) -> None:
-    live = server(gc_grace_s=0)
+def test_a_blob_a_kept_snapshot_shares_is_neither_freed_nor_counted(in_process_server) -> None:
+    live = in_process_server(gc_grace_s=0)
     c = live.client
     shared = {"shared.bin": random_files(1, size=60_000, seed=99)["f/0000.bin"]}
     kept, _ = publish(c, "kept", shared | random_files(1, size=10_000, seed=1, prefix="k"))
@@ -152,9 +134,9 @@ def test_a_blob_a_kept_snapshot_shares_is_neither_freed_nor_counted(server) -> N
     assert c.post("/v1/blobs/missing", json={"digests": digests}).json()["missing"] == []
 
 
-def test_an_unreferenced_blob_waits_out_the_grace_period(server) -> None:
+def test_an_unreferenced_blob_waits_out_the_grace_period(in_process_server) -> None:
     """An upload waiting for its publish: kept, and the plan says until when."""
-    c = server(gc_grace_s=3600).client
+    c = in_process_server(gc_grace_s=3600).client
     data = b"uploaded, publish still to come" * 100
     digest = hashlib.sha256(data).hexdigest()
     before = stored_bytes(c)
@@ -169,8 +151,8 @@ def test_an_unreferenced_blob_waits_out_the_grace_period(server) -> None:
     assert c.post("/v1/blobs/missing", json={"digests": [digest]}).json()["missing"] == []
 
 
-def test_past_the_grace_period_an_unreferenced_blob_is_freed(server) -> None:
-    c = server(gc_grace_s=0).client
+def test_past_the_grace_period_an_unreferenced_blob_is_freed(in_process_server) -> None:
+    c = in_process_server(gc_grace_s=0).client
     kept, _ = publish(c, "kept", random_files(1, size=5_000, prefix="k"))
     data = b"uploaded and never published" * 100
     digest = hashlib.sha256(data).hexdigest()
@@ -184,10 +166,10 @@ def test_past_the_grace_period_an_unreferenced_blob_is_freed(server) -> None:
     assert snapshots(c) == {kept}
 
 
-def test_a_deleted_snapshots_blobs_wait_out_the_grace_period_too(server) -> None:
+def test_a_deleted_snapshots_blobs_wait_out_the_grace_period_too(in_process_server) -> None:
     """Unlike an eviction, a delete is a person's act: its blobs stay for the grace period
     (a publish that needs them again finds them), then a later GC frees them."""
-    live = server(gc_grace_s=3600)
+    live = in_process_server(gc_grace_s=3600)
     c = live.client
     gone, size = publish(c, "gone", random_files(2, size=20_000, prefix="d"))
     assert c.delete(f"/v1/snapshots/{gone}").status_code == 204
@@ -200,9 +182,9 @@ def test_a_deleted_snapshots_blobs_wait_out_the_grace_period_too(server) -> None
     assert stored_bytes(c) == 0
 
 
-def test_a_blob_file_without_a_row_is_freed_only_past_the_grace_period(server) -> None:
+def test_a_blob_file_without_a_row_is_freed_only_past_the_grace_period(in_process_server) -> None:
     """What a crash between writing a blob's file and recording its row leaves behind."""
-    live = server(gc_grace_s=3600)
+    live = in_process_server(gc_grace_s=3600)
     content = b"a file the catalog never heard of" * 50
     digest = hashlib.sha256(content).hexdigest()
     LocalBlobStore(live.settings.data_dir / "blobs").put([content], digest=digest)
