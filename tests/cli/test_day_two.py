@@ -19,13 +19,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import pytest
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push as push_dir
 
 from cachekeeper.store import LocalStore
 from cachekeeper.wire import utc_now
-from tests.cli.conftest import run
-from tests.cli.test_first_day import ck
+from tests.cli.conftest import ck, run
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push
@@ -185,6 +185,7 @@ def test_gc_and_ls_speak_one_vocabulary_locally_and_on_the_server(
     assert {"snapshots_removed", "blobs_deleted", "bytes_freed", "dry_run"} == removed.keys()
 
 
+@pytest.mark.slow  # waits out each command's timeout
 def test_operator_commands_give_up_on_a_hung_server_at_the_timeout(tmp_path: Path) -> None:
     """They used to wait about two minutes (30 s per attempt, 3 retries)."""
     hung = socket.socket()

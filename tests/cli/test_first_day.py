@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -17,24 +16,11 @@ import httpx
 import pytest
 from cachekeeper.server.settings import Settings
 
+from tests.cli.conftest import ck
 from tests.helpers.live_server import LiveServer, start_server
 
-CK = str(Path(sys.executable).parent / "cachekeeper")
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"
-
-
-def ck(
-    *args: str, cwd: Path, home: Path | None = None, **env_extra: str
-) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("CACHEKEEPER_", "TORCHINDUCTOR_"))
-    }
-    env["CACHEKEEPER_HOME"] = str(home or cwd / "home")
-    env.update(env_extra)
-    return subprocess.run(
-        [CK, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture
@@ -214,6 +200,7 @@ kwargs = { seconds = 0 }
 """
 
 
+@pytest.mark.slow  # two torch children start
 def test_prewarm_json_prints_progress_on_stderr_and_only_json_on_stdout(tmp_path: Path) -> None:
     """An entrypoint that compiles nothing: the children start torch, nothing is cached,
     so the verify finds no hit (exit 1); the claim is only where each line goes."""

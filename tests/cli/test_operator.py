@@ -63,6 +63,7 @@ def _sh(command: str, *, env: dict[str, str]) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow  # seven CLI processes
 def test_day_one_steps_run_as_written(live: LiveServer, tmp_path: Path) -> None:
     commands = _day_one_commands()
     runnable = [c for c in commands if RUNNABLE.search(c)]

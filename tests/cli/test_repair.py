@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from cachekeeper.marker import recorded_conflicts
+from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
 TINY = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "cpu-tiny.toml"
@@ -35,7 +36,7 @@ def ck(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 def test_repair_replaces_a_corrupt_entry_that_verify_names(
     compiled_cache: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     home = tmp_path / "home"
     archive = tmp_path / "snap.tar.zst"
     assert ck("snapshot", str(compiled_cache), "-o", str(archive), home=home).returncode == 0

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml  # pyyaml comes with the dev extra (schemathesis)
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
@@ -32,6 +33,7 @@ from cachekeeper.fingerprint import collect
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
+from tests.helpers.requires import require
 
 REPO = Path(__file__).resolve().parents[2]
 HOOKS_MD = REPO / "docs" / "hooks.md"
@@ -100,6 +102,7 @@ def test_ck_torchrun_stops_with_a_message_when_the_workload_is_unset(
     assert not marker.exists(), "torchrun started although the workload was unset"
 
 
+@pytest.mark.slow  # torchrun starts its workers
 def test_ck_torchrun_runs_torchrun_with_the_hook_exports(
     wrapper: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -211,7 +214,7 @@ with open(out, "w") as fh:
 def ranks_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A server with drafter-gqa registered and a snapshot of the rank script's compile as
     torchrun's ranks run it (OMP_NUM_THREADS=1): one cold compile for the module."""
-    pytest.importorskip("torch")
+    require("torch")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs: with one, every process has 1 thread anyway")
     root = tmp_path_factory.mktemp("ranks")
@@ -248,7 +251,7 @@ def _ranks(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in found]
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_the_torchrun_wrapper_as_written_hits_on_both_ranks(
     ranks_snapshot: LiveServer, tmp_path: Path
 ) -> None:
@@ -270,11 +273,10 @@ def test_the_torchrun_wrapper_as_written_hits_on_both_ranks(
     assert "compiled nothing new on top of snapshot" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_the_kubernetes_pod_as_written_hits_on_both_ranks(
     ranks_snapshot: LiveServer, tmp_path: Path
 ) -> None:
-    yaml = pytest.importorskip("yaml")
     pod = yaml.safe_load(doc_block("## Kubernetes", "kind: Pod", lang="yaml"))
     (init,) = pod["spec"]["initContainers"]
     (trainer,) = pod["spec"]["containers"]

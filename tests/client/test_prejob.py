@@ -1,132 +1,76 @@
-"""The pre-job hook against servers that misbehave: down, slow, 500, garbage, cut off.
+"""The pre-job hook against the real server, and against that server when it misbehaves:
+down, slow, 500, garbage, cut off mid-archive.
 
-A real server cannot be made to misbehave on cue, so these tests run a tiny real HTTP
-server on 127.0.0.1 (``http.server``) that speaks just enough of docs/api.md: resolve,
-the manifest, and the archive stream, each of which a test can make fail. The hook runs
-as a real process (``cachekeeper prejob``) wherever its exit status or timing is the claim.
+The snapshot is a real push (``client.push``) to a real server (uvicorn on loopback,
+tests/helpers/live_server.py), and every archive the hook restores is the one that
+server streams. The faults sit in front of it: a TCP relay (``slow_servers.forward``)
+passes every request through unchanged, and a test breaks one route on cue (a stall, a
+500, garbage, a connection cut a megabyte into the archive) while the real server answers
+the rest. The relay also counts what the hook asked. The hook runs as a real process
+(``cachekeeper prejob``) wherever its exit status or timing is the claim.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import tarfile
-import threading
-import time
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import zstandard
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.pull import pull
+from cachekeeper.client.push import push
+from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
-from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
-from tests.helpers.bodies import summary_body
 from tests.helpers.caches import make_cache
+from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ports import free_port
+from tests.helpers.slow_servers import FakeServer, answer, forward, stall
 
 CLI = [str(Path(sys.executable).parent / "cachekeeper")]
 
 
-def archive_bytes(manifest: Manifest, store: LocalStore, digests: set[str]) -> bytes:
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        body = manifest.to_json().encode()
-        info = tarfile.TarInfo("manifest.json")
-        info.size = len(body)
-        tar.addfile(info, io.BytesIO(body))
-        for digest in sorted(digests):
-            data = store.blobs.read(digest)
-            info = tarfile.TarInfo(f"blobs/{digest}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return zstandard.ZstdCompressor(level=1).compress(raw.getvalue())
+@dataclass(frozen=True)
+class Served:
+    """One snapshot of ``src`` (workload ``w``) pushed to ``live``."""
+
+    live: LiveServer
+    src: Path
+    manifest: Manifest
 
 
-class TinyServer:
-    """Serves one snapshot; ``behaviour(route, handler) -> bool`` may answer instead."""
-
-    def __init__(self, manifest: Manifest, store: LocalStore) -> None:
-        self.manifest = manifest
-        self.store = store
-        self.requests: list[str] = []
-        self.behaviour: Callable[[str, BaseHTTPRequestHandler], bool] = lambda r, h: False
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _answer(self, status: int, body: bytes, ctype: str = "application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self._route("GET")
-
-            def do_POST(self) -> None:
-                self._route("POST")
-
-            def _route(self, method: str) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                payload = json.loads(self.rfile.read(length)) if length else None
-                route = f"{method} {self.path}"
-                outer.requests.append(route)
-                if outer.behaviour(route, self):
-                    return
-                snap = outer.manifest.id
-                if route == "POST /v1/resolve":
-                    summary = summary_body(snap)
-                    body = {"snapshot": summary, "verified": True, "exact": True, "near_misses": []}
-                    self._answer(200, json.dumps(body).encode())
-                elif route == f"GET /v1/snapshots/{snap}":
-                    self._answer(200, outer.manifest.to_json().encode())
-                elif route == f"POST /v1/snapshots/{snap}/archive":
-                    data = archive_bytes(outer.manifest, outer.store, set(payload["digests"]))
-                    self._answer(200, data, "application/zstd")
-                else:
-                    self._answer(404, b'{"error": "snapshot_not_found", "detail": "no"}')
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def snapshot(tmp_path: Path) -> tuple[Manifest, LocalStore]:
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("prejob")
+    src = root / "src"
     make_cache(src)
-    store = LocalStore(home=tmp_path / "store")
-    return snapshot_dir(src, store=store, workload="w"), store
+    with start_server(Settings(data_dir=root / "data")) as live:
+        with CacheClient(base_url=live.url) as client:
+            pushed = push(src, client=client, workload="w", store=LocalStore(home=root / "store"))
+            manifest = client.get_manifest(pushed.snapshot_id)
+        yield Served(live=live, src=src, manifest=manifest)
 
 
 @pytest.fixture
-def tiny(snapshot):
-    server = TinyServer(*snapshot)
-    yield server
-    server.close()
+def relay(served: Served) -> Iterator[FakeServer]:
+    """The real server behind a relay whose routes a test may break."""
+    proxy = FakeServer({"/": forward(served.live.url)})
+    yield proxy
+    proxy.close()
+
+
+def asked(proxy: FakeServer) -> list[str]:
+    """What the hook asked the relay, in order: ``METHOD /path``."""
+    return [f"{r.method} {r.path}" for r in proxy.requests]
 
 
 def run_prejob(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
@@ -140,13 +84,13 @@ def run_prejob(*args: str, env: dict[str, str] | None = None, timeout: float = 6
     )
 
 
-def files_match(manifest: Manifest, cache_dir: Path, store: LocalStore) -> list[str]:
-    """Paths present in cache_dir; asserts each present one is complete and correct."""
+def files_match(served: Served, cache_dir: Path) -> list[str]:
+    """Paths present in cache_dir; asserts each present one is the pushed file's bytes."""
     present = []
-    for entry in manifest.files:
+    for entry in served.manifest.files:
         path = cache_dir / entry.path
         if path.exists():
-            assert path.read_bytes() == store.blobs.read(entry.digest), entry.path
+            assert path.read_bytes() == (served.src / entry.path).read_bytes(), entry.path
             present.append(entry.path)
     return present
 
@@ -159,23 +103,23 @@ def visible_files(cache_dir: Path) -> set[str]:
     }
 
 
-def test_restores_into_empty_dir_then_noop(tiny, snapshot, tmp_path):
-    manifest, store = snapshot
+def test_restores_into_empty_dir_then_noop(served, relay, tmp_path):
+    manifest = served.manifest
     cache = tmp_path / "cache"
-    proc = run_prejob("--server", tiny.url, "--cache-dir", str(cache))
+    proc = run_prejob("--server", relay.url, "--cache-dir", str(cache))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\n"
     assert is_restored(manifest.id, cache)
-    assert len(files_match(manifest, cache, store)) == len(manifest.files)
-    archives = [r for r in tiny.requests if r.endswith("/archive")]
+    assert len(files_match(served, cache)) == len(manifest.files) == 4
+    archives = [r for r in asked(relay) if r.endswith("/archive")]
     assert len(archives) == 1
-    assert tiny.requests.count("POST /v1/resolve") == 1  # the no-op check's answer is reused
+    assert asked(relay).count("POST /v1/resolve") == 1  # the no-op check's answer is reused
 
-    proc = run_prejob("--server", tiny.url, "--cache-dir", str(cache), "--json")
+    proc = run_prejob("--server", relay.url, "--cache-dir", str(cache), "--json")
     report = json.loads(proc.stdout)
     assert report["outcome"] == "already_restored"
-    assert len([r for r in tiny.requests if r.endswith("/archive")]) == 1
-    assert tiny.requests.count("POST /v1/resolve") == 2
+    assert len([r for r in asked(relay) if r.endswith("/archive")]) == 1
+    assert asked(relay).count("POST /v1/resolve") == 2
 
 
 NOOP_MODULES = """
@@ -191,20 +135,18 @@ print("LOADED=" + ",".join(m for m in heavy if m in sys.modules), file=sys.stder
 """
 
 
-def test_the_no_op_path_loads_neither_the_http_client_nor_the_restore_stack(
-    tiny, snapshot, tmp_path
-):
+def test_the_no_op_path_loads_neither_the_http_client_nor_the_restore_stack(served, tmp_path):
     """The hook's start-up budget: what every job start pays must stay small."""
-    manifest, _ = snapshot
-    cache = tmp_path / "cache"
-    assert run_prejob("--server", tiny.url, "--cache-dir", str(cache)).returncode == 0
-    args = ["prejob", "--workload", "w", "--server", tiny.url, "--cache-dir", str(cache)]
+    url, cache = served.live.url, tmp_path / "cache"
+    assert run_prejob("--server", url, "--cache-dir", str(cache)).returncode == 0
+    assert is_restored(served.manifest.id, cache)
+    args = ["prejob", "--workload", "w", "--server", url, "--cache-dir", str(cache), "--json"]
     proc = subprocess.run(
         [sys.executable, "-c", NOOP_MODULES, *args], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["outcome"] == "already_restored"  # the no-op path it was
     assert proc.stderr.strip().splitlines()[-1] == "LOADED=", proc.stderr
-    assert is_restored(manifest.id, cache)
 
 
 def test_server_down_exits_zero_fast_with_one_line(tmp_path):
@@ -244,95 +186,70 @@ def test_no_server_configured_is_a_cold_start_not_a_failure(tmp_path):
     assert proc.stderr.startswith("cachekeeper: no cache restored (no server configured")
 
 
-def answer_500(route: str, handler) -> bool:
-    handler._answer(500, b"Internal Server Error", "text/plain")
-    return True
-
-
-def answer_garbage(route: str, handler) -> bool:
-    handler._answer(200, b"\x00\xffnot json at all")
-    return True
-
-
 @pytest.mark.parametrize(
-    ("behaviour", "why"),
-    [(answer_500, "HTTP 500"), (answer_garbage, "not JSON")],
+    ("route", "why"),
+    [
+        (answer(b"Internal Server Error", status=500, content_type="text/plain"), "HTTP 500"),
+        (answer(b"\x00\xffnot json at all"), "not JSON"),
+    ],
     ids=["500", "garbage"],
 )
-def test_erroring_server_gives_a_cold_start(tiny, tmp_path, behaviour, why):
-    tiny.behaviour = behaviour
-    proc = run_prejob("--server", tiny.url, "--cache-dir", str(tmp_path / "c"))
+def test_erroring_server_gives_a_cold_start(relay, tmp_path, route, why):
+    relay.routes["/"] = route  # every route, in place of the real server's answers
+    cache = tmp_path / "c"
+    proc = run_prejob("--server", relay.url, "--cache-dir", str(cache))
     assert proc.returncode == 0
     assert proc.stderr.count("\n") == 1
     assert why in proc.stderr and "no cache restored" in proc.stderr
-    assert "export TORCHINDUCTOR_CACHE_DIR=" in proc.stdout
-    if behaviour is answer_500:
-        assert tiny.requests.count("POST /v1/resolve") > 1  # 5xx is retried
+    assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\n"
+    if why == "HTTP 500":
+        assert asked(relay).count("POST /v1/resolve") > 1  # 5xx is retried
 
 
-def test_slow_server_is_abandoned_at_the_timeout(tiny, tmp_path):
-    def stall(route: str, handler) -> bool:
-        time.sleep(30)
-        return False
-
-    tiny.behaviour = stall
+def test_slow_server_is_abandoned_at_the_timeout(relay, tmp_path):
+    relay.routes["/"] = stall()  # reads each request, never answers (until the test ends)
     proc = run_prejob(
-        "--server", tiny.url, "--cache-dir", str(tmp_path / "c"), "--timeout", "2",
-        timeout=20,  # hang guard (10x the hook's timeout; the server stalls 30 s), not a speed claim
+        "--server", relay.url, "--cache-dir", str(tmp_path / "c"), "--timeout", "2",
+        timeout=20,  # hang guard (10x the hook's timeout; the server never answers)
     )  # fmt: skip
     assert proc.returncode == 0
     assert "no cache restored" in proc.stderr, proc.stderr
-    assert "ReadTimeout: timed out" in proc.stderr  # abandoned at the timeout, not the stall
+    assert "ReadTimeout: timed out" in proc.stderr  # abandoned at the timeout
+    assert asked(relay)[0] == "POST /v1/resolve"  # it reached the server, which stalled
 
 
-def test_download_cut_off_leaves_no_partial_file_and_rerun_completes(tiny, snapshot, tmp_path):
-    manifest, store = snapshot
+def test_download_cut_off_leaves_no_partial_file_and_rerun_completes(served, relay, tmp_path):
+    manifest = served.manifest
     cache = tmp_path / "cache"
     (cache / "mine").mkdir(parents=True)
     (cache / "mine" / "keep.txt").write_text("not from the snapshot")
-
-    def cut_off(route: str, handler) -> bool:
-        if not route.endswith("/archive"):
-            return False
-        data = archive_bytes(manifest, store, set(json_digests(manifest)))
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/zstd")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data[: len(data) // 2])
-        handler.wfile.flush()
-        handler.connection.shutdown(socket.SHUT_RDWR)
-        handler.close_connection = True
-        return True
-
-    tiny.behaviour = cut_off
-    report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=20)
+    archive = f"/v1/snapshots/{manifest.id}/archive"
+    # the real archive, cut 1 MiB in: inside the 3 MiB kernel.so, past the small files
+    relay.routes[archive] = forward(served.live.url, cut_after_bytes=1 << 20)
+    report = prejob(workload="w", server=relay.url, cache_dir=cache, timeout_s=20)
     assert report.cold and "cut off" in (report.reason or ""), report
-    assert sum(r.endswith("/archive") for r in tiny.requests) == 3  # retried, then gave up
-    present = files_match(manifest, cache, store)  # whatever is there is complete
-    assert len(present) < len(manifest.files)
+    assert sum(r.endswith("/archive") for r in asked(relay)) == 3  # retried, then gave up
+    present = files_match(served, cache)  # whatever is there is complete
+    assert "cd/kernel.so" not in present and len(present) < len(manifest.files)
     assert visible_files(cache) == set(present) | {"mine/keep.txt"}
     assert not is_restored(manifest.id, cache)
 
-    tiny.behaviour = lambda r, h: False
-    report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=20)
+    del relay.routes[archive]  # the network is back
+    report = prejob(workload="w", server=relay.url, cache_dir=cache, timeout_s=20)
     assert report.outcome == "restored", report
     assert is_restored(manifest.id, cache)
-    assert len(files_match(manifest, cache, store)) == len(manifest.files)
+    assert len(files_match(served, cache)) == len(manifest.files)
     assert (cache / "mine" / "keep.txt").read_text() == "not from the snapshot"
 
 
-def json_digests(manifest: Manifest) -> list[str]:
-    return sorted(manifest.digests)
-
-
-def test_default_cache_dir_is_per_fingerprint_under_home(tiny, tmp_path):
+def test_default_cache_dir_is_per_fingerprint_under_home(served, tmp_path):
     from cachekeeper.fingerprint import collect, digest_of
 
+    url = served.live.url
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["CACHEKEEPER_HOME"] = str(tmp_path / "home dir")
     proc = subprocess.run(
-        [*CLI, "prejob", "--workload", "w", "--server", tiny.url],
+        [*CLI, "prejob", "--workload", "w", "--server", url],
         capture_output=True,
         text=True,
         env=env,
@@ -341,13 +258,14 @@ def test_default_cache_dir_is_per_fingerprint_under_home(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     expected = tmp_path / "home dir" / "inductor" / digest_of(collect(environ=env))[:16]
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR='{expected}'\n"
+    assert is_restored(served.manifest.id, expected)  # and the snapshot went there
     # eval-able: a shell sees the exact path despite the space
     shell = subprocess.run(
         [
             "bash",
             "-c",
             f'eval "$({CLI[0]} prejob --workload w '
-            f'--server {tiny.url})"; printf %s "$TORCHINDUCTOR_CACHE_DIR"',
+            f'--server {url})"; printf %s "$TORCHINDUCTOR_CACHE_DIR"',
         ],
         capture_output=True,
         text=True,
@@ -358,7 +276,7 @@ def test_default_cache_dir_is_per_fingerprint_under_home(tiny, tmp_path):
 
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "explicit")
     proc = subprocess.run(
-        [*CLI, "prejob", "--workload", "w", "--server", tiny.url],
+        [*CLI, "prejob", "--workload", "w", "--server", url],
         capture_output=True,
         text=True,
         env=env,
@@ -367,67 +285,63 @@ def test_default_cache_dir_is_per_fingerprint_under_home(tiny, tmp_path):
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={tmp_path / 'explicit'}\n"
 
 
-def test_a_lock_held_by_a_stuck_process_does_not_hold_the_job(tiny, snapshot, tmp_path):
+def test_a_lock_held_by_a_stuck_process_does_not_hold_the_job(served, tmp_path):
     import fcntl
 
     cache = tmp_path / "cache"
     (cache / ".cachekeeper").mkdir(parents=True)
     with open(cache / ".cachekeeper" / "lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # a rank that hangs while holding the node's lock
-        proc = run_prejob("--server", tiny.url, "--cache-dir", str(cache), "--timeout", "2",
-                          timeout=20)  # fmt: skip  # hang guard (10x the hook's timeout)
+        proc = run_prejob("--server", served.live.url, "--cache-dir", str(cache), "--timeout",
+                          "2", timeout=20)  # fmt: skip  # hang guard (10x the hook's timeout)
     assert proc.returncode == 0
     assert "gave up waiting after the 2 s timeout" in proc.stderr
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\n"
 
 
-def test_a_cache_dir_that_cannot_be_created_gives_a_cold_start(tiny, tmp_path):
+def test_a_cache_dir_that_cannot_be_created_gives_a_cold_start(served, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     cache = tmp_path / "a-file" / "cache"
-    report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=10)
+    report = prejob(workload="w", server=served.live.url, cache_dir=cache, timeout_s=10)
     assert report.cold
     assert (report.reason or "").startswith(f"cache_dir_unusable: cannot use {cache} as")
     assert report.exports == {}  # never export a dir the job cannot use
 
 
-def test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold(tiny, tmp_path):
+def test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold(served, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / ".cachekeeper").write_bytes(b"someone's file")
     with (
-        CacheClient(base_url=tiny.url) as client,
+        CacheClient(base_url=served.live.url) as client,
         pytest.raises(CacheDirUnusable, match="not a folder"),
     ):
-        pull(client=client, workload="w", cache_dir=cache, fingerprint={"schema": 1})
-    report = prejob(workload="w", server=tiny.url, cache_dir=cache, timeout_s=10)
+        pull(client=client, workload="w", cache_dir=cache)
+    report = prejob(workload="w", server=served.live.url, cache_dir=cache, timeout_s=10)
     assert report.cold and (report.reason or "").startswith("cache_dir_unusable: "), report
+    assert report.snapshot_id == served.manifest.id  # it had found the snapshot to restore
     assert (cache / ".cachekeeper").read_bytes() == b"someone's file"
     assert visible_files(cache) == set()
 
 
-def test_a_hung_server_over_a_restored_dir_says_the_job_uses_what_it_holds(tiny, tmp_path):
+def test_a_hung_server_over_a_restored_dir_says_the_job_uses_what_it_holds(served, relay, tmp_path):
     """Issue 25: with the server hung and the dir already restored, the hook said "this job
     will compile cold", though the job hits what an earlier restore left."""
     cache = tmp_path / "cache"
-    assert run_prejob("--server", tiny.url, "--cache-dir", str(cache)).returncode == 0
-
-    def stall(route: str, handler) -> bool:
-        time.sleep(30)
-        return False
-
-    tiny.behaviour = stall
+    assert run_prejob("--server", relay.url, "--cache-dir", str(cache)).returncode == 0
+    relay.routes["/"] = stall()
     proc = run_prejob(
-        "--server", tiny.url, "--cache-dir", str(cache), "--timeout", "2", "--json",
-        timeout=20,  # hang guard (10x the hook's timeout; the server stalls 30 s), not a speed claim
+        "--server", relay.url, "--cache-dir", str(cache), "--timeout", "2", "--json",
+        timeout=20,  # hang guard (10x the hook's timeout; the server never answers)
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "will compile cold" not in line, line
-    held = tiny.manifest.id
+    held = served.manifest.id
     assert f"the cache dir still holds snapshot {held[:12]} from an earlier restore" in line
     report = json.loads(proc.stdout)
     assert report["outcome"] == "cold" and report["held_snapshot_id"] == held
     # an empty dir under the same hung server is a cold start, said as one
-    empty = run_prejob("--server", tiny.url, "--cache-dir", str(tmp_path / "e"), "--timeout", "2",
-                       timeout=20)  # fmt: skip
+    empty = run_prejob("--server", relay.url, "--cache-dir", str(tmp_path / "e"), "--timeout",
+                       "2", timeout=20)  # fmt: skip
     assert "this job will compile cold" in empty.stderr, empty.stderr

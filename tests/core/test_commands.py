@@ -57,6 +57,7 @@ def test_the_environment_is_the_builders_plus_what_the_workload_says(tmp_path: P
     assert env["TORCHINDUCTOR_REDIS_URL"] == remote_tier.OFF_URL
 
 
+@pytest.mark.slow  # a tree of Python processes
 def test_every_python_process_reports_its_rank_and_how_it_ended(tmp_path: Path) -> None:
     """A parent that starts three children (as torchrun starts ranks): one exits 0, one
     calls sys.exit(3), one raises; each imports torch._dynamo and writes its record. The
@@ -128,6 +129,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_a_timeout_stops_the_whole_tree_even_ranks_in_their_own_session(tmp_path: Path) -> None:
     """torchrun starts each rank with start_new_session: a process-group kill misses it."""
     pids = tmp_path / "pids"
@@ -183,6 +185,7 @@ def test_records_that_cannot_be_read_are_skipped(tmp_path: Path) -> None:
     assert [p.pid for p in read_evidence(tmp_path)] == [2]
 
 
+@pytest.mark.slow  # a tree of Python processes
 @pytest.mark.parametrize("flag", ["-I", "-E"])
 def test_a_python_that_ignores_pythonpath_reports_nothing(tmp_path: Path, flag: str) -> None:
     """The documented limit: such a process is not seen, and a verify then says so."""

@@ -414,6 +414,7 @@ def _restore_in_child(archive: str, dst: str, queue: multiprocessing.Queue) -> N
     queue.put((report.written, report.skipped, len(report.conflicts)))
 
 
+@pytest.mark.slow  # eight processes
 def test_eight_concurrent_restores_serialize_and_reuse(
     sample_archive: Path, tmp_path: Path
 ) -> None:

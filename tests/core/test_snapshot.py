@@ -152,6 +152,7 @@ def _valid_tree(files: dict[str, bytes]) -> dict[str, bytes]:
     return {p: d for p, d in files.items() if p not in folders}
 
 
+@pytest.mark.slow  # hypothesis: many trees
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(files=_trees, via_archive=st.booleans())
 def test_snapshot_restore_round_trips_any_tree(files: dict[str, bytes], via_archive: bool) -> None:

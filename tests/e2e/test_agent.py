@@ -37,8 +37,9 @@ from cachekeeper.server.settings import Settings
 from cachekeeper.allowlist import Allowlist
 from cachekeeper.fingerprint import collect, digest_of
 from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -61,7 +62,7 @@ OVERRIDE = json.dumps({"triton": "9.9.9"})
 @pytest.fixture(scope="module", autouse=True)
 def _child_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Children import fixtures_pkg through PYTHONPATH; the agent's home is private."""
-    pytest.importorskip("torch")
+    require("torch")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         mp.setenv("CACHEKEEPER_HOME", str(tmp_path_factory.mktemp("ck-home")))

@@ -35,8 +35,9 @@ import pytest
 from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -117,7 +118,7 @@ def _rows(live: LiveServer) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    pytest.importorskip("torch")
+    require("torch")
     with start_server(Settings(data_dir=tmp_path_factory.mktemp("server"))) as handle:
         httpx.put(f"{handle.url}/v1/workloads/block", content=BLOCK).raise_for_status()
         yield handle

@@ -27,7 +27,7 @@ from cachekeeper.store import LocalStore
 from cachekeeper.verify import verify
 from cachekeeper.workload import parse_workload
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = (REPO / "examples" / "workloads" / "cpu-tiny.toml").read_text()

@@ -25,8 +25,9 @@ import pytest
 from cachekeeper.prewarm import prewarm
 from cachekeeper.workload import load_workload
 from tests.helpers.live_server import LiveServer
+from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "workloads" / "cpu-tiny.toml"
@@ -38,7 +39,7 @@ TWO_GPUS = json.dumps(
 @pytest.fixture(scope="module")
 def two_gpu_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The environment of a (mocked) node with two GPUs, for children and CLI calls."""
-    pytest.importorskip("torch")
+    require("torch")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEKEEPER_")}
     env.update(
         CACHEKEEPER_TEST_FAKE_CUDA="1",

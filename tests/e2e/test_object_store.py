@@ -28,7 +28,7 @@ from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe
-from tests.e2e.test_push_pull_prejob import ck, counter
+from tests.e2e.conftest import ck, counter
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer
@@ -152,6 +152,7 @@ def test_publish_refuses_a_missing_or_corrupt_object(live, tmp_path, fault):
         assert client.resolve(collect(), workload=f"bad-{fault}").snapshot_id == manifest.id
 
 
+@pytest.mark.slow  # waits for object ages (whole seconds)
 def test_gc_never_collects_an_upload_whose_push_is_in_flight(bucket, tmp_path):
     """Uploaded objects with no row yet: the grace period keeps them; and a GC planned
     before the publish re-validates under the catalog's lock and keeps what it recorded."""

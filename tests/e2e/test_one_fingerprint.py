@@ -33,7 +33,7 @@ from cachekeeper.fingerprint import collect, digest_of
 from tests.conftest import run_probe
 from tests.helpers.live_server import start_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = (REPO / "examples" / "workloads" / "cpu-tiny.toml").read_text()

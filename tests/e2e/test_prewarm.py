@@ -30,8 +30,9 @@ from cachekeeper.prewarm import prewarm
 from cachekeeper.reports import PrewarmReport, ProgressEvent
 from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload, parse_workload
+from tests.helpers.requires import require
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.compile  # real torch.compile runs in children
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -80,7 +81,7 @@ kwargs = { size = 32 }
 
 @pytest.fixture(scope="module", autouse=True)
 def _child_env() -> Iterator[None]:
-    pytest.importorskip("torch")
+    require("torch")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         mp.delenv("CACHEKEEPER_TEST_FAKE_CUDA", raising=False)

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
@@ -22,35 +19,13 @@ from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe
+from tests.e2e.conftest import CK, ck, counter
 from tests.helpers.caches import make_cache
-
-CK = str(Path(sys.executable).parent / "cachekeeper")
 
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ck-home")
-
-
-def ck(*args: str, server: str, token: str | None = "write-token", home: Path, **kw):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("CACHEKEEPER_TOKEN", "TORCHINDUCTOR_CACHE_DIR")
-    }
-    env.update(CACHEKEEPER_SERVER=server, CACHEKEEPER_HOME=str(home))
-    if token is not None:
-        env["CACHEKEEPER_TOKEN"] = token
-    return subprocess.run([CK, *args], capture_output=True, text=True, env=env, timeout=300, **kw)
-
-
-def counter(url: str, name: str) -> float:
-    """A counter of the server's /metrics (read scope: a read token, ignored with auth off)."""
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer read-token"}).text
-    return sum(
-        float(m.group(1))
-        for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, flags=re.MULTILINE)
-    )
 
 
 def _push_flex(cache: Path, url: str, home: Path) -> subprocess.CompletedProcess[str]:
@@ -128,6 +103,7 @@ def test_pull_fetches_only_what_the_dir_lacks(authed_server, home, pushed_small,
     assert is_restored(pushed_small, cache)
 
 
+@pytest.mark.slow  # eight hook processes
 def test_eight_concurrent_prejobs_fetch_one_set(authed_server, home, pushed_small, tmp_path):
     cache = tmp_path / "shared-cache"
     archives = counter(authed_server.url, "cachekeeper_archive_requests_total")

@@ -27,11 +27,8 @@ from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.redis_py import redis_py_env, redis_py_versions
 
 pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        len(redis_py_versions()) < 2,
-        reason="scripts/setup installs redis-py 7.x and 8.x into .venv/redis-py",
-    ),
+    pytest.mark.compile,  # real torch.compile runs against the tier
+    pytest.mark.usefixtures("redis_py"),  # fails, never skips, without redis-py
 ]
 
 TOKENS = {"node-write": "write"}

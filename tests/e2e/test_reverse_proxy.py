@@ -29,7 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 CK = str(Path(sys.executable).parent / "cachekeeper")
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 
-pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed")
+pytestmark = [
+    pytest.mark.slow,  # runs nginx in front of a server
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed"),
+]
 
 
 def doc_server_block() -> str:

@@ -32,8 +32,8 @@ from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.redis_py import redis_py_env, redis_py_versions
 
 pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not redis_py_versions(), reason="scripts/setup installs redis-py"),
+    pytest.mark.compile,  # real torch.compile runs against the tier
+    pytest.mark.usefixtures("redis_py"),  # fails, never skips, without redis-py
 ]
 
 CK = str(Path(sys.executable).parent / "cachekeeper")

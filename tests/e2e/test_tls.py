@@ -24,6 +24,8 @@ from tests.helpers.tls import Pki, make_pki
 
 CK = str(Path(sys.executable).parent / "cachekeeper")
 
+pytestmark = pytest.mark.slow  # a private CA, serve processes over https
+
 
 def ck(*args: str, home: Path, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items()

@@ -1,9 +1,10 @@
 """The hook's deadline is a promise (issue 24): ``prejob --timeout T`` and ``postjob
 --timeout T`` end within T + 1 s under every fault, and never export an unusable dir.
 
-Every fault is a real one: a server on loopback that trickles its answer a byte a second,
-one that stalls, one that sends a gigabyte of JSON, an object store whose later ranges
-trickle, an ``nvidia-smi`` on PATH that hangs. Only NVML is faked (a ``pynvml`` module
+Every fault is a real one, on one route of the real server (a relay in front of it,
+``slow_servers.forward``, passes the others through): an answer trickled a byte a second,
+a stall, a gigabyte of JSON, an object store (moto, behind a relay too) whose later
+ranges of the server's own archive object trickle, an ``nvidia-smi`` on PATH that hangs. Only NVML is faked (a ``pynvml`` module
 whose init hangs), because no GPU driver exists here. The hook runs as the real CLI in a
 fresh process, and the test measures that process's wall time from start to exit: the
 bound asserted is the contract itself (T + 1 s), not a speed target, and T is small so
@@ -20,22 +21,24 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import boto3
 import pytest
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.push import push
+from cachekeeper.server.settings import Settings
 
-from cachekeeper.fingerprint import collect
-from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
-from cachekeeper.wire import ResolveAnswer, Summary, to_dict
 from tests.hardening.conftest import child_env
-from tests.helpers.slow_servers import FakeServer, answer_json, dribble, huge_json, ranges, stall
+from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.moto_server import MotoServer
+from tests.helpers.slow_servers import FakeServer, dribble, forward, huge_json, ranges, stall
 
 T = 2.0  # the hook's --timeout in these tests
 BOUND = T + 1.0  # the contract
-MISS = to_dict(ResolveAnswer(snapshot=None, verified=False, exact=False, near_misses=()))
-STORED = {"id": 1, "at": "2026-01-01T00:00:00.000000+00:00"}
 
 
 @dataclass(frozen=True)
@@ -131,45 +134,48 @@ def fake_gpu_tools(tmp_path: Path) -> Path:
     return folder
 
 
-def _archive_over_two_parts(tmp_path: Path) -> tuple[bytes, str]:
-    """A real snapshot archive bigger than one ranged part (8 MiB): (bytes, snapshot id)."""
-    src = tmp_path / "src"
-    (src / "fxgraph" / "ab").mkdir(parents=True)
-    (src / "fxgraph" / "ab" / "big").write_bytes(os.urandom(12 << 20))
-    (src / "fxgraph" / "ab" / "small").write_bytes(b"small entry")
-    store = LocalStore(home=tmp_path / "store")
-    manifest = snapshot_dir(src, store=store, workload="wl", fingerprint=collect())
-    out = tmp_path / "snap.tar.zst"
-    write_archive(manifest, store.blobs, out, level=1)
-    return out.read_bytes(), manifest.id
+def _big_cache(root: Path) -> Path:
+    """A cache dir whose archive is bigger than one ranged part of the hook's (8 MiB)."""
+    (root / "fxgraph" / "ab").mkdir(parents=True)
+    (root / "fxgraph" / "ab" / "big").write_bytes(os.urandom(12 << 20))
+    (root / "fxgraph" / "ab" / "small").write_bytes(b"small entry")
+    return root
 
 
-def _hit(snapshot_id: str, archive_url: str) -> dict[str, object]:
-    summary = Summary(
-        id=snapshot_id,
-        workload="wl",
-        fingerprint_digest="0" * 64,
-        devices=("cpu",),
-        verified=True,
-        signed=False,
-        size_bytes=12 << 20,
-        file_count=2,
-        created_at="2026-01-01T00:00:00.000000+00:00",
-        last_used_at=None,
-        pinned=False,
+def _object_store_behind_a_relay(
+    tmp_path: Path, moto_s3: MotoServer, stack: ExitStack, monkeypatch: pytest.MonkeyPatch
+) -> tuple[LiveServer, FakeServer, str]:
+    """A real server on a real object store (moto) that it reaches, and presigns URLs for,
+    through a relay: (the server, the relay, the path prefix of its archive objects). The
+    snapshot of ``_big_cache`` is pushed and packed; nodes are offered its archive URL."""
+    bucket_url = moto_s3.new_bucket()
+    relay = stack.enter_context(FakeServer({"/": forward(moto_s3.url)}))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.url)  # read once, as the server opens
+    live = stack.enter_context(
+        start_server(Settings(data_dir=tmp_path / "data", blob_store=bucket_url))
     )
-    answer = ResolveAnswer(
-        snapshot=summary, verified=True, exact=True, near_misses=(), archive_url=archive_url
-    )
-    return to_dict(answer)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.url)
+    src = _big_cache(tmp_path / "src")
+    with CacheClient(base_url=live.url) as client:
+        push(src, client=client, workload="wl", store=LocalStore(home=tmp_path / "store"))
+    bucket, _, prefix = bucket_url.removeprefix("s3://").partition("/")
+    return live, relay, f"/{bucket}/{prefix}/archives/"
+
+
+def _archive_object(path_prefix: str) -> bytes:
+    """The one archive object under ``path_prefix`` (``/BUCKET/KEY-PREFIX/``), read from
+    the object store itself (``moto_s3`` points boto3 at it)."""
+    bucket, _, prefix = path_prefix.strip("/").partition("/")
+    s3 = boto3.session.Session().client("s3")
+    (found,) = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")["Contents"]
+    return bytes(s3.get_object(Bucket=bucket, Key=found["Key"])["Body"].read())
 
 
 @pytest.fixture
-def servers() -> Iterator[list[FakeServer]]:
-    made: list[FakeServer] = []
-    yield made
-    for server in made:
-        server.close()
+def stack() -> Iterator[ExitStack]:
+    """Servers and relays a test starts, all stopped at its end."""
+    with ExitStack() as opened:
+        yield opened
 
 
 FAULTS = {
@@ -186,10 +192,27 @@ FAULTS = {
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_prejob_ends_within_its_timeout_plus_one_second(
-    fault: str, tmp_path: Path, servers: list[FakeServer], fake_gpu_tools: Path, reliability
+    fault: str,
+    tmp_path: Path,
+    stack: ExitStack,
+    fake_gpu_tools: Path,
+    reliability,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    routes = {"/v1/resolve": answer_json(MISS), "/v1/reports": answer_json(STORED, status=201)}
+    """The real server answers, through a relay, every route the fault leaves alone: a
+    miss for workload ``wl``, which nobody registered, and the job reports."""
     env = _env(tmp_path)
+    if fault == "store_ranges_dribble":
+        moto_s3 = request.getfixturevalue("moto_s3")
+        live, store, archives = _object_store_behind_a_relay(tmp_path, moto_s3, stack, monkeypatch)
+        data = _archive_object(archives)
+        assert len(data) > 8 << 20  # two ranged parts: the second one dribbles
+        store.routes[archives] = ranges(data, fast_until=8 << 20)
+    else:
+        live = stack.enter_context(start_server(Settings(data_dir=tmp_path / "data")))
+    server = stack.enter_context(FakeServer({"/": forward(live.url)}))
+    routes = server.routes
     if fault == "report_dribbles":
         routes["/v1/reports"] = dribble()
     elif fault == "resolve_dribbles":
@@ -200,19 +223,20 @@ def test_prejob_ends_within_its_timeout_plus_one_second(
         routes["/v1/resolve"] = stall()
     elif fault == "resolve_is_1_gib":
         routes["/v1/resolve"] = huge_json(size_bytes=1 << 30)
-    elif fault == "store_ranges_dribble":
-        data, snapshot_id = _archive_over_two_parts(tmp_path)
-        store = FakeServer({"/bucket/": ranges(data, fast_until=8 << 20)})
-        servers.append(store)
-        routes["/v1/resolve"] = answer_json(_hit(snapshot_id, f"{store.url}/bucket/archive?sig=x"))
     elif fault == "nvidia_smi_hangs":
         env["PATH"] = f"{fake_gpu_tools}{os.pathsep}{env['PATH']}"
     elif fault == "nvml_hangs":
         env["PYTHONPATH"] = f"{fake_gpu_tools}{os.pathsep}{env['PYTHONPATH']}"
-    server = FakeServer(routes)
-    servers.append(server)
     run = _prejob(server, tmp_path, env)
     _assert_cold_in_time(run, tmp_path / "cache")
+    # the fault was met, not missed: the hook asked the broken route
+    faulted = {r: route for r, route in routes.items() if r != "/"}
+    for path in faulted:
+        assert any(r.path.startswith(path) for r in server.requests), (path, server.requests)
+    if fault == "store_ranges_dribble":
+        gets = [r for r in store.requests if r.method == "GET" and r.path.startswith(archives)]
+        starts = [int(r.headers["range"].removeprefix("bytes=").split("-")[0]) for r in gets]
+        assert 0 in starts and any(at >= 8 << 20 for at in starts), starts  # reached part 2
     if fault == "resolve_is_1_gib":
         assert run.max_rss_mb < 200, f"the hook held {run.max_rss_mb:.0f} MB of a 1 GiB answer"
         rss = f", peak RSS {run.max_rss_mb:.0f} MB"
@@ -230,13 +254,12 @@ def test_prejob_ends_within_its_timeout_plus_one_second(
 
 
 def test_postjob_ends_within_its_timeout_plus_one_second(
-    tmp_path: Path, servers: list[FakeServer], fake_gpu_tools: Path, reliability
+    tmp_path: Path, stack: ExitStack, fake_gpu_tools: Path, reliability
 ) -> None:
     cache = tmp_path / "cache"
     (cache / "fxgraph" / "ab" / "k").mkdir(parents=True)
     (cache / "fxgraph" / "ab" / "k" / "entry").write_bytes(b"compiled by the job")
-    server = FakeServer({"/v1/reports": dribble()})
-    servers.append(server)
+    server = stack.enter_context(FakeServer({"/v1/reports": dribble()}))
     for case, env in (
         ("the report endpoint answers 1 byte a second", _env(tmp_path)),
         (

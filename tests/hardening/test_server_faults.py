@@ -111,8 +111,9 @@ def test_server_killed_during_push_never_publishes_without_blobs(
     subprocess.run(push, env=env, check=True, capture_output=True, timeout=180)
     full_s = time.monotonic() - started
     server_process.kill()
-    # A fresh data dir per try, so each push uploads everything again.
-    kills = 0
+    # A fresh data dir per try, so each push uploads everything again. Each kill lands
+    # after the first blob is stored (the push is under way), at a random point after it.
+    kills = mid_push = 0
     for i in range(2):
         proc = ServerProcess(data_dir=tmp_path / f"data{i}", home=tmp_path / "srv-home")
         proc.start()
@@ -123,10 +124,15 @@ def test_server_killed_during_push_never_publishes_without_blobs(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            time.sleep(rng.uniform(0.2 * full_s, 0.9 * full_s))
+            deadline = time.monotonic() + 120
+            while not _blob_files(proc.data_dir):
+                assert pusher.poll() is None, "the push ended before it stored a blob"
+                assert time.monotonic() < deadline, "the push never stored a blob"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.25 * full_s))
             proc.kill()
             kills += 1
-            pusher.wait(120)  # failed, or finished first: both are fine
+            mid_push += pusher.wait(120) != 0  # the push failed: the kill landed during it
             proc.start()
             _assert_every_snapshot_has_its_blobs(proc.url)
             assert _tmp_files(proc.data_dir) == []
@@ -140,8 +146,10 @@ def test_server_killed_during_push_never_publishes_without_blobs(
             assert _assert_every_snapshot_has_its_blobs(proc.url) == 1
         finally:
             proc.kill()
+    assert mid_push >= 1, "every push finished before its kill: nothing was tested"
     reliability.record(
-        "server SIGKILLed while `cachekeeper push` uploads and publishes",
+        f"server SIGKILLed while `cachekeeper push` uploads and publishes ({mid_push} kills"
+        " mid-push)",
         tries=kills,
         outcome="kept",
         area="server killed",
@@ -172,16 +180,23 @@ def test_server_killed_mid_download_leaves_only_complete_files(
     started = time.monotonic()
     subprocess.run(pull(tmp_path / "timing"), env=env, check=True, capture_output=True)
     full_s = time.monotonic() - started
-    kills = 0
+    kills = mid_download = 0
     for i in range(3):
         target = tmp_path / f"t{i}"
         puller = subprocess.Popen(
             pull(target), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        time.sleep(rng.uniform(0.4 * full_s, 0.9 * full_s))
+        # once the first verified file is staged (the archive is streaming), at random
+        staging = target / ".cachekeeper" / "staging"
+        deadline = time.monotonic() + 120
+        while not (staging.is_dir() and any(p.is_file() for p in staging.rglob("*"))):
+            assert puller.poll() is None, "the pull ended before it staged a file"
+            assert time.monotonic() < deadline, "the pull never staged a file"
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.2 * full_s))
         server_process.kill()
         kills += 1
-        puller.wait(120)
+        mid_download += puller.wait(120) != 0  # the pull failed: the kill cut its stream
         for rel, content in visible_files(target).items():
             assert rel in expected, rel
             if "__grp__" not in rel:  # group files are rewritten to the new root
@@ -190,8 +205,10 @@ def test_server_killed_mid_download_leaves_only_complete_files(
         rerun = subprocess.run(pull(target), env=env, capture_output=True, timeout=120)
         assert rerun.returncode == 0, rerun.stderr.decode()[-2000:]
         assert set(visible_files(target)) == set(expected)
+    assert mid_download >= 1, "every pull finished before its kill: nothing was tested"
     reliability.record(
-        "server SIGKILLed while `cachekeeper pull` streams the archive",
+        f"server SIGKILLed while `cachekeeper pull` streams the archive ({mid_download} kills"
+        " mid-download)",
         tries=kills,
         outcome="kept",
         area="server killed",

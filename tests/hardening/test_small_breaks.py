@@ -24,7 +24,7 @@ from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
-from tests.helpers.slow_servers import FakeServer, answer_json
+from tests.helpers.slow_servers import FakeServer, answer_json, forward
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "cpu-tiny.toml"
 FP: dict[str, Any] = {"schema": 1, "torch": "2.13.0+cpu", "python": "3.11", "gpus": [], "env": {}}
@@ -272,32 +272,35 @@ def test_terminal_escapes_from_a_manifest_are_refused_and_never_printed_raw(
 def test_a_password_in_the_server_url_is_never_echoed_or_reported(
     tmp_path: Path, reliability
 ) -> None:
+    """A real server stores the reports; a relay in front of it answers resolve with a
+    503 (so prejob's cold line names the server) and passes the rest through."""
     error = {"error": "server_unavailable", "detail": "maintenance"}
-    server = FakeServer(
-        {
-            "/v1/resolve": answer_json(error, status=503),
-            "/v1/reports": answer_json({"id": 1, "at": "x"}, status=201),
-        }
-    )
-    try:
-        url = server.url.replace("http://", "http://alice:s3cret-pw@")
-        cache = tmp_path / "cache"
-        runs = [
-            subprocess.run(
-                cli(*args, "--server", url, "--cache-dir", str(cache), "--timeout", "10"),
-                env=child_env(tmp_path / "home"),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            for args in (
-                ("prejob", "--workload", "wl"),
-                ("postjob", "--workload", "wl", "--strict"),
-            )
-        ]
-        reports = [r.body.decode() for r in server.requests if r.path == "/v1/reports"]
-    finally:
-        server.close()
+    data = tmp_path / "data"
+    with start_server(Settings(data_dir=data)) as live:
+        server = FakeServer({"/": forward(live.url), "/v1/resolve": answer_json(error, status=503)})
+        try:
+            url = server.url.replace("http://", "http://alice:s3cret-pw@")
+            cache = tmp_path / "cache"
+            runs = [
+                subprocess.run(
+                    cli(*args, "--server", url, "--cache-dir", str(cache), "--timeout", "10"),
+                    env=child_env(tmp_path / "home"),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                for args in (
+                    ("prejob", "--workload", "wl"),
+                    ("postjob", "--workload", "wl", "--strict"),
+                )
+            ]
+            reports = [r.body.decode() for r in server.requests if r.path == "/v1/reports"]
+        finally:
+            server.close()
+        with sqlite3.connect(data / "meta.sqlite") as db:
+            stored = db.execute("SELECT * FROM job_reports").fetchall()
+    assert len(stored) == len(reports) == 2, (stored, reports)  # both hooks reported
+    assert not any("s3cret-pw" in repr(row) for row in stored), stored
     assert "compile cold" in runs[0].stderr and "127.0.0.1" in runs[0].stderr, runs[0].stderr
     for proc in runs:
         assert "s3cret-pw" not in proc.stderr + proc.stdout, proc.stderr

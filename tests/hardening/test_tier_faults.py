@@ -38,8 +38,8 @@ from tests.helpers.ports import free_port
 from tests.helpers.redis_py import REDIS_PY, redis_py_env, redis_py_versions
 
 pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not redis_py_versions(), reason="scripts/setup installs redis-py"),
+    pytest.mark.compile,  # real torch.compile runs against the tier
+    pytest.mark.usefixtures("redis_py"),  # fails, never skips, without redis-py
 ]
 
 JOB = REPO / "tests" / "tier_job.py"

@@ -1,4 +1,4 @@
-"""Real misbehaving HTTP servers on loopback, for the hook's deadline tests (issue 24).
+"""Real misbehaving HTTP servers on loopback, for the hook's fault and deadline tests.
 
     server = FakeServer({"/v1/resolve": answer_json({...}), "/v1/reports": dribble()})
     server.url            # http://127.0.0.1:<port>
@@ -7,7 +7,16 @@
 Each route is a function ``(conn, request, stop)`` that writes whatever bytes it likes to
 the socket, at whatever pace: an answer trickled one byte a second, a stall, a body of
 gigabytes, a range server whose later ranges dribble. Nothing here is a mock: the client
-under test talks TCP to it. Routes match by path prefix; an unknown path is a 404.
+under test talks TCP to it. Routes match by the longest path prefix; an unknown path is
+a 404. ``server.requests`` lists what came, in order.
+
+In front of a real server (tests/helpers/live_server.py), ``forward(url)`` relays a
+route's requests to it byte for byte, so the real server answers every route a test
+does not break, and ``forward(url, cut_after_bytes=N)`` drops the connection N bytes
+into the real answer (a network that fails mid-download):
+
+    proxy = FakeServer({"/": forward(live.url)})
+    proxy.routes["/v1/resolve"] = stall()   # from now on, resolve hangs; the rest is real
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from typing import Any
 __all__ = [
     "FakeServer",
     "Request",
+    "answer",
     "answer_json",
     "dribble",
+    "forward",
     "huge_json",
     "ranges",
     "stall",
@@ -72,13 +83,44 @@ def _head(status: int, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def answer_json(value: Any, *, status: int = 200) -> Route:
-    """Answer ``value`` as JSON at once."""
-    body = json.dumps(value).encode()
+def answer(body: bytes, *, status: int = 200, content_type: str = "application/json") -> Route:
+    """Answer ``body`` as it is, at once (garbage, a proxy's HTML error page, ...)."""
 
     def route(conn: socket.socket, request: Request, stop: threading.Event) -> None:
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
         conn.sendall(_head(status, headers) + body)
+
+    return route
+
+
+def answer_json(value: Any, *, status: int = 200) -> Route:
+    """Answer ``value`` as JSON at once."""
+    return answer(json.dumps(value).encode(), status=status)
+
+
+def forward(url: str, *, cut_after_bytes: int | None = None) -> Route:
+    """Relay the request to the server at ``url`` (``http://127.0.0.1:PORT``) and its
+    answer back, byte for byte; with ``cut_after_bytes``, shut the connection down after
+    that many bytes of the answer (status line and headers included)."""
+    host, _, port = url.removeprefix("http://").partition(":")
+
+    def route(conn: socket.socket, request: Request, stop: threading.Event) -> None:
+        headers = {k: v for k, v in request.headers.items() if k not in ("connection", "host")}
+        headers.update({"host": f"{host}:{port}", "connection": "close"})
+        lines = [f"{request.method} {request.path} HTTP/1.1"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        with socket.create_connection((host, int(port)), timeout=60) as upstream:
+            upstream.sendall(head + request.body)
+            left = cut_after_bytes
+            while left is None or left > 0:
+                chunk = upstream.recv(65536 if left is None else min(65536, left))
+                if not chunk:
+                    return
+                conn.sendall(chunk)
+                if left is not None:
+                    left -= len(chunk)
+        conn.shutdown(socket.SHUT_RDWR)  # cut off: the client sees the stream end early
 
     return route
 
@@ -188,10 +230,8 @@ class FakeServer:
                 if request is None:
                     return
                 self.requests.append(request)
-                route = next(
-                    (r for prefix, r in self.routes.items() if request.path.startswith(prefix)),
-                    None,
-                )
+                matching = [p for p in self.routes if request.path.startswith(p)]
+                route = self.routes[max(matching, key=len)] if matching else None
                 if route is None:
                     conn.sendall(_head(404, {"Content-Length": "0"}))
                     return

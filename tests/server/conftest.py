@@ -1,9 +1,12 @@
-"""Fixtures for the server tests: a real uvicorn server on 127.0.0.1 with a fresh data dir."""
+"""Fixtures for the server tests: a real uvicorn server on 127.0.0.1 with a fresh data dir
+(``live``, ``client``, ``fresh_server``), or the real app in this process without a socket
+(``in_process_server``, ``api``: tests/helpers/in_process.py)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.manifest import FileEntry, Manifest
+from tests.helpers.in_process import InProcessServer, in_process
 from tests.helpers.live_server import LiveServer, start_server
 
 FINGERPRINT: dict[str, Any] = {
@@ -26,6 +30,14 @@ FINGERPRINT: dict[str, Any] = {
     "arch": "x86_64",
     "env": {},
 }
+
+
+def workload_toml(name: str) -> str:
+    """The smallest valid workload file named ``name`` (one CPU-sized attention regime)."""
+    return (
+        f'name = "{name}"\n[[attention]]\nbatch = 1\nq_heads = 2\nhead_dim = 16\n'
+        'seq_lens = [128]\ndtype = "float32"\n'
+    )
 
 
 def make_snapshot(
@@ -97,3 +109,22 @@ def fresh_server(tmp_path: Path) -> Iterator[Any]:
     yield make
     for handle in started:
         handle.stop()
+
+
+@pytest.fixture
+def in_process_server(tmp_path: Path) -> Iterator[Callable[..., InProcessServer]]:
+    """``in_process_server(**settings)``: a fresh app in this process on this test's data
+    dir (tests/helpers/in_process.py); each is closed at the end."""
+    with ExitStack() as opened:
+
+        def make(**options: Any) -> InProcessServer:
+            options.setdefault("data_dir", tmp_path / "data")
+            return opened.enter_context(in_process(Settings(**options)))
+
+        yield make
+
+
+@pytest.fixture
+def api(in_process_server: Callable[..., InProcessServer]) -> httpx.Client:
+    """A client of a fresh in-process app with default settings."""
+    return in_process_server().client

@@ -8,6 +8,7 @@ import tarfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 import zstandard
 
 from tests.helpers.live_server import LiveServer
@@ -40,6 +41,7 @@ def _worker(url: str, i: int) -> str:
     return manifest.id
 
 
+@pytest.mark.slow  # 32 clients at once
 def test_32_concurrent_clients(live: LiveServer) -> None:
     with ThreadPoolExecutor(CLIENTS) as pool:
         ids = list(pool.map(lambda i: _worker(live.url, i), range(CLIENTS)))

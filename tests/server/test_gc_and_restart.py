@@ -9,6 +9,7 @@ import pytest
 from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import start_server
+from tests.helpers.metrics import scrape
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, random_files
 
 
@@ -54,10 +55,7 @@ def test_gc_evicts_lru_unpinned_and_keeps_referenced_blobs(fresh_server) -> None
 
 
 def _store_bytes(c: httpx.Client) -> int:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith("cachekeeper_store_bytes "):
-            return int(float(line.split()[1]))
-    raise AssertionError("no store bytes gauge")
+    return int(scrape(c, "cachekeeper_store_bytes"))
 
 
 def test_hard_cap_answers_507_and_only_gc_evicts(fresh_server) -> None:  # type: ignore[no-untyped-def]
@@ -124,23 +122,34 @@ def test_restart_keeps_everything(tmp_path) -> None:  # type: ignore[no-untyped-
 
 
 def test_upload_cut_off_midway_leaves_no_blob(live_cut) -> None:  # type: ignore[no-untyped-def]
+    """The client drops the connection 300 KB into a 1 MB upload, while the server is
+    writing it: the temp file goes, no blob appears. The cut waits until the temp file is
+    there, so the test cannot pass by cutting before the server began (it did, with a
+    sleep, and could not tell)."""
     import socket
     import time
 
     data = b"q" * 1_000_000
     digest = hashlib.sha256(data).hexdigest()
+    tmp_dir = live_cut.settings.data_dir / "blobs" / ".tmp"
+
+    def partials() -> list[object]:
+        return list(tmp_dir.iterdir()) if tmp_dir.exists() else []
+
     sock = socket.create_connection(("127.0.0.1", live_cut.port))
     sock.sendall(
         f"PUT /v1/blobs/{digest} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode()
         + data[:300_000]
     )
-    time.sleep(0.3)
-    sock.close()
-    tmp_dir = live_cut.settings.data_dir / "blobs" / ".tmp"
     deadline = time.monotonic() + 10
-    while tmp_dir.exists() and any(tmp_dir.iterdir()) and time.monotonic() < deadline:
+    while not partials():
+        assert time.monotonic() < deadline, "the server never began writing the upload"
+        time.sleep(0.01)
+    sock.close()  # mid-write: a temp file is on disk
+    deadline = time.monotonic() + 10
+    while partials():
+        assert time.monotonic() < deadline, f"the cut upload's temp file stayed: {partials()}"
         time.sleep(0.05)
-    assert not tmp_dir.exists() or list(tmp_dir.iterdir()) == []
     assert _stored(live_cut) == set()
     with httpx.Client(base_url=live_cut.url) as c:
         assert c.post("/v1/blobs/missing", json={"digests": [digest]}).json()["missing"] == [digest]

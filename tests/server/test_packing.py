@@ -106,6 +106,7 @@ def test_the_parallel_pack_writes_the_one_file_archives_tar(
     assert _tar(packed) == _tar(one_file.read_bytes())
 
 
+@pytest.mark.slow  # many concurrent publishes
 def test_concurrent_publishes_of_one_snapshot_pack_it_once(s3_bucket: str, tmp_path: Path) -> None:
     """A client that timed out and published again while the first publish still packs:
     the second waits for the first (one pack, one archive object, no temp file left), and

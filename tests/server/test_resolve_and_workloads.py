@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
@@ -83,7 +82,6 @@ mask = "causal"
 
 
 def test_workload_routes(client: httpx.Client) -> None:
-    pytest.importorskip("cachekeeper.workload")
     r = client.put("/v1/workloads/drafter-gqa", content=WORKLOAD)
     assert r.status_code == 200, r.text
     info = r.json()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from tests.helpers.live_server import LiveServer
+
+pytestmark = pytest.mark.slow  # fuzzes every route of the schema
 
 
 def test_no_server_errors(live: LiveServer) -> None:

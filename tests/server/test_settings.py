@@ -51,6 +51,7 @@ def test_empty_tokens_variable_keeps_the_config_files_tokens(
             load_settings(config_file=config)
 
 
+@pytest.mark.slow  # a serve process
 def test_served_with_an_empty_tokens_variable_auth_stays_on(tmp_path: Path) -> None:
     config = _config(tmp_path, '[tokens]\n"ops-secret" = "admin"\n')
     server = ServerProcess(data_dir=tmp_path / "data", home=tmp_path / "home",
@@ -140,6 +141,7 @@ def test_serve_reports_a_bad_config_in_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--token: token scope 'god'" in result.output
 
 
+@pytest.mark.slow  # serve processes
 def test_an_exposed_server_without_auth_refuses_to_start(tmp_path: Path) -> None:
     runner = CliRunner()
     for host in ("0.0.0.0", "::", "10.1.2.3", "cache.example"):
@@ -173,6 +175,7 @@ def _as_non_root() -> list[str] | None:
     return ["unshare", "--user"] if probe.returncode == 0 else None
 
 
+@pytest.mark.slow  # three serve processes
 def test_an_unusable_data_dir_is_one_line_naming_the_path(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a dir")
