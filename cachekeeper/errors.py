@@ -21,6 +21,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
   x RequestRejected                refused as asked: the same request gets the same answer
     + BadRequest
     + InvalidRequest
+      - InvalidDigest
     + Unauthorized
     + Forbidden
     + NotFound
@@ -91,6 +92,7 @@ __all__ = [
     "PrewarmFailed",
     "ColdCompileBroken",
     "InvalidRequest",
+    "InvalidDigest",
     "BadRequest",
     "NotFound",
     "AgentNotFound",
@@ -408,9 +410,6 @@ class InvalidDigest(InvalidRequest):
     not bytes that hash to another digest (that is ``DigestMismatch``)."""
 
     code = "invalid_digest"
-
-
-__all__.append("InvalidDigest")  # (issue 26a: one block, so 26b's reordering merges)
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:
