@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
