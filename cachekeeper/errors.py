@@ -21,6 +21,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
   x RequestRejected                refused as asked: the same request gets the same answer
     + BadRequest
     + InvalidRequest
+      - InvalidDigest
     + Unauthorized
     + Forbidden
     + NotFound
