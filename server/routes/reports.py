@@ -15,13 +15,12 @@ the workload is not registered (with a did-you-mean) and no snapshot names it ei
 
 from __future__ import annotations
 
+from cachekeeper.server.auth import ReadScope
+from cachekeeper.server.deps import MetricsDep, StorageDep
 from fastapi import APIRouter
 
 from cachekeeper.errors import ERRORS
 from cachekeeper.wire import JobReport, JobReportAnswer
-
-from .auth import ReadScope
-from .deps import MetricsDep, StorageDep
 
 __all__ = ["router"]
 
