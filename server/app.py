@@ -8,7 +8,7 @@ included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``
 ``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
 (/v1/reports), ``ui`` (the status page: /, /ui). To add one: write the module in
 ``server/routes/`` with an ``APIRouter`` named ``router`` using the dependencies in
-``deps`` and ``auth``, its queries as ``Catalog`` methods (``server/catalog.py``) behind a
+``deps`` and ``auth``, its queries as ``Catalog`` methods (``server/catalog/``) behind a
 ``Storage`` method, and include it in ``create_app``.
 
 The per-key tier (``settings.resp_port`` set): ``open_tier`` opens its blob backend (beside
