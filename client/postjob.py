@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
-from cachekeeper.marker import STATE_DIR, read_markers, state_dir
+from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
