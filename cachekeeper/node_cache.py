@@ -7,7 +7,7 @@ stays behind::
     $CACHEKEEPER_HOME/inductor/
       <fingerprint digest[:16]>/     # one environment's TORCHINDUCTOR_CACHE_DIR
         .cachekeeper/restored/<id>   # what restores left (restore/marker.py)
-        .cachekeeper/job.json        # the last job's id and time (client/reporting.py)
+        .cachekeeper/job.json        # the last job's id and time (client/job_reports.py)
 
 Scan -> plan -> execute, as huggingface_hub's cache manager does: ``scan_node_dirs`` returns
 frozen ``NodeDir`` rows, ``plan_prune`` a frozen ``PrunePlan`` with the bytes it frees, and

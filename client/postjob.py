@@ -40,7 +40,7 @@ from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
 from .calls import Deadline
-from .reporting import job_id, node_name, report_answer, utc_now
+from .job_reports import job_id, node_name, report_answer, utc_now
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
     from cachekeeper.fingerprint import Fingerprint

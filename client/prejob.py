@@ -84,7 +84,7 @@ from cachekeeper.wire import (
 )
 
 from .calls import Deadline
-from .reporting import job_id, node_name, send_report, utc_now
+from .job_reports import job_id, node_name, send_report, utc_now
 from .tier import PROBE_TIMEOUT_S, tier_exports
 from .transport import post_json
 
