@@ -1,4 +1,4 @@
-"""The post-job hook: what did the job compile on top of the restored cache? (DESIGN 7)
+"""The post-job hook: what did the job compile on top of the restored cache? (docs/hooks.md)
 
     cachekeeper postjob --workload drafter-gqa --cache-dir "$TORCHINDUCTOR_CACHE_DIR"
 

@@ -1,4 +1,4 @@
-"""Restore a snapshot into a cache dir, safely (DESIGN section 5).
+"""Restore a snapshot into a cache dir, safely (docs/snapshots.md, "Restore rules").
 
 The rules, and how this module keeps them:
 

@@ -1,4 +1,4 @@
-"""``POST /v1/reports``: what training jobs saw, from both ends (DESIGN section 7).
+"""``POST /v1/reports``: what training jobs saw, from both ends (docs/api.md).
 
 ``cachekeeper prejob`` reports a restore, or a cold start and its reason; ``cachekeeper
 postjob`` reports what the job compiled on top of the restored snapshot. The catalog keeps
