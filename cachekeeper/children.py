@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from cachekeeper import cpu, remote_tier
 from cachekeeper._child import PROGRESS_PREFIX
 from cachekeeper.errors import PrewarmFailed
-from cachekeeper.reports import DeviceRun, ErrorInfo, Progress, ProgressEvent
+from cachekeeper.verdicts import DeviceRun, ErrorInfo, Progress, ProgressEvent
 from cachekeeper.workload import Workload
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cachekeeper import config, remote_tier
-from cachekeeper.reports import CommandRun, ErrorInfo, ProcessEvidence, Progress, ProgressEvent
+from cachekeeper.verdicts import CommandRun, ErrorInfo, ProcessEvidence, Progress, ProgressEvent
 from cachekeeper.workload import Command
 
 __all__ = ["EVIDENCE_HOOK", "command_environ", "run_command", "read_evidence"]

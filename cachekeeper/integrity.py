@@ -16,11 +16,11 @@ file or a spool first. The callers:
 
 - ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``);
 - ``BlobCheck``, ``verify_bytes`` and ``refuse_oversize``: the restore writer
-  (``cachekeeper.restore_writer``), which counts a small blob's bytes as it reads them and
+  (``cachekeeper.restore.writer``), which counts a small blob's bytes as it reads them and
   hashes them in its thread pool;
 - ``HashingReader``: a blob read back from the object store at publish (``server.packing``);
 - ``refuse_oversize``: a restore source whose member declares more bytes than the
-  manifest (``cachekeeper.restore_sources``), before a byte of it is read;
+  manifest (``cachekeeper.restore.sources``), before a byte of it is read;
 - ``hash_file`` and ``digest_of``: the sha256 of a file (a snapshot's files, a restored
   file found in place) or of bytes in memory (the per-key tier's values, ``server.tier``,
   named by it when stored and checked against it when read).

@@ -55,7 +55,7 @@ FORMAT = 1
 SOURCES = ("harvest",)  # the values ``source`` may take (absent: a built snapshot)
 MAX_FILES = 200_000
 MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
-# cachekeeper's own folder in a cache dir (cachekeeper.marker draws it): no snapshot path
+# cachekeeper's own folder in a cache dir (cachekeeper.restore.marker draws it): no snapshot path
 # may be inside it, or a restore would write our lock, staging or markers.
 STATE_DIR = ".cachekeeper"
 

@@ -6,8 +6,8 @@ stays behind::
 
     $CACHEKEEPER_HOME/inductor/
       <fingerprint digest[:16]>/     # one environment's TORCHINDUCTOR_CACHE_DIR
-        .cachekeeper/restored/<id>   # what restores left (marker.py)
-        .cachekeeper/job.json        # the last job's id and time (client/reporting.py)
+        .cachekeeper/restored/<id>   # what restores left (restore/marker.py)
+        .cachekeeper/job.json        # the last job's id and time (client/job_reports.py)
 
 Scan -> plan -> execute, as huggingface_hub's cache manager does: ``scan_node_dirs`` returns
 frozen ``NodeDir`` rows, ``plan_prune`` a frozen ``PrunePlan`` with the bytes it frees, and
@@ -39,7 +39,7 @@ from typing import Any
 
 from cachekeeper import config, cpu
 from cachekeeper.fingerprint import collect, digest_of, with_cpu
-from cachekeeper.marker import STATE_DIR, read_markers
+from cachekeeper.restore.marker import STATE_DIR, read_markers
 
 __all__ = ["NodeDir", "PrunePlan", "scan_node_dirs", "plan_prune", "node_digests"]
 

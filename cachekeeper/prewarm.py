@@ -18,7 +18,7 @@
    (``cachekeeper.restore.merge_tree``: never delete, verified, atomic).
 5. Then ``cachekeeper.verify.verify``: a fresh child per device against ``cache_dir``, and
    each command again in a fresh copy of ``cache_dir`` (as a node restores it), judged by
-   ``cachekeeper.reports.is_effective`` per device and per process.
+   ``cachekeeper.verdicts.is_effective`` per device and per process.
 
 The children and their work area: ``cachekeeper.children``.
 """
@@ -35,8 +35,8 @@ from cachekeeper.commands import run_command
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
-from cachekeeper.reports import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.restore import merge_tree
+from cachekeeper.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.verify import verify
 from cachekeeper.workload import Workload
 

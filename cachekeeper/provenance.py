@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from cachekeeper.errors import CachekeeperError
-from cachekeeper.marker import STATE_DIR, state_dir
+from cachekeeper.restore.marker import STATE_DIR, state_dir
 
 if TYPE_CHECKING:
     from cachekeeper.fingerprint import CpuState

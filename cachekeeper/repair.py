@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from cachekeeper.marker import STATE_DIR, state_dir
-from cachekeeper.restore_writer import links_above
+from cachekeeper.restore.marker import STATE_DIR, state_dir
+from cachekeeper.restore.writer import links_above
 
 __all__ = ["SetAside", "plan_set_aside"]
 

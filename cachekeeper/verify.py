@@ -6,7 +6,7 @@ cache dir, made with the restore rules (``merge_tree``: verified, ``.cachekeeper
 out) in a work area next to it: so the run sees the cache as a node restores it, at
 another path, and whatever a missing run compiles never lands in the cache dir. The
 verdict on each device's and each compiling process's counters is
-``cachekeeper.reports.is_effective``.
+``cachekeeper.verdicts.is_effective``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from cachekeeper.children import run_children, work_area
 from cachekeeper.commands import run_command
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.provenance import load_prewarm_record
-from cachekeeper.reports import CommandRun, DeviceRun, Progress, VerifyReport
 from cachekeeper.restore import merge_tree
+from cachekeeper.verdicts import CommandRun, DeviceRun, Progress, VerifyReport
 from cachekeeper.workload import Workload
 
 __all__ = ["verify", "built_devices"]

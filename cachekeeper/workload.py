@@ -1,6 +1,6 @@
 """Workload files: the training shapes a prewarm compiles, parsed and validated.
 
-A workload is a TOML file (format in DESIGN.md §5 and docs/workloads.md)::
+A workload is a TOML file (format in docs/workloads.md)::
 
     name = "drafter-gqa"
     [[attention]]                 # one flex_attention regime; several allowed

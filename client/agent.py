@@ -78,7 +78,7 @@ from .push import push
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient, Resolution
 
-    from cachekeeper.reports import PrewarmReport, ProgressEvent
+    from cachekeeper.verdicts import PrewarmReport, ProgressEvent
 
 __all__ = [
     "AgentMemory",

@@ -1,4 +1,4 @@
-"""The post-job hook: what did the job compile on top of the restored cache? (DESIGN 7)
+"""The post-job hook: what did the job compile on top of the restored cache? (docs/hooks.md)
 
     cachekeeper postjob --workload drafter-gqa --cache-dir "$TORCHINDUCTOR_CACHE_DIR"
 
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
-from cachekeeper.marker import STATE_DIR, read_markers, state_dir
+from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
 from cachekeeper.scan import scan_dir
 from cachekeeper.wire import JobReport
 
 from .calls import Deadline
-from .reporting import job_id, node_name, report_answer, utc_now
+from .job_reports import job_id, node_name, report_answer, utc_now
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
     from cachekeeper.fingerprint import Fingerprint

@@ -12,7 +12,7 @@
    (not ``/tmp``, which many hosts wipe on reboot; one dir per fingerprint, so a new torch
    build never writes into another build's cache).
 2. Resolve the workload with the fingerprint. If the dir already holds that snapshot
-   (the restore's own check, ``cachekeeper.marker.is_restored``: a marker and a stat),
+   (the restore's own check, ``cachekeeper.restore.marker.is_restored``: a marker and a stat),
    stop: this is the common, fast path. It asks with one plain ``http.client`` request,
    because importing httpx alone costs about 130 ms of the 300 ms budget, and it loads
    neither the HTTP client nor the restore stack.
@@ -72,7 +72,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.fingerprint import GPU_TIMEOUT_S, Fingerprint, collect, digest_of
 from cachekeeper.fsutil import atomic_write_text, unwritable_dir
-from cachekeeper.marker import held_snapshot, is_restored
+from cachekeeper.restore.marker import held_snapshot, is_restored
 from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import (
     JobReport,
@@ -84,7 +84,7 @@ from cachekeeper.wire import (
 )
 
 from .calls import Deadline
-from .reporting import job_id, node_name, send_report, utc_now
+from .job_reports import job_id, node_name, send_report, utc_now
 from .tier import PROBE_TIMEOUT_S, tier_exports
 from .transport import post_json
 

@@ -28,7 +28,7 @@ from cachekeeper.errors import (
 from cachekeeper.fingerprint import Fingerprint, collect, format_mismatches
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import restore_snapshot
-from cachekeeper.restore_sources import Blobs, archive_blobs
+from cachekeeper.restore.sources import Blobs, archive_blobs
 from cachekeeper.signing import TrustedKey
 from cachekeeper.wire import to_dict
 

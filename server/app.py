@@ -3,14 +3,13 @@
 ``open_backend`` is the one place that picks a blob backend (``server/backend.py``): the
 local directory by default, or the object store ``--blob-store`` names (``s3://``).
 ``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``),
-then runs the start-up check. Routers, one per resource, are
-included directly below: ``routes_admin`` (/healthz, /metrics, /v1/gc), ``routes_resolve``,
-``routes_blobs``, ``routes_snapshots``, ``routes_workloads``, ``routes_agents``
-(/v1/agents, /v1/status), ``routes_reports`` (/v1/reports), ``routes_ui`` (the status
-page: /, /ui). To add one: write the module with an ``APIRouter`` named
-``router`` using the dependencies in ``deps`` and ``auth``, its queries as ``Catalog``
-methods (``server/catalog.py``) behind a ``Storage`` method, and include it in
-``create_app``.
+then runs the start-up check. Routers, one per resource in ``server/routes/``, are
+included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``blobs``,
+``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
+(/v1/reports), ``ui`` (the status page: /, /ui). To add one: write the module in
+``server/routes/`` with an ``APIRouter`` named ``router`` using the dependencies in
+``deps`` and ``auth``, its queries as ``Catalog`` methods (``server/catalog/``) behind a
+``Storage`` method, and include it in ``create_app``.
 
 The per-key tier (``settings.resp_port`` set): ``open_tier`` opens its blob backend (beside
 the snapshots' own, never the same folder or prefix, so GC of one never touches the
@@ -40,21 +39,12 @@ from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
-from . import (
-    routes_admin,
-    routes_agents,
-    routes_blobs,
-    routes_reports,
-    routes_resolve,
-    routes_snapshots,
-    routes_ui,
-    routes_workloads,
-)
 from .backend import BlobBackend
 from .catalog import Catalog
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
+from .routes import admin, agents, blobs, reports, resolve, snapshots, ui, workloads
 from .s3store import S3BlobStore
 from .settings import Settings
 from .storage import Storage
@@ -146,8 +136,8 @@ def open_storage(settings: Settings) -> Storage:
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     catalog = Catalog.create(data / "meta.sqlite")
-    blobs = open_backend(settings.blob_store, local_root=data / "blobs")
-    storage = Storage(settings=settings, catalog=catalog, blobs=blobs)
+    backend = open_backend(settings.blob_store, local_root=data / "blobs")
+    storage = Storage(settings=settings, catalog=catalog, blobs=backend)
     report = storage.check()
     if report.stale_blob_rows or report.completed or report.quarantined:
         _log.warning(
@@ -165,10 +155,10 @@ def open_tier(settings: Settings, storage: Storage) -> TierStore:
     """The per-key tier: keys in ``storage``'s catalog, values in ``<data>/tier-blobs`` or
     under ``tier/`` of the object store's prefix."""
     url = None if settings.blob_store is None else f"{settings.blob_store.rstrip('/')}/tier"
-    blobs = open_backend(url, local_root=settings.data_dir / "tier-blobs")
+    backend = open_backend(url, local_root=settings.data_dir / "tier-blobs")
     return TierStore(
         catalog=storage.catalog,
-        blobs=blobs,
+        blobs=backend,
         max_value_bytes=settings.remote_cache_max_value_bytes,
         max_bytes=settings.remote_cache_max_bytes,
         memory_bytes=settings.remote_cache_memory_bytes,
@@ -192,16 +182,7 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
         else RespServer(store=app.state.tier, settings=settings, metrics=app.state.metrics)
     )
     _install_error_handlers(app)
-    for module in (
-        routes_admin,
-        routes_resolve,
-        routes_blobs,
-        routes_snapshots,
-        routes_workloads,
-        routes_agents,
-        routes_reports,
-        routes_ui,
-    ):
+    for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
     app.add_middleware(RequestLimits, settings=settings)  # inside metrics: refusals count
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)

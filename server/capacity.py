@@ -1,6 +1,6 @@
 """The store's hard cap (``max_store_bytes``) against what uploads add: ``StoreRoom``.
 
-Blob uploads (``PUT /v1/blobs/{digest}``, ``server/routes_blobs.py``) reserve room as their
+Blob uploads (``PUT /v1/blobs/{digest}``, ``server/routes/blobs.py``) reserve room as their
 bytes arrive, through one ``Reservation`` each, and are refused (507
 ``insufficient_storage``) the moment the stored bytes plus what every upload in flight
 has received would pass the cap. Eviction is never an upload's doing: it is GC's, an

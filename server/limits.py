@@ -91,7 +91,7 @@ def body_rule(settings: Settings, *, method: str, path: str) -> BodyRule:
         return BodyRule(settings.max_manifest_bytes, "manifest", True, True, InvalidManifest)
     if method == "PUT" and _WORKLOAD_PATH.match(path):
         return BodyRule(settings.max_workload_bytes, "workload", True, False)
-    if path.startswith("/ui/"):  # the status page's urlencoded forms (routes_ui), not JSON
+    if path.startswith("/ui/"):  # the status page's urlencoded forms (routes/ui.py), not JSON
         return BodyRule(settings.max_json_bytes, "form", True, False)
     return BodyRule(settings.max_json_bytes, "request body", True, True)
 

@@ -1,7 +1,7 @@
 """The one storage interface the routes use: ``Storage``.
 
 ``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
-``server/catalog.py``) and a ``BlobBackend`` holding the blob bytes (``server/backend.py``:
+``server/catalog/``) and a ``BlobBackend`` holding the blob bytes (``server/backend.py``:
 the local directory by default, or the object store; ``server/app.py`` ``open_backend``
 picks it). Storage asks the backend for its direct access once and never for its class.
 What this module adds on top: the upload size limit, publishing a manifest (packing it

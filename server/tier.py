@@ -4,7 +4,7 @@
 a backend type. A value is stored in the tier's ``BlobBackend`` by the sha256 of its bytes
 (``<data>/tier-blobs`` beside the snapshots' ``<data>/blobs``, or ``PREFIX/tier/`` of the
 object store: ``server/app.py`` picks it), and its key in the catalog's ``tier_keys``
-table (``server/catalog_tier.py``) with its sizes, last use and writer. Keys are torch's
+table (``server/catalog/tier.py``) with its sizes, last use and writer. Keys are torch's
 own (they already hash torch, Triton, CUDA, the GPU and the graph): never rewritten.
 
 Bounds: a value over ``remote_cache_max_value_bytes`` is not stored; after each put the

@@ -28,15 +28,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Explain field by field why this node can or cannot use a snapshot.",
     ),
     "snapshot": (
-        "cachekeeper.cli.snapshot:snapshot_cmd",
+        "cachekeeper.cli.local_snapshot:snapshot_cmd",
         "Snapshot a cache dir into the local store and a one-file archive.",
     ),
     "restore": (
-        "cachekeeper.cli.snapshot:restore_cmd",
+        "cachekeeper.cli.local_snapshot:restore_cmd",
         "Restore a snapshot (archive file or id) into a cache dir, safely.",
     ),
     "inspect": (
-        "cachekeeper.cli.snapshot:inspect_cmd",
+        "cachekeeper.cli.local_snapshot:inspect_cmd",
         "Show a snapshot archive's manifest summary.",
     ),
     "ls": ("cachekeeper.cli.store:ls_cmd", "List snapshots in the local store."),
@@ -50,7 +50,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Register, list and remove the server's workloads.",
     ),
     "snapshots": (
-        "cachekeeper.cli.snapshots:snapshots_cmd",
+        "cachekeeper.cli.server_snapshots:snapshots_cmd",
         "List, pin, unpin and remove the server's snapshots.",
     ),
     "prewarm": (

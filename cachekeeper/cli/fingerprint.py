@@ -17,7 +17,7 @@ from cachekeeper.cli._common import (
     timeout_option,
     token_option,
 )
-from cachekeeper.cli.snapshot import load_manifest
+from cachekeeper.cli.local_snapshot import load_manifest
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fingerprint import (

@@ -14,8 +14,8 @@ import click
 from cachekeeper.cli._common import PathParam, device_option, emit_json, handle_errors, json_option
 from cachekeeper.cli.prewarm import progress_to_stderr
 from cachekeeper.devices import select_devices
-from cachekeeper.marker import recorded_conflicts
 from cachekeeper.report_text import format_verify
+from cachekeeper.restore.marker import recorded_conflicts
 from cachekeeper.store import LocalStore
 from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload

@@ -1,4 +1,4 @@
-"""Job reports (``POST /v1/reports``, DESIGN section 7) and their totals."""
+"""Job reports (``POST /v1/reports``, docs/api.md) and their totals."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 
 from ._core import NAME_PATTERN, Check, Count, Digest, JobOutcome, JobPhase
 
-# -- job reports (DESIGN section 7) ----------------------------------------------------------
+# -- job reports (docs/api.md) ----------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)

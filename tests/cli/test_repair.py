@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.marker import recorded_conflicts
+from cachekeeper.restore.marker import recorded_conflicts
 from tests.helpers.requires import require
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children

@@ -1,4 +1,4 @@
-"""The local snapshot and store commands (cli/snapshot.py, cli/store.py), through click against
+"""The local snapshot and store commands (cli/local_snapshot.py, cli/store.py), through click against
 a real store and real archives; the help check also covers cli/fingerprint.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from cachekeeper.cli import COMMANDS, cli
 from tests.cli.conftest import run
 
 LOCAL_MODULES = (
-    "cachekeeper.cli.snapshot:",
+    "cachekeeper.cli.local_snapshot:",
     "cachekeeper.cli.store:",
     "cachekeeper.cli.fingerprint:",
 )

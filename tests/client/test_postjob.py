@@ -306,7 +306,7 @@ def test_a_harvested_delta_carries_its_parents_fingerprint(tmp_path: Path) -> No
 
 def test_a_job_is_counted_once_whatever_its_ranks_and_reruns_report(tmp_path: Path) -> None:
     """Issue 25: a prolog run per rank counted every rank as a job, and postjob run twice
-    on one dir counted two; each report now names its job (client/reporting.job_id)."""
+    on one dir counted two; each report now names its job (client/job_reports.job_id)."""
     src = tmp_path / "src"
     make_cache(src)
     settings = Settings(data_dir=tmp_path / "data", tokens=TOKENS)

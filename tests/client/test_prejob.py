@@ -129,7 +129,8 @@ try:
     main(sys.argv[1:])
 except SystemExit:
     pass
-heavy = ("httpx", "zstandard", "cachekeeper.restore", "cachekeeper.client.api",
+heavy = ("httpx", "zstandard", "cachekeeper.restore.core", "cachekeeper.restore.sources",
+         "cachekeeper.restore.writer", "cachekeeper.client.api",
          "cachekeeper.client.pull", "cachekeeper.wire.fleet", "cachekeeper.wire.snapshots")
 print("LOADED=" + ",".join(m for m in heavy if m in sys.modules), file=sys.stderr)
 """

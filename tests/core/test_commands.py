@@ -18,7 +18,7 @@ import pytest
 from cachekeeper import remote_tier
 from cachekeeper.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
 from cachekeeper.report_text import format_verify
-from cachekeeper.reports import CommandRun, ProcessEvidence, VerifyReport
+from cachekeeper.verdicts import CommandRun, ProcessEvidence, VerifyReport
 from cachekeeper.workload import Command
 
 PY = sys.executable

@@ -274,7 +274,7 @@ def test_load_workload_errors_name_the_file(tmp_path: Path) -> None:
 def test_parser_and_mods_import_no_torch() -> None:
     code = (
         "import sys, cachekeeper.workload, cachekeeper.mods, cachekeeper.prewarm, "
-        "cachekeeper.verify, cachekeeper.reports, cachekeeper.devices, cachekeeper.children, "
+        "cachekeeper.verify, cachekeeper.verdicts, cachekeeper.devices, cachekeeper.children, "
         "cachekeeper.cli.prewarm, cachekeeper.cli.verify\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

@@ -27,7 +27,7 @@ import pytest
 
 from cachekeeper.devices import parse_devices
 from cachekeeper.prewarm import prewarm
-from cachekeeper.reports import PrewarmReport, ProgressEvent
+from cachekeeper.verdicts import PrewarmReport, ProgressEvent
 from cachekeeper.verify import verify
 from cachekeeper.workload import load_workload, parse_workload
 from tests.helpers.requires import require

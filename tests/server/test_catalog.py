@@ -1,4 +1,4 @@
-"""server/catalog.py on a real SQLite file: one ``writing()`` block is one transaction."""
+"""server/catalog/ on a real SQLite file: one ``writing()`` block is one transaction."""
 
 from __future__ import annotations
 

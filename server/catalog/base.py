@@ -1,6 +1,7 @@
 """What the catalog's query modules share: ``IN (...)`` batches, and
 the two bases their query classes build on (``Reads`` for ``Catalog``, ``Writes`` for
-``Transaction``). Part of the catalog layer (``server/catalog.py`` is its one import point).
+``Transaction``). Part of the catalog layer (the package ``server/catalog/`` is its one
+import point).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cachekeeper.errors import CacheDirUnusable
-from cachekeeper.marker import state_dir
+from cachekeeper.restore.marker import state_dir
 from cachekeeper.wire import JobReport, JobReportAnswer, from_dict, to_dict, utc_now
 
 from .transport import post_json

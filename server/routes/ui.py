@@ -25,6 +25,18 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, quote
 
+from cachekeeper.server.auth import scope_of_token
+from cachekeeper.server.deps import StorageDep, read_body, storage_of
+from cachekeeper.server.settings import Settings
+from cachekeeper.server.tier import summary as tier_summary
+from cachekeeper.server.ui_view import (
+    STATES,
+    fingerprint_json,
+    human_bytes,
+    page_data,
+    plain,
+    size_plot_svg,
+)
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -33,19 +45,13 @@ from starlette.concurrency import run_in_threadpool
 from cachekeeper.errors import SnapshotNotFound
 from cachekeeper.integrity import DIGEST_PATTERN
 
-from .auth import scope_of_token
-from .deps import StorageDep, read_body, storage_of
-from .settings import Settings
-from .tier import summary as tier_summary
-from .ui_view import STATES, fingerprint_json, human_bytes, page_data, plain, size_plot_svg
-
 __all__ = ["router"]
 
 router = APIRouter(include_in_schema=False)
 
 TOKEN_COOKIE = "ck_token"
 CSRF_COOKIE = "ck_csrf"
-_STATIC = Path(__file__).parent / "static"
+_STATIC = Path(__file__).parent.parent / "static"  # package data of cachekeeper.server
 _RANK = {"read": 0, "write": 1, "admin": 2}
 _FORM_LIMIT = 16 * 1024
 
@@ -61,7 +67,7 @@ def _templates(request: Request) -> Environment:
     env = getattr(request.app.state, "ui_templates", None)
     if env is None:
         env = Environment(
-            loader=PackageLoader(__package__ or "cachekeeper.server", "templates"),
+            loader=PackageLoader("cachekeeper.server", "templates"),
             autoescape=select_autoescape(["html"]),
         )
         env.filters["bytes"] = human_bytes

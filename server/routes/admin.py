@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from cachekeeper.server.auth import AdminScope, require
+from cachekeeper.server.deps import StorageDep, metrics_of
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from cachekeeper.wire import GcAnswer, GcRequest, Health
-
-from .auth import AdminScope, require
-from .deps import StorageDep, metrics_of
 
 __all__ = ["router"]
 

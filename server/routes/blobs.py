@@ -10,6 +10,12 @@ from typing import Annotated, Any
 
 import anyio
 import zstandard
+from cachekeeper.server.auth import ReadScope, WriteScope, covers
+from cachekeeper.server.capacity import Reservation, StoreRoom, store_room
+from cachekeeper.server.deps import StorageDep, metrics_of, storage_of
+from cachekeeper.server.limits import upload_limiter
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.storage import Storage
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -25,13 +31,6 @@ from cachekeeper.errors import (
 )
 from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
-
-from .auth import ReadScope, WriteScope, covers
-from .capacity import Reservation, StoreRoom, store_room
-from .deps import StorageDep, metrics_of, storage_of
-from .limits import upload_limiter
-from .responses import error_responses
-from .storage import Storage
 
 __all__ = ["router"]
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated, Any
 
+from cachekeeper.server.auth import ReadScope, WriteScope
+from cachekeeper.server.deps import StorageDep
+from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Path, Query
 
 from cachekeeper.devices import requested_devices
@@ -30,10 +33,6 @@ from cachekeeper.wire import (
     RegisterAnswer,
     StatusAnswer,
 )
-
-from .auth import ReadScope, WriteScope
-from .deps import StorageDep
-from .responses import error_responses
 
 __all__ = ["router"]
 

@@ -1,4 +1,4 @@
-"""The catalog's per-key tier queries: the ``tier_keys`` table (``server/schema.py``).
+"""The catalog's per-key tier queries: the ``tier_keys`` table (``server/catalog/schema.py``).
 
 One row per key torch wrote (its own key, as bytes, never rewritten): the digest of the
 value in the tier's blob store, its sizes, when it was written and last read, and who
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .catalog_base import Reads, Writes
+from .base import Reads, Writes
 
 __all__ = ["TierEntry", "TierReads", "TierTotals", "TierWrites"]
 

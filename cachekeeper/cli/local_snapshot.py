@@ -1,5 +1,7 @@
-"""Snapshot commands: snapshot, restore, inspect.
+"""The local snapshot commands: ``snapshot`` (create an archive), ``restore``, ``inspect``.
 
+The server's snapshots (``cachekeeper snapshots ls/pin/unpin/rm``) are
+``cli/server_snapshots.py``; the local store's ``ls``/``rm``/``gc`` are ``cli/store.py``.
 Each parses, makes one library call, and prints (``--json`` for scripts). A snapshot is
 named by an archive file path or by a local store id (or a unique id prefix).
 Restore conflicts (a different file already at a snapshot path, kept as it was) are
@@ -81,7 +83,7 @@ def load_manifest(
             ) from exc
     # local import: httpx only when the snapshot is the server's
     from cachekeeper.cli._common import open_client
-    from cachekeeper.cli.snapshots import resolve_server_id
+    from cachekeeper.cli.server_snapshots import resolve_server_id
 
     with open_client(server, token) as client:
         return client.get_manifest(resolve_server_id(client, ref)), "server"

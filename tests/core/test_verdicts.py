@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachekeeper.errors import ColdCompileBroken
-from cachekeeper.reports import DeviceRun, PrewarmReport, VerifyReport, is_effective
+from cachekeeper.verdicts import DeviceRun, PrewarmReport, VerifyReport, is_effective
 
 
 def _run(mode: str, counters: dict[str, int], status: str = "ok") -> DeviceRun:

@@ -32,11 +32,11 @@ Tables::
                     created_at, last_used_at, writer (JSON: who wrote it, from where)
 
 Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
-text. Part of the catalog layer: only ``server/catalog.py`` calls ``ensure_schema``.
+text. Part of the catalog layer: only ``server/catalog/core.py`` calls ``ensure_schema``.
 
 Adding a table or a column: add an idempotent step to ``_SCHEMA_STEPS``
 (``if_not_exists=True``, or a column added only when absent, as ``_add_harvest_columns``);
-its queries go in ``server/catalog.py`` or ``server/catalog_fleet.py``.
+its queries go in ``server/catalog/core.py`` or ``server/catalog/fleet.py``.
 """
 
 from __future__ import annotations

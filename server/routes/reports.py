@@ -1,4 +1,4 @@
-"""``POST /v1/reports``: what training jobs saw, from both ends (DESIGN section 7).
+"""``POST /v1/reports``: what training jobs saw, from both ends (docs/api.md).
 
 ``cachekeeper prejob`` reports a restore, or a cold start and its reason; ``cachekeeper
 postjob`` reports what the job compiled on top of the restored snapshot. The catalog keeps
@@ -15,13 +15,12 @@ the workload is not registered (with a did-you-mean) and no snapshot names it ei
 
 from __future__ import annotations
 
+from cachekeeper.server.auth import ReadScope
+from cachekeeper.server.deps import MetricsDep, StorageDep
 from fastapi import APIRouter
 
 from cachekeeper.errors import ERRORS
 from cachekeeper.wire import JobReport, JobReportAnswer
-
-from .auth import ReadScope
-from .deps import MetricsDep, StorageDep
 
 __all__ = ["router"]
 

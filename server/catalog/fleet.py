@@ -2,8 +2,8 @@
 reports, and the facts the fleet status is decided from (``server/fleet.py``).
 
 The rest of the catalog (snapshots, blobs, workloads, the start-up check) is in
-``server/catalog.py``, whose ``Catalog`` and ``Transaction`` mix these classes in: callers
-import only ``server.catalog``.
+``server/catalog/core.py``, whose ``Catalog`` and ``Transaction`` mix these classes in:
+callers import only ``server.catalog``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import hashlib
 import json
 from typing import Any
 
+from cachekeeper.server.records import StatusFacts
+
 from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats, utc_now
 
-from .catalog_base import Reads, Writes, chunks
-from .records import StatusFacts
+from .base import Reads, Writes, chunks
 
 __all__ = ["FleetReads", "FleetWrites", "agent_id_for"]
 

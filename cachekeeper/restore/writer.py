@@ -44,8 +44,8 @@ from cachekeeper._proc import pid_alive
 from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.integrity import CHUNK_BYTES, BlobCheck, hash_file, refuse_oversize, verify_bytes
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.marker import FOLDER_MODE, STATE_DIR, StateDir
-from cachekeeper.triton_groups import is_group_path, looks_rewritten, rewrite_group
+from cachekeeper.restore.marker import FOLDER_MODE, STATE_DIR, StateDir
+from cachekeeper.restore.triton_groups import is_group_path, looks_rewritten, rewrite_group
 
 __all__ = ["SAFE_MODE_MASK", "Writer", "is_present", "links_above"]
 

@@ -1,4 +1,4 @@
-"""Restore a snapshot into a cache dir, safely (DESIGN section 5).
+"""Restore a snapshot into a cache dir, safely (docs/snapshots.md, "Restore rules").
 
 The rules, and how this module keeps them:
 
@@ -10,7 +10,7 @@ The rules, and how this module keeps them:
 - **Nothing is written through a link the restore did not create**, at any depth: a
   link (or a file) where a folder above a snapshot path should be makes every file
   below it a conflict. Folders are opened and made relative to the cache dir's
-  descriptor without following links (``restore_writer._Folders``), so a link planted
+  descriptor without following links (``restore/writer.py`` ``_Folders``), so a link planted
   mid-restore is not followed either. The cache dir itself may be a link.
 - **Every byte is verified before it becomes visible.** Each blob streams into a temp
   file in this process's staging folder, hashed while written; more bytes than declared
@@ -36,7 +36,7 @@ The rules, and how this module keeps them:
   manifest; open a stream of the blobs still needed): a local archive file
   (``restore_archive``), a local blob store (``restore``), an uncompressed tar stream
   (``restore_from_tar``), or the server (``cachekeeper.client.pull``, which adds
-  resolve and retries under a deadline); see ``restore_sources``.
+  resolve and retries under a deadline); see ``restore/sources.py``.
 - **Concurrent restores** into one dir serialize on ``target_lock`` (flock on
   ``.cachekeeper/lock``, taken once per restore); the later ones find the work done and
   skip it. The lock only avoids duplicate work: flock is a no-op on some NFS/Lustre
@@ -52,7 +52,7 @@ The rules, and how this module keeps them:
   the verified bytes rewritten to this root); anything else is a conflict, and then no
   marker is written.
 - **Triton group files** (``__grp__*.json``) are verified against their digest, then
-  their absolute child paths are rewritten to the new root (see ``triton_groups``).
+  their absolute child paths are rewritten to the new root (see ``restore/triton_groups.py``).
 
 Layout of what this module writes into a cache dir (snapshots exclude dot-names)::
 
@@ -61,9 +61,9 @@ Layout of what this module writes into a cache dir (snapshots exclude dot-names)
       staging/<host>-<pid>-<rand>/  # this restore's temp files; removed when it ends, and
                                  # by the next restore when that process is dead
       restored/<snapshot id>     # marker written after a complete, conflict-free restore
-      conflicts/<snapshot id>    # the paths it kept because they differ (marker.py)
+      conflicts/<snapshot id>    # the paths it kept because they differ (restore/marker.py)
 
-**Fast no-op check (``is_restored``, in ``cachekeeper.marker`` with the marker itself)**:
+**Fast no-op check (``is_restored``, in ``cachekeeper.restore.marker`` with the marker itself)**:
 ``restore_snapshot(..., reuse_marker=True)`` (pull, and through it the pre-job hook, which
 also calls it right after its one resolve) stops here when the dir already holds the
 snapshot.
@@ -91,8 +91,13 @@ from cachekeeper.errors import (
 )
 from cachekeeper.integrity import hash_file
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.marker import STATE_DIR, is_restored, record_conflicts, state_dir, write_marker
-from cachekeeper.restore_sources import (
+from cachekeeper.restore.marker import (
+    is_restored,
+    record_conflicts,
+    state_dir,
+    write_marker,
+)
+from cachekeeper.restore.sources import (
     ArchiveFileSource,
     BlobSource,
     DirSource,
@@ -100,13 +105,13 @@ from cachekeeper.restore_sources import (
     StoreSource,
     TarSource,
 )
-from cachekeeper.restore_writer import Progress, Writer, is_present, links_above
+from cachekeeper.restore.writer import Progress, Writer, is_present, links_above
 from cachekeeper.signing import TrustedKey, verify_manifest
 from cachekeeper.snapshot import scan_dir
 
+# The package (cachekeeper.restore) is the public import path: it adds is_restored,
+# STATE_DIR (restore/marker.py) and the source protocols (restore/sources.py).
 __all__ = [
-    "BlobSource",  # defined in restore_sources, where every source lives
-    "SnapshotSource",
     "RestoreReport",
     "restore_snapshot",
     "restore",
@@ -114,9 +119,7 @@ __all__ = [
     "restore_archive",
     "merge_tree",
     "needed_digests",
-    "is_restored",
     "target_lock",
-    "STATE_DIR",
 ]
 
 

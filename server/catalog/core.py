@@ -1,16 +1,6 @@
-"""The server's metadata, and ALL of its SQL: one SQLite file (WAL mode) through sqlite-utils.
-
-This module is the catalog layer's one import point (``Catalog``, ``Transaction``,
-``agent_id_for``); the layer is five modules, and no other module of the
-server holds SQL:
-
-    server/catalog.py        Catalog (connections, transactions) and the snapshot, blob,
-                             workload and start-up check queries
-    server/catalog_fleet.py  agents, their build events, job reports, the fleet's facts
-                             (mixed into Catalog and Transaction)
-    server/catalog_tier.py   the per-key tier's key table (mixed in the same way)
-    server/catalog_base.py   ``IN (...)`` batches, the Reads/Writes bases
-    server/schema.py         the tables (drawn there), indexes and in-place migrations
+"""``Catalog`` (connections, transactions) and the snapshot, blob, workload and start-up
+check queries. Part of the catalog layer; callers import ``server.catalog`` (the package),
+whose docstring draws the layer.
 
 Every query the server makes is a method of ``Catalog`` (reads) or ``Transaction``
 (inside a write); callers get frozen dataclasses, never row dicts. Each thread gets its
@@ -20,8 +10,8 @@ own connection (``check_same_thread=False``, opened lazily); WAL is enabled once
 so writes are serialized in-process, never wait on SQLite's busy timeout, and a
 multi-statement operation (publish, delete, pin, GC) is all or nothing.
 
-Adding a table: an idempotent step in ``server/schema.py``, and its queries as methods
-here (or in ``catalog_fleet.py`` for the fleet), returning dataclasses.
+Adding a table: an idempotent step in ``server/catalog/schema.py``, and its queries as
+methods here (or in ``server/catalog/fleet.py`` for the fleet), returning dataclasses.
 """
 
 from __future__ import annotations
@@ -35,17 +25,17 @@ from pathlib import Path
 from typing import Any, cast
 
 import sqlite_utils
+from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 
 from cachekeeper.errors import InsufficientStorage
 from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.manifest import Manifest
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
-from .catalog_base import BATCH, chunks
-from .catalog_fleet import FleetReads, FleetWrites, agent_id_for
-from .catalog_tier import TierReads, TierWrites
-from .records import BlobInfo, BlobUsage, Candidate, Counts
+from .base import BATCH, chunks
+from .fleet import FleetReads, FleetWrites, agent_id_for
 from .schema import ensure_schema
+from .tier import TierReads, TierWrites
 
 __all__ = ["Catalog", "Transaction", "agent_id_for"]
 

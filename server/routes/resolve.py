@@ -11,16 +11,15 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
+from cachekeeper.server.auth import ReadScope
+from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.tier import offer_for
 from fastapi import APIRouter, Request
 
 from cachekeeper.errors import InvalidManifest, NotFound
 from cachekeeper.fingerprint import parse
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
-
-from .auth import ReadScope
-from .deps import StorageDep, metrics_of
-from .responses import error_responses
-from .tier import offer_for
 
 __all__ = ["router"]
 

@@ -2,7 +2,7 @@
 
     cache_dir/.cachekeeper/          # STATE_DIR: ours; snapshots never include dot-names
       lock                           # the restore's flock target (cachekeeper.restore)
-      staging/<host>-<pid>-<rand>/   # a restore's verified temp files (restore_writer)
+      staging/<host>-<pid>-<rand>/   # a restore's verified temp files (restore/writer.py)
       restored/<snapshot id>         # JSON: the id, each path with its size and mtime, the
                                      # signer's key
       conflicts/<snapshot id>        # JSON: the paths a restore kept because they differ
@@ -55,7 +55,6 @@ from pathlib import Path
 from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.integrity import is_digest
 from cachekeeper.manifest import STATE_DIR, Manifest
-from cachekeeper.triton_groups import is_group_path
 
 __all__ = [
     "STATE_DIR",
@@ -247,6 +246,10 @@ def state_dir(cache_dir: Path, *, create: bool) -> Iterator[StateDir]:
 def write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) -> None:
     """Record that ``cache_dir`` holds all of ``manifest`` (signed by ``key_id``, if given),
     with each file's size and modification time as it is now."""
+    # Imported here: only a restore writes a marker, and the hook's no-op path, which
+    # imports this module, then loads nothing of the restore package but this module.
+    from cachekeeper.restore.triton_groups import is_group_path
+
     root = os.fspath(cache_dir)
     files = []
     for entry in manifest.files:

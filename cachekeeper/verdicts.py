@@ -1,9 +1,10 @@
 """What a prewarm or verify run proved: per-device results, verdicts, reports.
 
-The verdict rule (DESIGN §5): a cache dir is **effective** for a workload on a device only
-if a fresh process that runs the workload against it sees ``fxgraph_cache_miss == 0``,
-``fxgraph_cache_bypass == 0`` and ``autograd_cache_miss == 0``, with at least one
-``fxgraph_cache_hit``. A cache that is installed but not used must never pass.
+The verdict rule (docs/workloads.md, "What prewarm and verify report"): a cache dir is
+**effective** for a workload on a device only if a fresh process that runs the workload
+against it sees ``fxgraph_cache_miss == 0``, ``fxgraph_cache_bypass == 0`` and
+``autograd_cache_miss == 0``, with at least one ``fxgraph_cache_hit``. A cache
+that is installed but not used must never pass.
 
 The runs themselves happen in ``cachekeeper.prewarm`` and ``cachekeeper.verify`` (through
 ``cachekeeper.children`` and ``cachekeeper.commands``); this module only reads their

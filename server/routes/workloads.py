@@ -6,6 +6,10 @@ import hashlib
 from dataclasses import asdict
 from typing import Annotated, Any
 
+from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
+from cachekeeper.server.deps import StorageDep, read_body, storage_of
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.storage import Storage
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -13,11 +17,6 @@ from starlette.concurrency import run_in_threadpool
 from cachekeeper.errors import Forbidden, WorkloadInvalid, WorkloadNotFound
 from cachekeeper.wire import WorkloadInfo, WorkloadList
 from cachekeeper.workload import parse_workload
-
-from .auth import AdminScope, ReadScope, WriteScope
-from .deps import StorageDep, read_body, storage_of
-from .responses import error_responses
-from .storage import Storage
 
 __all__ = ["router"]
 
