@@ -17,7 +17,6 @@ from cachekeeper.cli._common import (
     timeout_option,
     token_option,
 )
-from cachekeeper.cli.local_snapshot import load_manifest
 from cachekeeper.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fingerprint import (
@@ -109,6 +108,10 @@ def explain_cmd(
         node_devices = requested_devices(device)
     except CachekeeperError as exc:
         raise click.BadParameter(exc.detail, param_hint="--device") from exc
+    # Here, not at the top: the snapshot reader (archive, zstandard, the client) is about
+    # 50 ms of imports that plain `cachekeeper fingerprint` does not need.
+    from cachekeeper.cli.local_snapshot import load_manifest
+
     manifest, _ = load_manifest(snapshot, server=server, token=token)
     node = collect()
     mismatches = compare(
