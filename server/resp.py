@@ -105,6 +105,12 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+# A reply is its bytes, or for a value the server sends as it holds it, its parts: a GET's
+# value (megabytes) goes out as (header, value, CRLF) through ``writelines`` and is never
+# copied into a reply (Python 3.12's transport sends the parts with one sendmsg).
+Reply = bytes | tuple[bytes, ...]
+
+
 def _int(value: int) -> bytes:
     return b":%d\r\n" % value
 
@@ -303,7 +309,11 @@ class RespServer:
                     break
                 if not args:
                     continue
-                writer.write(await self._dispatch(conn, args))
+                reply = await self._dispatch(conn, args)
+                if isinstance(reply, tuple):
+                    writer.writelines(reply)
+                else:
+                    writer.write(reply)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -332,7 +342,7 @@ class RespServer:
 
         return keep
 
-    async def _dispatch(self, conn: _Conn, args: list[Any]) -> bytes:
+    async def _dispatch(self, conn: _Conn, args: list[Any]) -> Reply:
         name = args[0].upper() if isinstance(args[0], bytes) else b""
         rest = args[1:]
         handler = _COMMANDS.get(name)
@@ -452,7 +462,7 @@ class RespServer:
     async def _cmd_command(self, conn: _Conn, rest: list[Any]) -> bytes:
         return b"*0\r\n"  # redis-cli asks for the command table; it works without one
 
-    async def _cmd_get(self, conn: _Conn, rest: list[Any]) -> bytes:
+    async def _cmd_get(self, conn: _Conn, rest: list[Any]) -> Reply:
         if len(rest) != 1:
             return _error("ERR wrong number of arguments for 'get' command")
         if not conn.extra["authed"] and conn.scope is None:
@@ -475,10 +485,10 @@ class RespServer:
             return self._miss(conn, "failed")
         return self._miss(conn, "miss") if value is None else self._hit(value)
 
-    def _hit(self, value: bytes) -> bytes:
+    def _hit(self, value: bytes) -> Reply:
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result="hit")
         self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="out")
-        return _bulk(value)
+        return (b"$%d\r\n" % len(value), value, _CRLF)
 
     def _miss(self, conn: _Conn, why: str) -> bytes:
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result=why)
