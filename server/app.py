@@ -39,6 +39,7 @@ from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
+from .auth import route_scopes
 from .backend import BlobBackend
 from .catalog import Catalog
 from .limits import RequestLimits
@@ -182,8 +183,10 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
         else RespServer(store=app.state.tier, settings=settings, metrics=app.state.metrics)
     )
     _install_error_handlers(app)
+    app.state.route_scopes = []
     for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
+        app.state.route_scopes += route_scopes(module.router.routes)
     app.add_middleware(RequestLimits, settings=settings)  # inside metrics: refusals count
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

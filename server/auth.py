@@ -7,21 +7,39 @@ callers with ``anonymous_read``. A route may also answer by the scope it was gra
 (``covers``): ``POST /v1/blobs/missing`` is a read route, but hands out presigned upload
 URLs (a write into the object store) only to a write-scope caller. Tokens are compared in constant time (every configured
 token is compared, so timing does not reveal which one matched) and never logged.
+
+A request with a body is judged twice by the same rule (``admit``): first from its headers
+by ``RequestLimits``, before a byte of the body is read (``refusal_before_body``, with the
+route's scope from ``app.state.route_scopes``), so a caller without a good token cannot
+make the server read and screen megabytes of JSON; then by the route's own dependency.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
-from typing import Annotated
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.routing import Match
+from starlette.types import Scope
 
-from cachekeeper.errors import Forbidden, Unauthorized
+from cachekeeper.errors import CachekeeperError, Forbidden, Unauthorized
 
 from .settings import SCOPES, Settings
 
-__all__ = ["covers", "require", "scope_of_token", "ReadScope", "WriteScope", "AdminScope"]
+__all__ = [
+    "admit",
+    "covers",
+    "refusal_before_body",
+    "require",
+    "scope_of_token",
+    "ReadScope",
+    "WriteScope",
+    "AdminScope",
+]
 
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
 
@@ -41,8 +59,8 @@ def covers(granted: str, scope: str) -> bool:
     return _RANK[granted] >= _RANK[scope]
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization")
+def _bearer(headers: Mapping[str, str]) -> str | None:
+    header = headers.get("authorization")
     if header is None:
         return None
     kind, _, value = header.partition(" ")
@@ -51,32 +69,34 @@ def _bearer(request: Request) -> str | None:
     return value.strip()
 
 
+def admit(settings: Settings, scope: str, presented: str | None) -> str:
+    """The scope granted to a caller presenting ``presented`` (None: no token) on a route
+    that needs ``scope``; Unauthorized (401) or Forbidden (403) when it is not admitted."""
+    if not settings.auth_enabled:
+        return "admin"
+    if presented is None:
+        if scope == "read" and settings.anonymous_read:
+            return "read"
+        raise Unauthorized(
+            f"this route needs a bearer token with the {scope!r} scope",
+            extra={"scope": scope},
+        )
+    granted = scope_of_token(settings, presented)
+    if granted is None:
+        raise Unauthorized("the bearer token is not known to this server", extra={"scope": scope})
+    if not covers(granted, scope):
+        raise Forbidden(
+            f"this route needs the {scope!r} scope; the token has {granted!r}",
+            extra={"scope": scope, "granted": granted},
+        )
+    return granted
+
+
 def require(scope: str) -> Callable[[Request], str]:
     """A dependency that admits requests whose token covers ``scope``; returns the scope."""
 
     def check(request: Request) -> str:
-        settings: Settings = request.app.state.settings
-        if not settings.auth_enabled:
-            return "admin"
-        presented = _bearer(request)
-        if presented is None:
-            if scope == "read" and settings.anonymous_read:
-                return "read"
-            raise Unauthorized(
-                f"this route needs a bearer token with the {scope!r} scope",
-                extra={"scope": scope},
-            )
-        granted = scope_of_token(settings, presented)
-        if granted is None:
-            raise Unauthorized(
-                "the bearer token is not known to this server", extra={"scope": scope}
-            )
-        if not covers(granted, scope):
-            raise Forbidden(
-                f"this route needs the {scope!r} scope; the token has {granted!r}",
-                extra={"scope": scope, "granted": granted},
-            )
-        return granted
+        return admit(request.app.state.settings, scope, _bearer(request.headers))
 
     check.__name__ = f"require_{scope}"
     return check
@@ -85,3 +105,51 @@ def require(scope: str) -> Callable[[Request], str]:
 ReadScope = Annotated[str, Depends(require("read"))]
 WriteScope = Annotated[str, Depends(require("write"))]
 AdminScope = Annotated[str, Depends(require("admin"))]
+
+
+def refusal_before_body(asgi: Scope) -> CachekeeperError | None:
+    """The 401 or 403 the route that the request ``asgi`` reaches would answer, decided from
+    its headers alone, or None. ``RequestLimits`` asks before it reads a body, so a caller
+    without a good token never makes the server read (and screen) a megabyte of JSON."""
+    app = asgi.get("app")
+    settings: Settings | None = getattr(getattr(app, "state", None), "settings", None)
+    if settings is None or not settings.auth_enabled:
+        return None
+    needed = _route_scope(app, asgi)
+    if needed is None:
+        return None
+    try:
+        admit(settings, needed, _bearer(Headers(scope=asgi)))
+    except (Unauthorized, Forbidden) as exc:
+        return exc
+    return None
+
+
+def _route_scope(app: Any, asgi: Scope) -> str | None:
+    """The scope the route matching ``asgi`` requires (its ``require`` dependency), or None."""
+    for route, needed in getattr(app.state, "route_scopes", ()):
+        if route.matches(asgi)[0] is Match.FULL:
+            return needed
+    return None
+
+
+def route_scopes(routes: list[Any]) -> list[tuple[APIRoute, str]]:
+    """Each route of ``routes`` (a router's, as declared) that needs a scope, with it:
+    ``create_app`` keeps the list in ``app.state.route_scopes`` for the check above."""
+    return [
+        (route, needed)
+        for route in routes
+        if isinstance(route, APIRoute)
+        and (needed := _needed(route.dependant.dependencies)) is not None
+    ]
+
+
+def _needed(dependencies: list[Any]) -> str | None:
+    for dependency in dependencies:
+        name = getattr(dependency.call, "__name__", "")
+        if name.startswith("require_") and name[len("require_") :] in _RANK:
+            return name[len("require_") :]
+        found = _needed(dependency.dependencies)
+        if found is not None:
+            return found
+    return None

@@ -3,6 +3,9 @@
 ``RequestLimits`` is a pure ASGI middleware that ``create_app`` installs in front of every
 route, so no route can forget it:
 
+- **Auth first.** A request whose headers already earn the route's 401 or 403 (no token,
+  an unknown one, too low a scope: ``auth.refusal_before_body``) gets it before its body
+  is read.
 - **Size.** Each route has a body limit (``body_rule``): a blob upload ``max_blob_bytes``
   (plus slack for a zstd body, whose decoded size the upload bounds itself), a manifest
   ``max_manifest_bytes``, a workload ``max_workload_bytes``, every other body
@@ -44,6 +47,7 @@ from cachekeeper.errors import (
     RequestTimeout,
 )
 
+from .auth import refusal_before_body
 from .settings import Settings
 
 __all__ = [
@@ -202,6 +206,10 @@ class RequestLimits:
         headers = Headers(scope=scope)
         if "content-length" not in headers and "transfer-encoding" not in headers:
             await self.app(scope, receive, send)  # no body
+            return
+        refused = refusal_before_body(scope)  # no good token: the body is never read
+        if refused is not None:
+            await _answer(scope, receive, send, refused)
             return
         rule = body_rule(self.settings, method=scope["method"], path=scope["path"])
         declared = headers.get("content-length", "")

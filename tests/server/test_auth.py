@@ -92,3 +92,51 @@ def test_metrics_are_public_only_when_the_operator_says_so(fresh_server) -> None
     live = fresh_server(tokens=TOKENS, metrics_public=True)
     assert httpx.get(f"{live.url}/metrics").status_code == 200
     assert httpx.get(f"{live.url}/v1/snapshots").status_code == 401  # only metrics opened
+
+
+def _raw_request(port: int, head: str) -> bytes:
+    """Send a request's head announcing a body, never the body; what the server answers."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(head.encode())
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):  # the refusal closes the connection
+                answer += chunk
+        except TimeoutError:
+            pass  # the server is waiting for the body: it would read it
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("path", "token", "status"),
+    [
+        ("/v1/resolve", None, b"401"),  # read route, anonymous read off
+        ("/v1/resolve", "nobody-knows-me", b"401"),
+        ("/v1/gc", "r-tok", b"403"),  # admin route, read token
+        ("/v1/workloads/big", "r-tok", b"403"),  # registering a workload: write
+    ],
+)
+def test_a_caller_without_a_good_token_is_refused_before_its_body_is_read(
+    fresh_server, path: str, token: str | None, status: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    # 16 MB announced and none sent: a server that reads bodies before auth waits for it
+    # (the body timeout is 30 s, the socket gives up after 5 s) and answers nothing.
+    live = fresh_server(tokens=TOKENS, anonymous_read=False)
+    method = "PUT" if path.startswith("/v1/workloads/") else "POST"
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+        f"Content-Length: {(16 << 20) - 1}\r\n\r\n"
+    )
+    answer = _raw_request(live.port, head)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1:2] == [status], answer[:200]
+    assert b"scope" in answer  # the same answer as the route's own: it names the scope
+
+
+def test_a_good_token_still_sends_its_body(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    live = fresh_server(tokens=TOKENS, anonymous_read=False)
+    with httpx.Client(base_url=live.url) as c:
+        r = c.post("/v1/gc", json={"dry_run": True}, headers={"Authorization": "Bearer a-tok"})
+    assert r.status_code == 200, r.text
