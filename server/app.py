@@ -33,6 +33,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachekeeper import config
@@ -183,10 +184,11 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
         else RespServer(store=app.state.tier, settings=settings, metrics=app.state.metrics)
     )
     _install_error_handlers(app)
-    app.state.route_scopes = []
+    scoped: list[tuple[APIRoute, str]] = []
     for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
-        app.state.route_scopes += route_scopes(module.router.routes)
-    app.add_middleware(RequestLimits, settings=settings)  # inside metrics: refusals count
+        scoped += route_scopes(module.router.routes)
+    # Inside metrics: refusals count.
+    app.add_middleware(RequestLimits, settings=settings, route_scopes=scoped)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

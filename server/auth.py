@@ -9,15 +9,15 @@ URLs (a write into the object store) only to a write-scope caller. Tokens are co
 token is compared, so timing does not reveal which one matched) and never logged.
 
 A request with a body is judged twice by the same rule (``admit``): first from its headers
-by ``RequestLimits``, before a byte of the body is read (``refusal_before_body``, with the
-route's scope from ``app.state.route_scopes``), so a caller without a good token cannot
+by ``RequestLimits``, before a byte of the body is read (``refusal_before_body``, with each
+route's scope listed once by ``route_scopes`` at ``create_app``), so a caller without a good token cannot
 make the server read and screen megabytes of JSON; then by the route's own dependency.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
+_CHECKS: dict[Callable[..., Any], str] = {}  # each ``require`` dependency: the scope it needs
 
 
 def scope_of_token(settings: Settings, presented: str) -> str | None:
@@ -99,6 +100,7 @@ def require(scope: str) -> Callable[[Request], str]:
         return admit(request.app.state.settings, scope, _bearer(request.headers))
 
     check.__name__ = f"require_{scope}"
+    _CHECKS[check] = scope
     return check
 
 
@@ -107,35 +109,27 @@ WriteScope = Annotated[str, Depends(require("write"))]
 AdminScope = Annotated[str, Depends(require("admin"))]
 
 
-def refusal_before_body(asgi: Scope) -> CachekeeperError | None:
-    """The 401 or 403 the route that the request ``asgi`` reaches would answer, decided from
-    its headers alone, or None. ``RequestLimits`` asks before it reads a body, so a caller
-    without a good token never makes the server read (and screen) a megabyte of JSON."""
-    app = asgi.get("app")
-    settings: Settings | None = getattr(getattr(app, "state", None), "settings", None)
-    if settings is None or not settings.auth_enabled:
+def refusal_before_body(
+    settings: Settings, routes: Sequence[tuple[APIRoute, str]], asgi: Scope, headers: Headers
+) -> CachekeeperError | None:
+    """The 401 or 403 that the route of ``routes`` (``route_scopes``) matching the request
+    ``asgi`` would answer, decided from its ``headers`` alone, or None. ``RequestLimits``
+    asks before it reads a body, so a caller without a good token never makes the server
+    read (and screen) a megabyte of JSON."""
+    if not settings.auth_enabled:
         return None
-    needed = _route_scope(app, asgi)
+    needed = next((n for route, n in routes if route.matches(asgi)[0] is Match.FULL), None)
     if needed is None:
         return None
     try:
-        admit(settings, needed, _bearer(Headers(scope=asgi)))
+        admit(settings, needed, _bearer(headers))
     except (Unauthorized, Forbidden) as exc:
         return exc
     return None
 
 
-def _route_scope(app: Any, asgi: Scope) -> str | None:
-    """The scope the route matching ``asgi`` requires (its ``require`` dependency), or None."""
-    for route, needed in getattr(app.state, "route_scopes", ()):
-        if route.matches(asgi)[0] is Match.FULL:
-            return needed
-    return None
-
-
-def route_scopes(routes: list[Any]) -> list[tuple[APIRoute, str]]:
-    """Each route of ``routes`` (a router's, as declared) that needs a scope, with it:
-    ``create_app`` keeps the list in ``app.state.route_scopes`` for the check above."""
+def route_scopes(routes: Sequence[Any]) -> list[tuple[APIRoute, str]]:
+    """Each route of ``routes`` (a router's, as declared) that needs a scope, with it."""
     return [
         (route, needed)
         for route in routes
@@ -144,12 +138,9 @@ def route_scopes(routes: list[Any]) -> list[tuple[APIRoute, str]]:
     ]
 
 
-def _needed(dependencies: list[Any]) -> str | None:
+def _needed(dependencies: Sequence[Any]) -> str | None:
     for dependency in dependencies:
-        name = getattr(dependency.call, "__name__", "")
-        if name.startswith("require_") and name[len("require_") :] in _RANK:
-            return name[len("require_") :]
-        found = _needed(dependency.dependencies)
-        if found is not None:
-            return found
+        needed = _CHECKS.get(dependency.call) or _needed(dependency.dependencies)
+        if needed is not None:
+            return needed
     return None

@@ -30,11 +30,13 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 import anyio
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -195,9 +197,16 @@ async def _answer(scope: Scope, receive: Receive, send: Send, exc: CachekeeperEr
 class RequestLimits:
     """ASGI middleware: every request body bounded in size and idle time; JSON screened."""
 
-    def __init__(self, app: ASGIApp, *, settings: Settings) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        settings: Settings,
+        route_scopes: Sequence[tuple[APIRoute, str]] = (),
+    ) -> None:
         self.app = app
         self.settings = settings
+        self.route_scopes = route_scopes  # auth.route_scopes: refused before the body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -207,7 +216,7 @@ class RequestLimits:
         if "content-length" not in headers and "transfer-encoding" not in headers:
             await self.app(scope, receive, send)  # no body
             return
-        refused = refusal_before_body(scope)  # no good token: the body is never read
+        refused = refusal_before_body(self.settings, self.route_scopes, scope, headers)
         if refused is not None:
             await _answer(scope, receive, send, refused)
             return

@@ -4,6 +4,7 @@ anonymous read on and off, and tokens never shown in the settings' repr."""
 from __future__ import annotations
 
 import hashlib
+import socket
 
 import httpx
 import pytest
@@ -96,8 +97,6 @@ def test_metrics_are_public_only_when_the_operator_says_so(fresh_server) -> None
 
 def _raw_request(port: int, head: str) -> bytes:
     """Send a request's head announcing a body, never the body; what the server answers."""
-    import socket
-
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(head.encode())
         answer = b""
