@@ -102,7 +102,11 @@ def _error(text: str) -> bytes:
 
 
 def _bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(value), value)
+    return b"".join(_bulk_parts(value))
+
+
+def _bulk_parts(value: bytes) -> tuple[bytes, bytes, bytes]:
+    return b"$%d\r\n" % len(value), value, _CRLF
 
 
 # A reply is its bytes, or for a value the server sends as it holds it, its parts: a GET's
@@ -488,7 +492,7 @@ class RespServer:
     def _hit(self, value: bytes) -> Reply:
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result="hit")
         self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="out")
-        return (b"$%d\r\n" % len(value), value, _CRLF)
+        return _bulk_parts(value)
 
     def _miss(self, conn: _Conn, why: str) -> bytes:
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result=why)
