@@ -23,6 +23,17 @@ protocol with three additions:
 
 Settings: ``header_timeout_s`` (default 10 s) and ``max_connections`` (default: the open
 -file limit less ``RESERVED_FILES``, at most ``MAX_CONNECTIONS``).
+
+**One descriptor budget for both listeners.** The per-key tier's listener
+(``server/resp.py``) runs in the same process, so its connections spend the same
+descriptors: 1,100 idle RESP connections once took all of them and ``/healthz`` stopped
+answering. ``connection_budget`` splits one budget, the open-file limit less
+``RESERVED_FILES``, between the two: with the tier on, each listener gets its own share
+(``max_connections`` for HTTP, ``remote_cache_max_connections`` for RESP; by default half
+each, at most ``MAX_CONNECTIONS`` each), and when the two settings together ask for more
+than the budget, each is scaled down to its proportional part. Each listener enforces
+only its own share, so a flood on one port cannot take the other's descriptors, and the
+reserve stays for the catalog and blob files.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import resource
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -42,7 +54,9 @@ __all__ = [
     "RESERVED_FILES",
     "bounded_http",
     "bounded_protocol",
+    "connection_budget",
     "connection_cap",
+    "ConnectionBudget",
     "raise_open_file_limit",
 ]
 
@@ -64,12 +78,32 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """How many connections each listener holds at once, out of one descriptor budget."""
+
+    open_files: int
+    http: int
+    resp: int  # 0: no tier
+
+
+def connection_budget(settings: Settings, *, open_files: int) -> ConnectionBudget:
+    """Split the open-file limit less ``RESERVED_FILES`` between HTTP and the tier's RESP
+    listener (see the module docstring)."""
+    available = max(32, open_files - RESERVED_FILES)
+    if settings.resp_port is None:
+        wanted = settings.max_connections or MAX_CONNECTIONS
+        return ConnectionBudget(open_files=open_files, http=max(16, min(wanted, available)), resp=0)
+    http = settings.max_connections or min(MAX_CONNECTIONS, available // 2)
+    resp = settings.remote_cache_max_connections or min(MAX_CONNECTIONS, available // 2)
+    if http + resp > available:  # more than the descriptors allow: each its proportional part
+        http, resp = http * available // (http + resp), resp * available // (http + resp)
+    return ConnectionBudget(open_files=open_files, http=max(16, http), resp=max(16, resp))
+
+
 def connection_cap(settings: Settings, *, open_files: int) -> int:
-    """How many connections the server holds at once (see the module docstring)."""
-    derived = max(16, min(MAX_CONNECTIONS, open_files - RESERVED_FILES))
-    if settings.max_connections is None:
-        return derived
-    return min(settings.max_connections, max(16, open_files - RESERVED_FILES))
+    """How many HTTP connections the server holds at once (``connection_budget``'s share)."""
+    return connection_budget(settings, open_files=open_files).http
 
 
 def bounded_protocol(*, header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
