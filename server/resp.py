@@ -98,6 +98,7 @@ __all__ = ["RespServer"]
 _log = logging.getLogger("cachekeeper.server.resp")
 
 _GET_WORKERS = 8
+_SEND_CHUNK = 1 << 20
 _BEFORE_AUTH = frozenset({b"AUTH", b"HELLO", b"PING", b"QUIT"})
 _EXPIRY = re.compile(rb"-?\d{1,18}")
 _WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
@@ -181,13 +182,16 @@ class RespServer:
             ) from exc
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
-        self.clients.cap = connection_budget(self.settings, open_files=raise_open_file_limit()).resp
+        budget = connection_budget(self.settings, open_files=raise_open_file_limit())
+        self.clients.cap = budget.resp
         started = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._serve, sock=sock, limit=LINE_BYTES)
+                asyncio.start_server(
+                    self._serve, sock=sock, limit=LINE_BYTES, backlog=budget.backlog
+                )
             )
             started.set()
             self._loop.run_forever()
@@ -207,8 +211,11 @@ class RespServer:
         async def shutdown() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]:
+            tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
+            if tasks:  # let each connection close its socket before the loop stops
+                await asyncio.wait(tasks, timeout=min(2.0, timeout_s))
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout_s)
@@ -314,14 +321,23 @@ class RespServer:
 
     async def _send(self, conn: _Conn, reply: Reply) -> bool:
         """Send ``reply``; False (the connection aborted) when the client does not take it
-        within the frame timeout. A GET's share of the output budget is given back."""
+        within the frame timeout. A value larger than ``_SEND_CHUNK`` goes out a chunk at a
+        time, each taken before the next is written, so the transport never holds a copy of
+        more than a chunk (Python 3.11's copies what the socket did not take at once). A
+        GET's share of the output budget is given back once the client took its reply."""
         writer = conn.writer
         try:
-            if isinstance(reply, tuple):
-                writer.writelines(reply)
-            else:
-                writer.write(reply)
             async with asyncio.timeout(self.settings.remote_cache_frame_timeout_s):
+                if isinstance(reply, bytes):
+                    writer.write(reply)
+                elif sum(map(len, reply)) <= _SEND_CHUNK:
+                    writer.writelines(reply)  # one sendmsg on Python 3.12
+                else:
+                    for part in reply:
+                        view = memoryview(part)
+                        for start in range(0, len(view), _SEND_CHUNK):
+                            writer.write(view[start : start + _SEND_CHUNK])
+                            await writer.drain()
                 await writer.drain()
         except TimeoutError:
             self._closed("send_timeout")
@@ -527,10 +543,12 @@ class RespServer:
         key = rest[0]
         if isinstance(key, Dropped) or len(key) > self.settings.remote_cache_max_key_bytes:
             return self._miss(conn, "miss")  # never stored
+        # What this reply holds until the client takes it: a value read for it is counted
+        # before it is read; a value already held (hot, or waiting to be stored) when sent.
+        held = Held(self._output)
         pending = self._writer.peek(key)
         if pending is not None:
-            return self._hit(pending)
-        held = Held(self._output)  # what this reply holds until the client takes it
+            return self._hit(conn, pending, held)
         read = functools.partial(self.store.get, key, reserve=held.take)
         future = self._loop.run_in_executor(self._reads, read)
         try:
@@ -547,10 +565,12 @@ class RespServer:
         if value is None:
             held.give_back()
             return self._miss(conn, "busy" if held.refused else "miss")
-        conn.held = held
-        return self._hit(value)
+        return self._hit(conn, value, held)
 
-    def _hit(self, value: bytes) -> Reply:
+    def _hit(self, conn: _Conn, value: bytes, held: Held) -> Reply:
+        if not held.holds(len(value)) and not held.take(len(value)):
+            return self._miss(conn, "busy")  # the replies clients have not taken are over budget
+        conn.held = held
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result="hit")
         self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="out")
         return bulk_parts(value)

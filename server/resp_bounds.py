@@ -22,10 +22,12 @@ second on one connection. The bounds, each owned by one piece here:
   as a ConnectionError, never as the TimeoutError torch does not catch). A connection is
   closed after ``MAX_FAILURES_PER_CONNECTION`` failures. The peer table holds at most
   ``MAX_PEERS`` addresses (least recently failed out) and forgets one after ``FORGET_S``.
-- **Output** (``ByteBudget``): GET values read from the store for clients that have not
-  taken them yet; past the budget a GET is answered nil (a miss), so unread replies cannot
-  pin memory. Values already held (hot, or waiting to be stored) are not counted: a
-  reply refers to them without a copy.
+- **Output** (``ByteBudget``, one ``Held`` per GET): the values of GET replies that
+  clients have not taken yet, counted whole from before a value is read from the store (or,
+  for one already in memory, from before it is written) until the client took the reply;
+  past the budget a GET is answered nil (a miss), so unread replies cannot pin memory (12
+  unread GETs pinned 736 MB before). A value is sent a chunk at a time, so the transport
+  never holds a copy of more than a chunk beside it.
 
 The timeouts (auth, idle, frame) are settings the listener applies around its reads.
 """
@@ -231,6 +233,11 @@ class Held:
                 return False
             self._size += size_bytes
             return True
+
+    def holds(self, size_bytes: int) -> bool:
+        """Whether ``size_bytes`` are taken already (the store read the value for it)."""
+        with self._lock:
+            return self._size >= size_bytes
 
     def give_back(self) -> None:
         with self._lock:

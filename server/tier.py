@@ -263,9 +263,10 @@ class TierStore:
         if self.max_bytes is None:
             return 0
         self.flush_uses()
-        evicted = 0
+        evicted, batch = 0, 8  # a put at the cap usually evicts one key or two: read a few
         while (total := self.catalog.tier_totals().stored_bytes) > self.max_bytes:
-            oldest = self.catalog.tier_lru(limit=EVICT_BATCH)
+            oldest = self.catalog.tier_lru(limit=batch)
+            batch = min(EVICT_BATCH, 2 * batch)
             if not oldest:
                 break
             chosen, freed = [], 0
