@@ -52,7 +52,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import re
 import socket
 import threading
 from collections.abc import Callable
@@ -67,12 +66,12 @@ from .metrics import Metrics
 from .resp_bounds import (
     AUTHED,
     MAX_FAILURES_PER_CONNECTION,
-    NAME_BYTES,
     PREAUTH,
     AuthThrottle,
     ByteBudget,
     Clients,
     Held,
+    bounded_name,
 )
 from .resp_protocol import (
     LINE_BYTES,
@@ -83,6 +82,7 @@ from .resp_protocol import (
     bulk,
     bulk_parts,
     error,
+    expiry_problem,
     integer,
     map_reply,
     next_byte,
@@ -100,7 +100,6 @@ _log = logging.getLogger("cachekeeper.server.resp")
 _GET_WORKERS = 8
 _SEND_CHUNK = 1 << 20
 _BEFORE_AUTH = frozenset({b"AUTH", b"HELLO", b"PING", b"QUIT"})
-_EXPIRY = re.compile(rb"-?\d{1,18}")
 _WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
 
 
@@ -119,28 +118,6 @@ class _Conn:
     auth_failures: int = 0
     reserved_bytes: int = 0  # a SET's share of the writer's budget while its value is read
     held: Held | None = None  # a GET's share of the output budget while its reply is sent
-
-
-def _name(value: bytes) -> str:
-    """A client, library or version name as kept for a key's writer (bounded)."""
-    return value[:NAME_BYTES].decode(errors="replace")
-
-
-def _expiry_problem(options: list[Any]) -> str | None:
-    """Why SET's options are not ``EX s`` or ``PX ms`` (a Redis error text), or None."""
-    if not options:
-        return None
-    if (
-        len(options) != 2
-        or not all(isinstance(o, bytes) for o in options)
-        or options[0].upper() not in (b"EX", b"PX")
-    ):
-        return "ERR syntax error (the per-key tier takes SET key value [EX s|PX ms])"
-    if _EXPIRY.fullmatch(options[1]) is None:
-        return "ERR value is not an integer or out of range"
-    if int(options[1]) <= 0:
-        return "ERR invalid expire time in 'set' command"
-    return None
 
 
 class RespServer:
@@ -465,7 +442,7 @@ class RespServer:
                         return error(_WRONGPASS)
                 options = options[3:]
             elif option == b"SETNAME" and len(options) >= 2:
-                conn.name = _name(options[1])
+                conn.name = bounded_name(options[1])
                 options = options[2:]
             else:
                 return error(
@@ -496,14 +473,14 @@ class RespServer:
         if sub == b"SETINFO" and len(rest) == 3:
             attr = rest[1].upper()
             if attr == b"LIB-NAME":
-                conn.lib_name = _name(rest[2])
+                conn.lib_name = bounded_name(rest[2])
             elif attr == b"LIB-VER":
-                conn.lib_ver = _name(rest[2])
+                conn.lib_ver = bounded_name(rest[2])
             else:
-                return error(f"ERR Unrecognized option '{_name(attr)}'")
+                return error(f"ERR Unrecognized option '{bounded_name(attr)}'")
             return simple("OK")
         if sub == b"SETNAME" and len(rest) == 2:
-            conn.name = _name(rest[1])
+            conn.name = bounded_name(rest[1])
             return simple("OK")
         if sub == b"GETNAME" and len(rest) == 1:
             return bulk(conn.name.encode()) if conn.name else nil(conn.proto)
@@ -511,7 +488,7 @@ class RespServer:
             return integer(conn.id)
         if sub == b"MAINT_NOTIFICATIONS":
             return simple("OK")  # there is no maintenance to notify of
-        return error(f"ERR unknown subcommand '{_name(sub) or '?'}'. Try CLIENT HELP.")
+        return error(f"ERR unknown subcommand '{bounded_name(sub) or '?'}'. Try CLIENT HELP.")
 
     async def _cmd_select(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) != 1:
@@ -582,7 +559,7 @@ class RespServer:
     async def _cmd_set(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) < 2:
             return error("ERR wrong number of arguments for 'set' command")
-        problem = _expiry_problem(rest[2:])
+        problem = expiry_problem(rest[2:])
         if problem is not None:
             return error(problem)
         key, value = rest[0], rest[1]

@@ -56,12 +56,19 @@ __all__ = [
     "ByteBudget",
     "Clients",
     "Held",
+    "bounded_name",
     "peer_key",
 ]
 
 PREAUTH = FrameLimits(max_args=10, command_bytes=16 << 10, strict=True)
 AUTHED = FrameLimits(max_args=32, command_bytes=64 << 10, strict=False)
 NAME_BYTES = 128  # a client name, a library name or version, as kept for a key's writer
+
+
+def bounded_name(value: bytes) -> str:
+    """A client, library or version name as kept for a key's writer: ``NAME_BYTES`` at most."""
+    return value[:NAME_BYTES].decode(errors="replace")
+
 
 BASE_DELAY_S = 0.05
 MAX_DELAY_S = 0.5

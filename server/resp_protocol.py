@@ -23,6 +23,7 @@ the rest of it under another (the frame timeout).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "bulk",
     "bulk_parts",
     "error",
+    "expiry_problem",
     "integer",
     "map_reply",
     "next_byte",
@@ -49,6 +51,7 @@ LINE_BYTES = 16 << 10  # an inline command or a header line; the reader's buffer
 _DISCARD_CHUNK = 1 << 20
 _CRLF = b"\r\n"
 _HTTP_NAMES = (b"POST", b"HOST:")
+_EXPIRY = re.compile(rb"-?\d{1,18}")
 
 
 class ProtocolError(Exception):
@@ -225,3 +228,20 @@ async def _discard(reader: asyncio.StreamReader, length: int) -> None:
     left = length + 2
     while left:
         left -= len(await reader.readexactly(min(left, _DISCARD_CHUNK)))
+
+
+def expiry_problem(options: list[Any]) -> str | None:
+    """Why SET's options are not ``EX s`` or ``PX ms`` (Redis's error text), or None."""
+    if not options:
+        return None
+    if (
+        len(options) != 2
+        or not all(isinstance(o, bytes) for o in options)
+        or options[0].upper() not in (b"EX", b"PX")
+    ):
+        return "ERR syntax error (the per-key tier takes SET key value [EX s|PX ms])"
+    if _EXPIRY.fullmatch(options[1]) is None:
+        return "ERR value is not an integer or out of range"
+    if int(options[1]) <= 0:
+        return "ERR invalid expire time in 'set' command"
+    return None
