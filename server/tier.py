@@ -219,8 +219,8 @@ class TierStore:
             if reserve is not None and not reserve(entry.size_bytes):
                 return None
             try:
-                with self.blobs.open(entry.digest) as fh:
-                    value = fh.read()
+                with self.blobs.open(entry.digest) as fh:  # into one buffer of its size:
+                    value = fh.read(entry.size_bytes)  # read() would join chunks (twice it)
             except BlobMissing:
                 self._drop_dangling(key, entry.digest)
                 return None

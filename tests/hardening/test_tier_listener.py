@@ -456,7 +456,7 @@ def test_failed_auth_backs_off_per_peer_address(tier: LiveServer, reliability) -
     same_s = time.monotonic() - started
     assert one < 12 and eight < 12, (one, eight)
     assert right_per_s > 50 * max(one, eight), (right_per_s, one, eight)
-    assert other_s < 0.2
+    assert other_s < 0.45  # not behind the guessing address's waits (0.5 s apart)
     assert answer in ([b"+OK"], []) and same_s < 1.8
     reliability.record(
         f"token guessing: {one:.1f} wrong tokens/s answered on one connection,"
