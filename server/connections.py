@@ -23,6 +23,21 @@ protocol with three additions:
 
 Settings: ``header_timeout_s`` (default 10 s) and ``max_connections`` (default: the open
 -file limit less ``RESERVED_FILES``, at most ``MAX_CONNECTIONS``).
+
+**One descriptor budget for both listeners.** The per-key tier's listener
+(``server/resp.py``) runs in the same process, so its connections spend the same
+descriptors: 1,100 idle RESP connections once took all of them and ``/healthz`` stopped
+answering. ``connection_budget`` splits one budget, the open-file limit less
+``RESERVED_FILES``, between the two. A cap is enforced once a connection is accepted, and
+asyncio accepts up to its listen backlog in one go before any of them is looked at, so
+each listener first gets its backlog (a quarter of its part of the budget, at most
+``ACCEPT_BATCH``: with 1,024 files, uvicorn's default of 2,048 let one burst take every
+descriptor for a moment), then its cap from the rest: with the tier on, its own share
+(``max_connections`` for HTTP, ``remote_cache_max_connections`` for RESP; by default half
+each, at most ``MAX_CONNECTIONS`` each), and when the two settings together ask for more
+than the rest, each is scaled down to its proportional part. Each listener enforces only
+its own share, so a flood on one port cannot take the other's descriptors, and the
+reserve stays for the catalog and blob files.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import resource
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -38,16 +54,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .settings import Settings
 
 __all__ = [
+    "ACCEPT_BATCH",
     "MAX_CONNECTIONS",
     "RESERVED_FILES",
     "bounded_http",
     "bounded_protocol",
+    "connection_budget",
     "connection_cap",
+    "ConnectionBudget",
     "raise_open_file_limit",
 ]
 
 RESERVED_FILES = 256  # the server's own files: SQLite (+ WAL, SHM) per thread, blobs, temps
 MAX_CONNECTIONS = 4096  # the default cap's ceiling, however high the open-file limit
+ACCEPT_BATCH = 511  # a listener's listen backlog at most (Redis's and nginx's default)
 
 
 def raise_open_file_limit() -> int:
@@ -64,12 +84,40 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """How many connections each listener holds at once, and accepts in one go (its listen
+    backlog), out of one descriptor budget."""
+
+    open_files: int
+    http: int
+    resp: int  # 0: no tier
+    backlog: int  # each listener's listen backlog: asyncio accepts that many in one go
+
+
+def connection_budget(settings: Settings, *, open_files: int) -> ConnectionBudget:
+    """Split the open-file limit less ``RESERVED_FILES`` between HTTP and the tier's RESP
+    listener (see the module docstring): each gets its backlog, then its share of the rest."""
+    available = max(64, open_files - RESERVED_FILES)
+    listeners = 1 if settings.resp_port is None else 2
+    backlog = max(16, min(ACCEPT_BATCH, available // (4 * listeners)))
+    room = available - listeners * backlog
+    if settings.resp_port is None:
+        wanted = settings.max_connections or MAX_CONNECTIONS
+        http = max(16, min(wanted, room))
+        return ConnectionBudget(open_files=open_files, http=http, resp=0, backlog=backlog)
+    http = settings.max_connections or min(MAX_CONNECTIONS, room // 2)
+    resp = settings.remote_cache_max_connections or min(MAX_CONNECTIONS, room // 2)
+    if http + resp > room:  # more than the descriptors allow: each its proportional part
+        http, resp = http * room // (http + resp), resp * room // (http + resp)
+    return ConnectionBudget(
+        open_files=open_files, http=max(16, http), resp=max(16, resp), backlog=backlog
+    )
+
+
 def connection_cap(settings: Settings, *, open_files: int) -> int:
-    """How many connections the server holds at once (see the module docstring)."""
-    derived = max(16, min(MAX_CONNECTIONS, open_files - RESERVED_FILES))
-    if settings.max_connections is None:
-        return derived
-    return min(settings.max_connections, max(16, open_files - RESERVED_FILES))
+    """How many HTTP connections the server holds at once (``connection_budget``'s share)."""
+    return connection_budget(settings, open_files=open_files).http
 
 
 def bounded_protocol(*, header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
@@ -143,7 +191,10 @@ def bounded_protocol(*, header_timeout_s: float, max_connections: int) -> type[H
 def bounded_http(settings: Settings) -> dict[str, Any]:
     """The uvicorn options ``serve`` runs with: the open-file limit raised and the bounded
     protocol (``uvicorn.run(app, ..., **bounded_http(settings))``)."""
-    cap = connection_cap(settings, open_files=raise_open_file_limit())
+    budget = connection_budget(settings, open_files=raise_open_file_limit())
     return {
-        "http": bounded_protocol(header_timeout_s=settings.header_timeout_s, max_connections=cap)
+        "http": bounded_protocol(
+            header_timeout_s=settings.header_timeout_s, max_connections=budget.http
+        ),
+        "backlog": budget.backlog,
     }

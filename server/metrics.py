@@ -44,12 +44,13 @@ _HELP = {
     ),
     "cachekeeper_remote_cache_gets_total": (
         "counter",
-        "Per-key tier GETs by result: hit, miss, slow (answered nil past the bound), failed.",
+        "Per-key tier GETs by result: hit, miss, slow (answered nil past the bound), failed,"
+        " busy (answered nil: replies not yet taken by clients were over their budget).",
     ),
     "cachekeeper_remote_cache_puts_total": (
         "counter",
         "Per-key tier SETs by result: stored, or answered OK and dropped: read_only_token,"
-        " signatures_required, too_large, busy, store_failed.",
+        " signatures_required, key_too_long, too_large, busy, store_failed.",
     ),
     "cachekeeper_remote_cache_bytes_total": (
         "counter",
@@ -67,10 +68,21 @@ _HELP = {
         "counter",
         "Per-key tier AUTHs with a token the server does not know.",
     ),
+    "cachekeeper_remote_cache_connections_closed_total": (
+        "counter",
+        "Per-key tier connections the server closed, by reason: auth_timeout, idle_timeout,"
+        " frame_timeout, send_timeout, evicted (for a new one at the cap), max_clients"
+        " (refused at the cap), http (an HTTP request), protocol_error, auth_failures,"
+        " auth_throttled, error.",
+    ),
+    "cachekeeper_remote_cache_connections": (
+        "gauge",
+        "Per-key tier connections open now.",
+    ),
     "cachekeeper_remote_cache_keys": ("gauge", "Keys in the per-key tier."),
     "cachekeeper_remote_cache_stored_bytes": (
         "gauge",
-        "Stored bytes of the per-key tier's values.",
+        "Stored bytes of the per-key tier: its values, and its keys' rows (keys, writers).",
     ),
     "cachekeeper_store_bytes": ("gauge", "Stored (compressed) blob bytes."),
     "cachekeeper_store_blobs": ("gauge", "Blobs in the store."),

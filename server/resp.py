@@ -14,23 +14,33 @@ redis-py 7.4 and 8.1 and replayed by ``tests/server/test_resp.py`` with both:
 Served: RESP2 and RESP3 (``HELLO 2|3``), ``AUTH`` (a token as password; a username is
 ignored), ``CLIENT SETINFO|SETNAME|GETNAME|ID|MAINT_NOTIFICATIONS``, ``SELECT 0``,
 ``PING``, ``ECHO``, ``QUIT``, ``COMMAND`` (empty), ``GET``, ``SET`` with or without
-``EX``/``PX``; anything else answers ``-ERR``.
+``EX``/``PX``; anything else answers ``-ERR``. The wire format is ``server/resp_protocol.py``.
 
 The rule that shapes every answer: torch catches only redis-py's ConnectionError, and an
 error reply to a ``SET`` (or a rejected ``HELLO``) makes the compile raise. So a GET or a
-SET is never answered with an error torch would raise on:
+SET with torch's arguments is never answered with an error torch would raise on:
 
 - a SET from a token without the write scope, while the tier is read-only (signatures),
-  of a value over the cap, or while the values waiting to be stored are over their
-  budget, is answered ``+OK`` and dropped (``cachekeeper_remote_cache_puts_total``
-  counts why); accepted values are stored by one writer thread after the answer;
-- a GET the store does not answer within ``remote_cache_get_timeout_s`` is answered nil;
-- with auth on, a GET or SET before ``AUTH`` is answered ``-NOAUTH`` and a wrong token
-  ``-WRONGPASS``: redis-py raises AuthenticationError, a ConnectionError, at once (it does
-  not retry it), and torch turns that remote cache off for the process;
+  of a key over ``remote_cache_max_key_bytes``, of a value over the cap, or while the
+  values waiting to be stored are over their budget, is answered ``+OK`` and dropped
+  (``cachekeeper_remote_cache_puts_total`` counts why); accepted values are stored by one
+  writer thread after the answer;
+- a GET the store does not answer within ``remote_cache_get_timeout_s``, or whose value
+  would pass the budget of replies not yet taken, is answered nil;
+- with auth on, anything but ``AUTH``/``HELLO``/``PING``/``QUIT`` before auth is answered
+  ``-NOAUTH`` and a wrong token ``-WRONGPASS``: redis-py raises AuthenticationError, a
+  ConnectionError, at once (it does not retry it), and torch turns that remote cache off;
 - too many connections: ``-ERR max number of clients reached`` (a ConnectionError too);
 - garbage on the socket (not RESP, a bulk length out of range) is answered
-  ``-ERR Protocol error`` and that connection is closed; no other connection notices.
+  ``-ERR Protocol error`` and that connection is closed; an HTTP request is closed without
+  a reply; no other connection notices.
+
+What one connection may cost (frames, connections at the cap, failed-auth backoff,
+replies not taken) is bounded by ``server/resp_bounds.py``; the listener applies three
+timeouts around its reads: a connection must authenticate within
+``remote_cache_auth_timeout_s`` of opening, an authenticated one idle for
+``remote_cache_idle_timeout_s`` is closed (redis-py reconnects on its next command), and a
+command must arrive, and its reply be taken, within ``remote_cache_frame_timeout_s``.
 
 The listener runs an asyncio loop in its own thread; store reads run in a small thread
 pool, so a slow store never holds the loop.
@@ -40,175 +50,74 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cachekeeper.errors import ConfigInvalid
 
 from .auth import scope_of_token
+from .connections import connection_budget, raise_open_file_limit
 from .metrics import Metrics
+from .resp_bounds import (
+    AUTHED,
+    MAX_FAILURES_PER_CONNECTION,
+    PREAUTH,
+    AuthThrottle,
+    ByteBudget,
+    Clients,
+    Held,
+    bounded_name,
+)
+from .resp_protocol import (
+    LINE_BYTES,
+    CrossProtocol,
+    Dropped,
+    ProtocolError,
+    Reply,
+    bulk,
+    bulk_parts,
+    error,
+    expiry_problem,
+    integer,
+    map_reply,
+    next_byte,
+    nil,
+    read_rest,
+    simple,
+)
 from .settings import Settings
-from .tier import TierStore, TierWriter
+from .tier import TierStore, TierWriter, queued_bytes
 
-__all__ = ["RespServer", "MAX_CLIENTS"]
+__all__ = ["RespServer"]
 
 _log = logging.getLogger("cachekeeper.server.resp")
 
-MAX_CLIENTS = 1024
-MAX_ARGS = 32
-MAX_KEY_BYTES = 64 << 10  # any argument but SET's value; torch's keys are ~100 bytes
-MAX_LINE_BYTES = 64 << 10
-_DISCARD_CHUNK = 1 << 20
 _GET_WORKERS = 8
-_CRLF = b"\r\n"
+_SEND_CHUNK = 1 << 20
+_BEFORE_AUTH = frozenset({b"AUTH", b"HELLO", b"PING", b"QUIT"})
+_WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
 
 
-class ProtocolError(Exception):
-    """The client sent something that is not RESP (the connection is closed)."""
-
-
-@dataclass(frozen=True)
-class Dropped:
-    """An argument whose bytes were read and discarded (too long to keep)."""
-
-    length: int
-
-
-@dataclass
+@dataclass(eq=False)
 class _Conn:
     peer: str
+    writer: asyncio.StreamWriter
     scope: str | None  # None: not authenticated
+    auth_deadline: float  # the loop's time by which it must authenticate
+    id: int = 0
     proto: int = 2
     name: str = ""
-    lib: str = ""
+    lib_name: str = ""
+    lib_ver: str = ""
     closing: bool = False
-    id: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-# -- encoding -----------------------------------------------------------------------------
-
-
-def _simple(text: str) -> bytes:
-    return b"+" + text.encode() + _CRLF
-
-
-def _error(text: str) -> bytes:
-    return b"-" + text.replace("\r", " ").replace("\n", " ").encode() + _CRLF
-
-
-def _bulk(value: bytes) -> bytes:
-    return b"".join(_bulk_parts(value))
-
-
-def _bulk_parts(value: bytes) -> tuple[bytes, bytes, bytes]:
-    return b"$%d\r\n" % len(value), value, _CRLF
-
-
-# A reply is its bytes, or for a value the server sends as it holds it, its parts: a GET's
-# value (megabytes) goes out as (header, value, CRLF) through ``writelines`` and is never
-# copied into a reply (Python 3.12's transport sends the parts with one sendmsg).
-Reply = bytes | tuple[bytes, ...]
-
-
-def _int(value: int) -> bytes:
-    return b":%d\r\n" % value
-
-
-def _nil(proto: int) -> bytes:
-    return b"_\r\n" if proto == 3 else b"$-1\r\n"
-
-
-def _map(pairs: list[tuple[str, Any]], proto: int) -> bytes:
-    """A map in RESP3, its flattened array in RESP2 (HELLO's answer)."""
-    out = [b"%" + str(len(pairs)).encode() + _CRLF if proto == 3 else b"*%d\r\n" % (2 * len(pairs))]
-    for key, value in pairs:
-        out.append(_bulk(key.encode()))
-        if isinstance(value, int):
-            out.append(_int(value))
-        elif isinstance(value, list):
-            out.append(b"*0\r\n")
-        else:
-            out.append(_bulk(str(value).encode()))
-    return b"".join(out)
-
-
-# -- decoding -----------------------------------------------------------------------------
-
-
-async def _line(reader: asyncio.StreamReader) -> bytes | None:
-    try:
-        line = await reader.readuntil(_CRLF)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise ProtocolError("unexpected end of stream") from exc
-    except asyncio.LimitOverrunError as exc:
-        raise ProtocolError("line too long") from exc
-    return line[:-2]
-
-
-async def read_command(
-    reader: asyncio.StreamReader, *, keep: Callable[[list[Any], int], bool]
-) -> list[Any] | None:
-    """One command as a list of bytes (``Dropped`` for a bulk ``keep`` refused), or None at
-    the end of the stream. ``keep(args so far, length)`` says whether to hold the next bulk.
-    Raises ProtocolError on anything that is not RESP."""
-    try:
-        first = await reader.readexactly(1)
-    except asyncio.IncompleteReadError:
-        return None
-    if first != b"*" and not (first.isalpha() or first in b"\r\n"):
-        # not RESP (a TLS hello, binary noise): say so now rather than wait for a CRLF
-        raise ProtocolError(f"unexpected byte {first!r}")
-    if first in b"\r\n":  # a blank line between inline commands
-        return []
-    rest = await _line(reader)
-    if rest is None:
-        raise ProtocolError("unexpected end of stream")
-    line = first + rest
-    if not line.startswith(b"*"):
-        if not line.strip():
-            return []
-        return list(line.split())  # an inline command (telnet, redis-cli -x)
-    try:
-        count = int(line[1:])
-    except ValueError as exc:
-        raise ProtocolError("invalid multibulk length") from exc
-    if not 0 <= count <= MAX_ARGS:
-        raise ProtocolError("invalid multibulk length")
-    args: list[Any] = []
-    for _ in range(count):
-        header = await _line(reader)
-        if header is None or not header.startswith(b"$"):
-            raise ProtocolError(f"expected '$', got {bytes(header or b'')[:1]!r}")
-        try:
-            length = int(header[1:])
-        except ValueError as exc:
-            raise ProtocolError("invalid bulk length") from exc
-        if not 0 <= length <= (1 << 32):
-            raise ProtocolError("invalid bulk length")
-        try:
-            if keep(args, length):
-                data = await reader.readexactly(length + 2)
-                if data[-2:] != _CRLF:
-                    raise ProtocolError("bulk not terminated by CRLF")
-                args.append(data[:-2])
-            else:
-                left = length + 2
-                while left:
-                    left -= len(await reader.readexactly(min(left, _DISCARD_CHUNK)))
-                args.append(Dropped(length))
-        except asyncio.IncompleteReadError as exc:
-            raise ProtocolError("unexpected end of stream") from exc
-    return args
-
-
-# -- the server -----------------------------------------------------------------------------
+    auth_failures: int = 0
+    reserved_bytes: int = 0  # a SET's share of the writer's budget while its value is read
+    held: Held | None = None  # a GET's share of the output budget while its reply is sent
 
 
 class RespServer:
@@ -219,7 +128,8 @@ class RespServer:
         self.settings = settings
         self.metrics = metrics
         self.port: int | None = None
-        self.clients = 0
+        # The cap is the tier's share of the descriptor budget, set by start().
+        self.clients = Clients(settings.remote_cache_max_connections or 16, evict=self._evict)
         self._next_id = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -228,6 +138,9 @@ class RespServer:
             max_workers=_GET_WORKERS, thread_name_prefix="cachekeeper-tier-get"
         )
         self._writer = TierWriter(store, metrics, budget_bytes=settings.remote_cache_pending_bytes)
+        self._output = ByteBudget(settings.remote_cache_output_bytes)
+        self._throttle = AuthThrottle()
+        self._warned_http = False
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> int:
@@ -246,12 +159,16 @@ class RespServer:
             ) from exc
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
+        budget = connection_budget(self.settings, open_files=raise_open_file_limit())
+        self.clients.cap = budget.resp
         started = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._serve, sock=sock, limit=MAX_LINE_BYTES)
+                asyncio.start_server(
+                    self._serve, sock=sock, limit=LINE_BYTES, backlog=budget.backlog
+                )
             )
             started.set()
             self._loop.run_forever()
@@ -271,8 +188,11 @@ class RespServer:
         async def shutdown() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]:
+            tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
+            if tasks:  # let each connection close its socket before the loop stops
+                await asyncio.wait(tasks, timeout=min(2.0, timeout_s))
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout_s)
@@ -286,44 +206,134 @@ class RespServer:
 
     # -- one connection -----------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if self.clients >= MAX_CLIENTS:
-            writer.write(_error("ERR max number of clients reached"))
+        conn = self._open(writer)
+        if not self.clients.admit(conn, authenticated=conn.scope is not None):
+            self._closed("max_clients")  # every connection is in the middle of a command
+            writer.write(error("ERR max number of clients reached"))
             await self._close(writer)
             return
-        self.clients += 1
-        self._next_id += 1
-        anonymous = "admin" if not self.settings.auth_enabled else None
-        if anonymous is None and self.settings.anonymous_read:
-            anonymous = "anonymous"
-        conn = _Conn(peer=str(peer[0]) if peer else "", scope=anonymous, id=self._next_id)
-        conn.extra["authed"] = not self.settings.auth_enabled
         try:
             while not conn.closing:
-                try:
-                    args = await read_command(reader, keep=self._keeper(conn))
-                except ProtocolError as exc:
-                    self.metrics.inc("cachekeeper_remote_cache_protocol_errors_total")
-                    writer.write(_error(f"ERR Protocol error: {exc}"))
-                    break
+                args = await self._read(conn, reader)
                 if args is None:
                     break
                 if not args:
                     continue
                 reply = await self._dispatch(conn, args)
-                if isinstance(reply, tuple):
-                    writer.writelines(reply)
-                else:
-                    writer.write(reply)
-                await writer.drain()
+                self._release_reserved(conn)
+                if reply is None or not await self._send(conn, reply):
+                    break
         except (ConnectionError, asyncio.CancelledError):
             pass
+        except Exception:  # noqa: BLE001 - a bug ends its connection, never the listener
+            _log.exception("per-key tier: a connection from %s failed", conn.peer)
+            self._closed("error")
         finally:
-            self.clients -= 1
+            self._release_reserved(conn)
+            self.clients.remove(conn)
             await self._close(writer)
+
+    def _open(self, writer: asyncio.StreamWriter) -> _Conn:
+        peer = writer.get_extra_info("peername")
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        scope = "admin" if not self.settings.auth_enabled else None
+        if scope is None and self.settings.anonymous_read:
+            scope = "anonymous"
+        self._next_id += 1
+        return _Conn(
+            peer=str(peer[0]) if peer else "",
+            writer=writer,
+            scope=scope,
+            auth_deadline=self._loop.time() + self.settings.remote_cache_auth_timeout_s,
+            id=self._next_id,
+        )
+
+    async def _read(self, conn: _Conn, reader: asyncio.StreamReader) -> list[Any] | None:
+        """The next command (``[]`` for a blank line), or None when the connection is to
+        close: the end of its stream, a timeout, or a frame that is not RESP (answered)."""
+        authed = conn.scope is not None
+        settings = self.settings
+        if authed:
+            self.clients.idle(conn)
+        wait_s = settings.remote_cache_idle_timeout_s
+        if not authed:
+            wait_s = max(0.0, conn.auth_deadline - self._loop.time())
+        try:
+            async with asyncio.timeout(wait_s):
+                first = await next_byte(reader)
+        except TimeoutError:
+            self._closed("idle_timeout" if authed else "auth_timeout")
+            return None
+        if first is None:
+            return None
+        self.clients.busy(conn)
+        frame_s = settings.remote_cache_frame_timeout_s
+        if not authed:
+            frame_s = min(frame_s, max(0.0, conn.auth_deadline - self._loop.time()))
+        keep = functools.partial(self._keep, conn)
+        try:
+            async with asyncio.timeout(frame_s):
+                return await read_rest(
+                    reader, first, limits=AUTHED if authed else PREAUTH, keep=keep
+                )
+        except TimeoutError:
+            self._closed("frame_timeout" if authed else "auth_timeout")
+        except CrossProtocol:
+            self._closed("http")
+            if not self._warned_http:
+                self._warned_http = True
+                _log.warning(
+                    "per-key tier: %s sent an HTTP request to the Redis port (a web page"
+                    " trying cross-protocol requests?); closed without a reply. Further ones"
+                    ' are counted in cachekeeper_remote_cache_connections_closed_total{reason="http"}',
+                    conn.peer,
+                )
+        except ProtocolError as exc:
+            self.metrics.inc("cachekeeper_remote_cache_protocol_errors_total")
+            self._closed("protocol_error")
+            conn.writer.write(error(f"ERR Protocol error: {exc}"))
+        return None
+
+    async def _send(self, conn: _Conn, reply: Reply) -> bool:
+        """Send ``reply``; False (the connection aborted) when the client does not take it
+        within the frame timeout. A value larger than ``_SEND_CHUNK`` goes out a chunk at a
+        time, each taken before the next is written, so the transport never holds a copy of
+        more than a chunk (Python 3.11's copies what the socket did not take at once). A
+        GET's share of the output budget is given back once the client took its reply."""
+        writer = conn.writer
+        try:
+            async with asyncio.timeout(self.settings.remote_cache_frame_timeout_s):
+                if isinstance(reply, bytes):
+                    writer.write(reply)
+                elif sum(map(len, reply)) <= _SEND_CHUNK:
+                    writer.writelines(reply)  # one sendmsg on Python 3.12
+                else:
+                    for part in reply:
+                        view = memoryview(part)
+                        for start in range(0, len(view), _SEND_CHUNK):
+                            writer.write(view[start : start + _SEND_CHUNK])
+                            await writer.drain()
+                await writer.drain()
+        except TimeoutError:
+            self._closed("send_timeout")
+            writer.transport.abort()
+            return False
+        finally:
+            if conn.held is not None:
+                conn.held.give_back()
+                conn.held = None
+        return True
+
+    def _evict(self, conn: _Conn) -> None:
+        """Close ``conn`` to make room for a new connection at the cap."""
+        self._closed("evicted")
+        conn.closing = True
+        conn.writer.transport.close()
+
+    def _closed(self, reason: str) -> None:
+        self.metrics.inc("cachekeeper_remote_cache_connections_closed_total", reason=reason)
 
     @staticmethod
     async def _close(writer: asyncio.StreamWriter) -> None:
@@ -334,79 +344,118 @@ class RespServer:
         except (ConnectionError, asyncio.CancelledError, RuntimeError):
             pass
 
-    def _keeper(self, conn: _Conn) -> Callable[[list[Any], int], bool]:
-        def keep(args: list[Any], length: int) -> bool:
-            if len(args) == 2 and isinstance(args[0], bytes) and args[0].upper() == b"SET":
-                pending = self._writer.pending_bytes
-                return (
-                    length <= self.settings.remote_cache_max_value_bytes
-                    and pending + length <= self.settings.remote_cache_pending_bytes
-                )
-            return length <= MAX_KEY_BYTES
+    def _keep(self, conn: _Conn, args: list[Any], length: int) -> bool:
+        """Whether the next bulk is a SET's value this connection may store: then its
+        bytes (and its key's) are reserved in the writer's budget before they are read."""
+        if len(args) != 2 or not isinstance(args[0], bytes) or args[0].upper() != b"SET":
+            return False
+        key = args[1]
+        if (
+            not self._may_write(conn)
+            or not isinstance(key, bytes)
+            or len(key) > self.settings.remote_cache_max_key_bytes
+            or length > self.settings.remote_cache_max_value_bytes
+        ):
+            return False  # read and dropped: its SET is answered OK, counted by _cmd_set
+        cost = queued_bytes(key, length)
+        if not self._writer.reserve(cost):
+            return False
+        conn.reserved_bytes = cost
+        return True
 
-        return keep
+    def _may_write(self, conn: _Conn) -> bool:
+        return conn.scope in ("write", "admin") and self.settings.remote_cache_writable
 
-    async def _dispatch(self, conn: _Conn, args: list[Any]) -> Reply:
+    def _release_reserved(self, conn: _Conn) -> None:
+        if conn.reserved_bytes:
+            self._writer.release(conn.reserved_bytes)
+            conn.reserved_bytes = 0
+
+    async def _dispatch(self, conn: _Conn, args: list[Any]) -> Reply | None:
+        """The reply to ``args``, or None to close the connection without one."""
         name = args[0].upper() if isinstance(args[0], bytes) else b""
         rest = args[1:]
+        if conn.scope is None and name not in _BEFORE_AUTH:
+            return error("NOAUTH Authentication required.")
         handler = _COMMANDS.get(name)
         if handler is None:
             shown = name.decode(errors="replace")[:40] if name else "?"
-            return _error(f"ERR unknown command '{shown}', with args beginning with: ")
+            return error(f"ERR unknown command '{shown}', with args beginning with: ")
         if any(isinstance(a, Dropped) for a in rest) and name not in (b"SET", b"GET"):
-            return _error("ERR argument too long")
-        return await handler(self, conn, rest)
+            return error("ERR argument too long")
+        reply: Reply | None = await handler(self, conn, rest)
+        return reply
 
     # -- commands -------------------------------------------------------------------------
-    def _authenticate(self, conn: _Conn, password: bytes) -> bool:
+    async def _authenticate(self, conn: _Conn, password: bytes) -> bool | None:
+        """True: ``password`` is a token (the connection has its scope); False: it is not
+        (counted, and the next attempt from this peer waits longer); None: not checked,
+        since too many attempts from this peer are waiting (close the connection)."""
+        wait_s = self._throttle.wait_s(conn.peer, connection_failures=conn.auth_failures)
+        if wait_s is None:
+            self._closed("auth_throttled")
+            return None
+        if wait_s:
+            await asyncio.sleep(wait_s)
         scope = scope_of_token(self.settings, password.decode(errors="replace"))
         if scope is None:
+            self.metrics.inc("cachekeeper_remote_cache_auth_failures_total")
+            self._throttle.failed(conn.peer)
+            conn.auth_failures += 1
+            if conn.auth_failures >= MAX_FAILURES_PER_CONNECTION:
+                self._closed("auth_failures")
+                conn.closing = True  # after this answer
             return False
-        conn.scope, conn.extra["authed"] = scope, True
+        if conn.scope is None:
+            self.clients.authenticated(conn)
+        conn.scope = scope
         return True
 
-    async def _cmd_auth(self, conn: _Conn, rest: list[Any]) -> bytes:
+    async def _cmd_auth(self, conn: _Conn, rest: list[Any]) -> bytes | None:
         if len(rest) not in (1, 2):
-            return _error("ERR wrong number of arguments for 'auth' command")
+            return error("ERR wrong number of arguments for 'auth' command")
         if not self.settings.auth_enabled:
-            return _simple("OK")  # a node with a token, a server without auth: let it in
-        if self._authenticate(conn, rest[-1]):
-            return _simple("OK")
-        self.metrics.inc("cachekeeper_remote_cache_auth_failures_total")
-        return _error("WRONGPASS invalid username-password pair or user is disabled.")
+            return simple("OK")  # a node with a token, a server without auth: let it in
+        checked = await self._authenticate(conn, rest[-1])
+        if checked is None:
+            return None
+        return simple("OK") if checked else error(_WRONGPASS)
 
-    async def _cmd_hello(self, conn: _Conn, rest: list[Any]) -> bytes:
+    async def _cmd_hello(self, conn: _Conn, rest: list[Any]) -> bytes | None:
         proto = conn.proto
         if rest:
             try:
                 proto = int(rest[0])
             except ValueError:
-                return _error("ERR Protocol version is not an integer or out of range")
+                return error("ERR Protocol version is not an integer or out of range")
             if proto not in (2, 3):
-                return _error("NOPROTO sorry, this protocol version is not supported.")
+                return error("NOPROTO sorry, this protocol version is not supported.")
         options = rest[1:]
         while options:
-            option = options[0].upper() if isinstance(options[0], bytes) else b""
+            option = options[0].upper()
             if option == b"AUTH" and len(options) >= 3:
-                if self.settings.auth_enabled and not self._authenticate(conn, options[2]):
-                    self.metrics.inc("cachekeeper_remote_cache_auth_failures_total")
-                    return _error("WRONGPASS invalid username-password pair or user is disabled.")
+                if self.settings.auth_enabled:
+                    checked = await self._authenticate(conn, options[2])
+                    if checked is None:
+                        return None
+                    if not checked:
+                        return error(_WRONGPASS)
                 options = options[3:]
             elif option == b"SETNAME" and len(options) >= 2:
-                conn.name = options[1].decode(errors="replace")
+                conn.name = bounded_name(options[1])
                 options = options[2:]
             else:
-                return _error(
+                return error(
                     f"ERR Syntax error in HELLO option '{option.decode(errors='replace')}'"
                 )
-        if not conn.extra["authed"] and conn.scope is None:
-            return _error(
+        if conn.scope is None:
+            return error(
                 "NOAUTH HELLO must be called with the client already authenticated, otherwise"
                 " the HELLO <proto> AUTH <user> <pass> option can be used to authenticate the"
                 " client and select the RESP protocol version at the same time"
             )
         conn.proto = proto
-        return _map(
+        return map_reply(
             [
                 ("server", "cachekeeper"),
                 ("version", "7.4.0"),  # the Redis feature level served (redis-py checks none)
@@ -420,116 +469,124 @@ class RespServer:
         )
 
     async def _cmd_client(self, conn: _Conn, rest: list[Any]) -> bytes:
-        sub = rest[0].upper() if rest and isinstance(rest[0], bytes) else b""
+        sub = rest[0].upper() if rest else b""
         if sub == b"SETINFO" and len(rest) == 3:
             attr = rest[1].upper()
             if attr == b"LIB-NAME":
-                conn.lib = f"{rest[2].decode(errors='replace')} {conn.lib}".strip()
+                conn.lib_name = bounded_name(rest[2])
             elif attr == b"LIB-VER":
-                conn.lib = f"{conn.lib} {rest[2].decode(errors='replace')}".strip()
+                conn.lib_ver = bounded_name(rest[2])
             else:
-                return _error(f"ERR Unrecognized option '{attr.decode(errors='replace')}'")
-            return _simple("OK")
+                return error(f"ERR Unrecognized option '{bounded_name(attr)}'")
+            return simple("OK")
         if sub == b"SETNAME" and len(rest) == 2:
-            conn.name = rest[1].decode(errors="replace")
-            return _simple("OK")
+            conn.name = bounded_name(rest[1])
+            return simple("OK")
         if sub == b"GETNAME" and len(rest) == 1:
-            return _bulk(conn.name.encode()) if conn.name else _nil(conn.proto)
+            return bulk(conn.name.encode()) if conn.name else nil(conn.proto)
         if sub == b"ID" and len(rest) == 1:
-            return _int(conn.id)
+            return integer(conn.id)
         if sub == b"MAINT_NOTIFICATIONS":
-            return _simple("OK")  # there is no maintenance to notify of
-        shown = sub.decode(errors="replace") or "?"
-        return _error(f"ERR unknown subcommand '{shown}'. Try CLIENT HELP.")
+            return simple("OK")  # there is no maintenance to notify of
+        return error(f"ERR unknown subcommand '{bounded_name(sub) or '?'}'. Try CLIENT HELP.")
 
     async def _cmd_select(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) != 1:
-            return _error("ERR wrong number of arguments for 'select' command")
+            return error("ERR wrong number of arguments for 'select' command")
         if rest[0] != b"0":
-            return _error("ERR DB index is out of range (the per-key tier has database 0 only)")
-        return _simple("OK")
+            return error("ERR DB index is out of range (the per-key tier has database 0 only)")
+        return simple("OK")
 
     async def _cmd_ping(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) > 1:
-            return _error("ERR wrong number of arguments for 'ping' command")
-        return _bulk(rest[0]) if rest else _simple("PONG")
+            return error("ERR wrong number of arguments for 'ping' command")
+        return bulk(rest[0]) if rest else simple("PONG")
 
     async def _cmd_echo(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) != 1:
-            return _error("ERR wrong number of arguments for 'echo' command")
-        return _bulk(rest[0])
+            return error("ERR wrong number of arguments for 'echo' command")
+        return bulk(rest[0])
 
     async def _cmd_quit(self, conn: _Conn, rest: list[Any]) -> bytes:
         conn.closing = True
-        return _simple("OK")
+        return simple("OK")
 
     async def _cmd_command(self, conn: _Conn, rest: list[Any]) -> bytes:
         return b"*0\r\n"  # redis-cli asks for the command table; it works without one
 
     async def _cmd_get(self, conn: _Conn, rest: list[Any]) -> Reply:
         if len(rest) != 1:
-            return _error("ERR wrong number of arguments for 'get' command")
-        if not conn.extra["authed"] and conn.scope is None:
-            return _error("NOAUTH Authentication required.")
+            return error("ERR wrong number of arguments for 'get' command")
         key = rest[0]
-        if isinstance(key, Dropped):
-            return self._miss(conn, "miss")
+        if isinstance(key, Dropped) or len(key) > self.settings.remote_cache_max_key_bytes:
+            return self._miss(conn, "miss")  # never stored
+        # What this reply holds until the client takes it: a value read for it is counted
+        # before it is read; a value already held (hot, or waiting to be stored) when sent.
+        held = Held(self._output)
         pending = self._writer.peek(key)
         if pending is not None:
-            return self._hit(pending)
-        future = self._loop.run_in_executor(self._reads, self.store.get, key)
+            return self._hit(conn, pending, held)
+        read = functools.partial(self.store.get, key, reserve=held.take)
+        future = self._loop.run_in_executor(self._reads, read)
         try:
             value = await asyncio.wait_for(
                 asyncio.shield(future), self.settings.remote_cache_get_timeout_s
             )
         except TimeoutError:
+            future.add_done_callback(lambda _done: held.give_back())
             return self._miss(conn, "slow")
         except Exception:  # noqa: BLE001 - a store that fails is a miss, never an error reply
+            held.give_back()
             _log.exception("per-key tier: reading a value failed")
             return self._miss(conn, "failed")
-        return self._miss(conn, "miss") if value is None else self._hit(value)
+        if value is None:
+            held.give_back()
+            return self._miss(conn, "busy" if held.refused else "miss")
+        return self._hit(conn, value, held)
 
-    def _hit(self, value: bytes) -> Reply:
+    def _hit(self, conn: _Conn, value: bytes, held: Held) -> Reply:
+        if not held.holds(len(value)) and not held.take(len(value)):
+            return self._miss(conn, "busy")  # the replies clients have not taken are over budget
+        conn.held = held
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result="hit")
         self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="out")
-        return _bulk_parts(value)
+        return bulk_parts(value)
 
     def _miss(self, conn: _Conn, why: str) -> bytes:
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result=why)
-        return _nil(conn.proto)
+        return nil(conn.proto)
 
     async def _cmd_set(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) < 2:
-            return _error("ERR wrong number of arguments for 'set' command")
-        options = [o.upper() if isinstance(o, bytes) else b"" for o in rest[2:]]
-        if options:
-            if len(options) != 2 or options[0] not in (b"EX", b"PX") or not rest[3].isdigit():
-                return _error(
-                    "ERR syntax error (the per-key tier takes SET key value [EX s|PX ms])"
-                )
-            if int(rest[3]) <= 0:
-                return _error("ERR invalid expire time in 'set' command")
-        if not conn.extra["authed"] and conn.scope is None:
-            return _error("NOAUTH Authentication required.")
+            return error("ERR wrong number of arguments for 'set' command")
+        problem = expiry_problem(rest[2:])
+        if problem is not None:
+            return error(problem)
         key, value = rest[0], rest[1]
         reason = None
         if conn.scope not in ("write", "admin"):
             reason = "read_only_token"
         elif not self.settings.remote_cache_writable:
             reason = "signatures_required"
-        elif isinstance(key, Dropped) or isinstance(value, Dropped):
-            too_big = isinstance(value, Dropped) and (
-                value.length > self.settings.remote_cache_max_value_bytes
-            )
-            reason = "too_large" if too_big or isinstance(key, Dropped) else "busy"
-        elif not self._writer.offer(key, value, self._writer_of(conn)):
-            reason = "busy"
+        elif isinstance(key, Dropped) or len(key) > self.settings.remote_cache_max_key_bytes:
+            reason = "key_too_long"
+        else:
+            size = value.length if isinstance(value, Dropped) else len(value)
+            if size > self.settings.remote_cache_max_value_bytes:
+                reason = "too_large"
+            elif isinstance(value, Dropped) or conn.reserved_bytes != queued_bytes(key, size):
+                reason = "busy"  # not admitted into the writer's budget (_keep)
+            else:
+                conn.reserved_bytes = 0  # the writer's from here: offer() queues or releases it
+                if not self._writer.offer(key, value, self._writer_of(conn)):
+                    reason = "busy"
         if reason is not None:
             self.metrics.inc("cachekeeper_remote_cache_puts_total", result=reason)
-        return _simple("OK")
+        return simple("OK")
 
     def _writer_of(self, conn: _Conn) -> dict[str, Any]:
-        return {"peer": conn.peer, "client": conn.name, "lib": conn.lib, "scope": conn.scope}
+        lib = f"{conn.lib_name} {conn.lib_ver}".strip()
+        return {"peer": conn.peer, "client": conn.name, "lib": lib, "scope": conn.scope}
 
 
 _Handler = Callable[[RespServer, _Conn, list[Any]], Any]

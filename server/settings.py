@@ -68,6 +68,9 @@ _SIZE_FIELDS = (
     "remote_cache_max_value_bytes",
     "remote_cache_max_bytes",
     "remote_cache_memory_bytes",
+    "remote_cache_pending_bytes",
+    "remote_cache_output_bytes",
+    "remote_cache_max_key_bytes",
 )
 
 
@@ -202,8 +205,24 @@ class Settings(BaseSettings):
     remote_cache_memory_bytes: int = 256 << 20
     # A GET the store cannot answer within this is answered nil (a miss), never late.
     remote_cache_get_timeout_s: float = 1.0
-    # Values that wait to be stored (SETs are answered at once); past this, SETs are dropped.
+    # Values (and their keys) that wait to be stored or are being received (SETs are
+    # answered at once); past this, SETs are dropped.
     remote_cache_pending_bytes: int = 512 << 20
+    # A key longer than this is not stored (its SET answers OK) and reads as a miss; key
+    # and writer bytes count in remote_cache_max_bytes. torch's keys are ~100 bytes.
+    remote_cache_max_key_bytes: int = 1 << 10
+    # GET values read from the store that clients have not taken yet; past this, GETs are
+    # answered nil (a miss) rather than pinning more memory for unread replies.
+    remote_cache_output_bytes: int = 256 << 20
+    # The listener's connections (server/resp.py, server/resp_bounds.py): at most this many
+    # at once (None: the tier's share of the descriptor budget, server/connections.py); a
+    # connection must authenticate within auth_timeout_s of opening, an authenticated one
+    # that sends nothing for idle_timeout_s is closed (redis-py reconnects), and a command
+    # must arrive whole, and a reply be taken whole, within frame_timeout_s.
+    remote_cache_max_connections: int | None = None
+    remote_cache_auth_timeout_s: float = 10.0
+    remote_cache_idle_timeout_s: float = 300.0
+    remote_cache_frame_timeout_s: float = 30.0
     # With trusted_keys configured, the tier is read-only (its values are unsigned code
     # torch runs, docs/security.md) unless this is set.
     remote_cache_unsigned_writes: bool = False
@@ -243,6 +262,11 @@ class Settings(BaseSettings):
         "remote_cache_get_timeout_s",
         "remote_cache_max_value_bytes",
         "remote_cache_pending_bytes",
+        "remote_cache_output_bytes",
+        "remote_cache_max_key_bytes",
+        "remote_cache_auth_timeout_s",
+        "remote_cache_idle_timeout_s",
+        "remote_cache_frame_timeout_s",
     )
     @classmethod
     def _positive(cls, value: Any) -> Any:
@@ -250,11 +274,18 @@ class Settings(BaseSettings):
             raise ValueError(f"{value} is not a positive number")
         return value
 
-    @field_validator("max_connections")
+    @field_validator("max_connections", "remote_cache_max_connections")
     @classmethod
     def _at_least_16(cls, value: Any) -> Any:
         if value is not None and value < 16:
             raise ValueError(f"{value} is fewer than 16 connections")
+        return value
+
+    @field_validator("remote_cache_max_key_bytes")
+    @classmethod
+    def _key_bound(cls, value: Any) -> Any:
+        if value > 16 << 10:
+            raise ValueError(f"{value} is over 16 KiB, the most a command's key may hold")
         return value
 
     @field_validator("trusted_keys", mode="before")

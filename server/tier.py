@@ -8,8 +8,10 @@ table (``server/catalog/tier.py``) with its sizes, last use and writer. Keys are
 own (they already hash torch, Triton, CUDA, the GPU and the graph): never rewritten.
 
 Bounds: a value over ``remote_cache_max_value_bytes`` is not stored; after each put the
-least recently used keys are evicted until the distinct values' stored bytes fit in
-``remote_cache_max_bytes`` (as bazel-remote bounds its cache). Last uses are kept in
+least recently used keys are evicted until what the tier keeps fits in
+``remote_cache_max_bytes`` (as bazel-remote bounds its cache): the distinct values' stored
+bytes and each key's row, its key and writer included (``server/catalog/tier.py``), since
+every byte a client makes the server keep counts. Last uses are kept in
 memory and written in batches (``flush_uses``), so a GET never writes to the catalog.
 
 Hot values: the most recently used values, up to ``remote_cache_memory_bytes``, are kept
@@ -35,7 +37,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ __all__ = [
     "TierSummary",
     "TierWriter",
     "offer_for",
+    "queued_bytes",
     "summary",
 ]
 
@@ -63,6 +66,12 @@ _log = logging.getLogger("cachekeeper.server.tier")
 _FLUSH_EVERY_S = 2.0
 
 EVICT_BATCH = 256  # keys looked at per eviction query
+QUEUED_OVERHEAD_BYTES = 1024  # a queued SET's Python objects besides its key and value
+
+
+def queued_bytes(key: bytes, size_bytes: int) -> int:
+    """What a SET of ``size_bytes`` under ``key`` costs ``TierWriter``'s budget."""
+    return len(key) + size_bytes + QUEUED_OVERHEAD_BYTES
 
 
 def offer_for(
@@ -98,7 +107,14 @@ class TierSummary:
     writable: bool
 
 
-_DROPS = ("read_only_token", "signatures_required", "too_large", "busy", "store_failed")
+_DROPS = (
+    "read_only_token",
+    "signatures_required",
+    "key_too_long",
+    "too_large",
+    "busy",
+    "store_failed",
+)
 
 
 def summary(
@@ -116,7 +132,7 @@ def summary(
         stored_bytes=stored,
         max_bytes=settings.remote_cache_max_bytes,
         hits=count("gets_total", result="hit"),
-        misses=sum(count("gets_total", result=r) for r in ("miss", "slow", "failed")),
+        misses=sum(count("gets_total", result=r) for r in ("miss", "slow", "failed", "busy")),
         puts_stored=count("puts_total", result="stored"),
         puts_dropped={r: n for r in _DROPS if (n := count("puts_total", result=r))},
         evictions=count("evictions_total"),
@@ -192,16 +208,19 @@ class TierStore:
         self._uses_lock = threading.Lock()
         self.evictions = 0  # keys evicted since start (for /metrics)
 
-    def get(self, key: bytes) -> bytes | None:
-        """The value stored under ``key``, or None (a miss is a value)."""
+    def get(self, key: bytes, *, reserve: Callable[[int], bool] | None = None) -> bytes | None:
+        """The value stored under ``key``, or None (a miss is a value). ``reserve(size)``
+        is asked before a value not held in memory is read into it; False: not read, None."""
         entry = self.catalog.tier_key(key)
         if entry is None:
             return None
         value = self._hot.get(entry.digest)
         if value is None:
+            if reserve is not None and not reserve(entry.size_bytes):
+                return None
             try:
-                with self.blobs.open(entry.digest) as fh:
-                    value = fh.read()
+                with self.blobs.open(entry.digest) as fh:  # into one buffer of its size:
+                    value = fh.read(entry.size_bytes)  # read() would join chunks (twice it)
             except BlobMissing:
                 self._drop_dangling(key, entry.digest)
                 return None
@@ -244,15 +263,16 @@ class TierStore:
         if self.max_bytes is None:
             return 0
         self.flush_uses()
-        evicted = 0
+        evicted, batch = 0, 8  # a put at the cap usually evicts one key or two: read a few
         while (total := self.catalog.tier_totals().stored_bytes) > self.max_bytes:
-            oldest = self.catalog.tier_lru(limit=EVICT_BATCH)
+            oldest = self.catalog.tier_lru(limit=batch)
+            batch = min(EVICT_BATCH, 2 * batch)
             if not oldest:
                 break
             chosen, freed = [], 0
             for entry in oldest:
                 chosen.append(entry)
-                freed += entry.stored_bytes
+                freed += entry.stored_bytes + entry.row_bytes
                 if total - freed <= self.max_bytes:
                     break
             with self.catalog.writing() as tx:
@@ -313,16 +333,31 @@ class TierWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def offer(self, key: bytes, value: bytes, writer: dict[str, Any]) -> bool:
-        """Queue a value; False (dropped) when the budget is full."""
+    def reserve(self, size_bytes: int) -> bool:
+        """Hold ``size_bytes`` of the budget for a value about to be received
+        (``queued_bytes``); False when it would pass the budget."""
         with self._cond:
-            if self._stopping or self.pending_bytes + len(value) > self.budget_bytes:
+            if self._stopping or self.pending_bytes + size_bytes > self.budget_bytes:
+                return False
+            self.pending_bytes += size_bytes
+            return True
+
+    def release(self, size_bytes: int) -> None:
+        """Give back a reservation whose value will not be offered."""
+        with self._cond:
+            self.pending_bytes -= size_bytes
+
+    def offer(self, key: bytes, value: bytes, writer: dict[str, Any]) -> bool:
+        """Queue a value whose ``queued_bytes`` were reserved; False (dropped, the
+        reservation given back) when the writer is stopping."""
+        with self._cond:
+            if self._stopping:
+                self.pending_bytes -= queued_bytes(key, len(value))
                 return False
             old = self.pending.pop(key, None)
             if old is not None:
-                self.pending_bytes -= len(old[0])
+                self.pending_bytes -= queued_bytes(key, len(old[0]))
             self.pending[key] = (value, writer)
-            self.pending_bytes += len(value)
             self._cond.notify()
             return True
 
@@ -347,7 +382,7 @@ class TierWriter:
                 with self._cond:
                     if self.pending.get(key, (None,))[0] is value:  # else a newer SET replaced it
                         del self.pending[key]
-                        self.pending_bytes -= len(value)
+                        self.pending_bytes -= queued_bytes(key, len(value))
             if time.monotonic() >= next_flush:
                 next_flush = time.monotonic() + _FLUSH_EVERY_S
                 self._flush()

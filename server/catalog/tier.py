@@ -5,6 +5,12 @@ value in the tier's blob store, its sizes, when it was written and last read, an
 wrote it (the writer's environment as JSON). The tier itself (``server/tier.py``) is the
 only caller; ``Catalog`` and ``Transaction`` mix these classes in, so callers import only
 ``server.catalog``.
+
+A row's own bytes are part of what the tier stores: every byte a client makes the server
+keep counts in ``remote_cache_max_bytes`` (before issue 32, keys and writer names did not,
+and the catalog grew 189 MB under a 1 MiB cap). ``row_bytes`` is the key twice (the table
+and its primary-key index), the writer's JSON, and ``ROW_BYTES`` for the other columns,
+their two indexes and SQLite's own record overhead.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from typing import Any
 
 from .base import Reads, Writes
 
-__all__ = ["TierEntry", "TierReads", "TierTotals", "TierWrites"]
+__all__ = ["ROW_BYTES", "TierEntry", "TierReads", "TierTotals", "TierWrites"]
+
+ROW_BYTES = 300  # digest (twice, indexed), three times (one indexed), sizes, record headers
+_ROW_SQL = f"2 * length(key) + length(COALESCE(writer, '')) + {ROW_BYTES}"
 
 
 @dataclass(frozen=True)
@@ -28,12 +37,14 @@ class TierEntry:
     created_at: str
     last_used_at: str
     writer: dict[str, Any]
+    row_bytes: int  # the row's own bytes: key, writer (module docstring)
 
 
 @dataclass(frozen=True)
 class TierTotals:
     keys: int
-    stored_bytes: int
+    stored_bytes: int  # the distinct values' stored bytes and every row's own bytes
+    row_bytes: int  # the rows' part of it
 
 
 def _entry(row: Mapping[str, Any]) -> TierEntry:
@@ -45,6 +56,7 @@ def _entry(row: Mapping[str, Any]) -> TierEntry:
         created_at=row["created_at"],
         last_used_at=row["last_used_at"] or row["created_at"],
         writer=json.loads(row["writer"] or "{}"),
+        row_bytes=2 * len(row["key"]) + len(row["writer"] or "") + ROW_BYTES,
     )
 
 
@@ -113,8 +125,11 @@ class TierReads(Reads):
             "SELECT COUNT(*) AS n, COALESCE(SUM(stored_bytes), 0) AS b FROM"
             " (SELECT digest, MAX(stored_bytes) AS stored_bytes FROM tier_keys GROUP BY digest)"
         )[0]
-        keys = self._rows("SELECT COUNT(*) AS n FROM tier_keys")[0]
-        return TierTotals(keys=int(keys["n"]), stored_bytes=int(row["b"]))
+        keys = self._rows(
+            f"SELECT COUNT(*) AS n, COALESCE(SUM({_ROW_SQL}), 0) AS r FROM tier_keys"
+        )[0]
+        rows = int(keys["r"])
+        return TierTotals(keys=int(keys["n"]), stored_bytes=int(row["b"]) + rows, row_bytes=rows)
 
     def tier_lru(self, *, limit: int) -> list[TierEntry]:
         """The ``limit`` least recently used keys, oldest first."""

@@ -42,6 +42,7 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
         keys, stored = tier.totals()
         gauges["cachekeeper_remote_cache_keys"] = float(keys)
         gauges["cachekeeper_remote_cache_stored_bytes"] = float(stored)
+        gauges["cachekeeper_remote_cache_connections"] = float(len(request.app.state.resp.clients))
     registry = metrics_of(request)
     evicted = storage.evictions - registry.value("cachekeeper_evictions_total")
     if evicted:

@@ -12,7 +12,14 @@ import httpx
 import pytest
 import uvicorn
 from cachekeeper.server.app import create_app
-from cachekeeper.server.connections import RESERVED_FILES, bounded_protocol, connection_cap
+from cachekeeper.server.connections import (
+    ACCEPT_BATCH,
+    MAX_CONNECTIONS,
+    RESERVED_FILES,
+    bounded_protocol,
+    connection_budget,
+    connection_cap,
+)
 from cachekeeper.server.settings import Settings
 
 CAP = 20
@@ -74,8 +81,35 @@ def test_at_the_cap_the_oldest_waiting_connection_makes_room(port: int) -> None:
 
 
 def test_the_default_cap_stays_under_the_open_file_limit(tmp_path: Path) -> None:
+    """The cap and the accept backlog (asyncio accepts that many before any cap is looked
+    at) fit in the open-file limit less the server's own files."""
     settings = Settings(data_dir=tmp_path)
-    assert connection_cap(settings, open_files=1024) == 1024 - RESERVED_FILES
-    assert connection_cap(settings, open_files=1 << 20) == 4096
+    small = connection_budget(settings, open_files=1024)
+    assert small.http + small.backlog == 1024 - RESERVED_FILES and small.backlog >= 64
+    assert connection_cap(settings, open_files=1024) == small.http
+    assert connection_cap(settings, open_files=1 << 20) == MAX_CONNECTIONS
+    assert connection_budget(settings, open_files=1 << 20).backlog == ACCEPT_BATCH
     capped = Settings(data_dir=tmp_path, max_connections=100_000)
-    assert connection_cap(capped, open_files=1024) == 1024 - RESERVED_FILES
+    assert connection_cap(capped, open_files=1024) == small.http
+
+
+def test_with_the_tier_one_budget_is_split_between_http_and_resp(tmp_path: Path) -> None:
+    """Both listeners' caps and backlogs fit in one budget, each with its own share; two
+    settings that together ask for too much are each scaled down to their part."""
+    tier = Settings(data_dir=tmp_path, resp_port=0)
+    split = connection_budget(tier, open_files=1024)
+    assert split.http == split.resp
+    assert split.http + split.resp + 2 * split.backlog <= 1024 - RESERVED_FILES
+    big = connection_budget(tier, open_files=1 << 20)
+    assert big.http == big.resp == MAX_CONNECTIONS and big.backlog == ACCEPT_BATCH
+    asked = Settings(
+        data_dir=tmp_path, resp_port=0, max_connections=600, remote_cache_max_connections=200
+    )
+    scaled = connection_budget(asked, open_files=1024)
+    assert scaled.http + scaled.resp + 2 * scaled.backlog <= 1024 - RESERVED_FILES
+    assert scaled.http == 3 * scaled.resp  # in proportion
+    fits = Settings(
+        data_dir=tmp_path, resp_port=0, max_connections=100, remote_cache_max_connections=50
+    )
+    kept = connection_budget(fits, open_files=1024)
+    assert (kept.http, kept.resp) == (100, 50)

@@ -306,3 +306,36 @@ def test_serve_refuses_a_resp_port_it_cannot_bind_in_one_line(tmp_path: Path) ->
     assert proc.returncode == 2, proc.stderr
     assert f"cannot serve the per-key tier on 127.0.0.1:{port} (--resp-port)" in proc.stderr
     assert proc.stderr.count("\n") == 1
+
+
+def test_at_the_cap_idle_connections_make_room_for_a_node(tmp_path: Path) -> None:
+    """With every connection idle at the cap (16 here), a node's connection closes the one
+    idle longest and works; the closed one's redis-py would reconnect on its next command."""
+    settings = Settings(
+        data_dir=tmp_path / "data", tokens=TOKENS, resp_port=0, remote_cache_max_connections=16
+    )
+    with start_server(settings) as handle:
+        assert handle.resp_port is not None
+        idle = []
+        for _ in range(16):
+            sock = socket.create_connection(("127.0.0.1", handle.resp_port), timeout=5)
+            sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$9\r\ntier-read\r\n")
+            assert sock.recv(100) == b"+OK\r\n"
+            idle.append(sock)
+        out = run_client(
+            VERSIONS[-1],
+            f"""
+r = redis.Redis.from_url({url(handle)!r})
+out['set'] = r.set('k', b'v')
+out['get'] = r.get('k') == b'v'  # stored, or still queued: either is served
+""",
+        )
+        evicted = metric(
+            handle, "cachekeeper_remote_cache_connections_closed_total", reason="evicted"
+        )
+        idle[0].settimeout(2)
+        first_closed = idle[0].recv(100) == b""
+        for sock in idle:
+            sock.close()
+    assert out["set"] is True and out["get"] is True
+    assert evicted >= 1 and first_closed

@@ -4,9 +4,11 @@ least recently used keys evicted to the budget, nothing deleted that a key still
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.catalog.tier import ROW_BYTES
 from cachekeeper.server.tier import TierStore
 
 from cachekeeper.blobstore import LocalBlobStore
@@ -104,3 +106,20 @@ def test_hot_values_serve_from_memory_and_leave_with_their_blob(tmp_path: Path) 
     assert found is not None
     cold.blobs.delete(found.digest)
     assert cold.get(b"k") is None
+
+
+def test_keys_and_writers_count_in_the_budget(tmp_path: Path) -> None:
+    """Issue 32, class 6: a tier of 1-byte values under 1,000-byte keys is bounded by its
+    keys' rows (key twice, writer, the rest of the row), not only by its values' bytes."""
+    tier = store(tmp_path, max_bytes=20_000)
+    writer = {"client": "n" * 128, "scope": "write"}
+    for i in range(50):
+        tier.put(b"%03d" % i + b"k" * 997, b"v", writer=writer)
+    keys, stored = tier.totals()
+    assert stored <= 20_000 and 0 < keys < 10
+    entry = tier.catalog.tier_key(b"049" + b"k" * 997)
+    assert entry is not None
+    assert entry.row_bytes == 2 * 1000 + len(json.dumps(writer, sort_keys=True)) + ROW_BYTES
+    totals = tier.catalog.tier_totals()
+    assert totals.row_bytes == keys * entry.row_bytes  # one value, shared: the rest is rows
+    assert totals.stored_bytes - totals.row_bytes == entry.stored_bytes
