@@ -2,8 +2,9 @@
 
 ``open_backend`` is the one place that picks a blob backend (``server/backend.py``): the
 local directory by default, or the object store ``--blob-store`` names (``s3://``).
-``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``),
-then runs the start-up check. Routers, one per resource in ``server/routes/``, are
+``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
+refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the retention
+of the tables clients write (``server/budgets.py``) and the start-up check. Routers, one per resource in ``server/routes/``, are
 included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``blobs``,
 ``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
 (/v1/reports), ``ui`` (the status page: /, /ui). To add one: write the module in
@@ -40,7 +41,7 @@ from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
-from .auth import route_scopes
+from .auth import Need, route_scopes
 from .backend import BlobBackend
 from .catalog import Catalog
 from .limits import RequestLimits
@@ -137,9 +138,10 @@ def open_storage(settings: Settings) -> Storage:
     S3-compatible object store ``settings.blob_store`` names (``s3://BUCKET/PREFIX``)."""
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
-    catalog = Catalog.create(data / "meta.sqlite")
+    catalog = Catalog.create(data / "meta.sqlite", check=settings.catalog_check)
     backend = open_backend(settings.blob_store, local_root=data / "blobs")
     storage = Storage(settings=settings, catalog=catalog, blobs=backend)
+    storage.prune(force=True)  # the retention of the client-written tables (budgets.py)
     report = storage.check()
     if report.stale_blob_rows or report.completed or report.quarantined:
         _log.warning(
@@ -184,7 +186,7 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
         else RespServer(store=app.state.tier, settings=settings, metrics=app.state.metrics)
     )
     _install_error_handlers(app)
-    scoped: list[tuple[APIRoute, str]] = []
+    scoped: list[tuple[APIRoute, Need]] = []
     for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
         scoped += route_scopes(module.router.routes)
