@@ -28,6 +28,7 @@ Starlette's HTTP errors (404, 405, ...) with a code derived from the status.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
 from .auth import Need, route_scopes
 from .backend import BlobBackend
-from .catalog import Catalog
+from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
@@ -97,6 +98,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if is_corruption(exc):  # a query the catalog layer did not wrap met a damaged page
+            assert isinstance(exc, sqlite3.DatabaseError)
+            broken = request.app.state.storage.catalog.met(exc)
+            return JSONResponse(broken.to_dict(), status_code=broken.http_status)
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
             {"error": "server_error", "detail": f"internal error: {type(exc).__name__}"},

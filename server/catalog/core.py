@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -83,12 +84,13 @@ def _summary(row: dict[str, Any]) -> Summary:
 
 
 _log = logging.getLogger("cachekeeper.server")
+PROBE_SAMPLES = 2  # random rows per table each /healthz reads, besides the first and last
 _CORRUPT = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 # What to do about a corrupt catalog: docs/operations.md, "A corrupt catalog".
 _WAY_BACK = (
-    "stop the server, move it aside and restore the last backup (docs/operations.md,"
-    " 'A corrupt catalog'), or recover what SQLite can still read:"
-    " sqlite3 {path} .recover | sqlite3 {path}.recovered, then move that into place"
+    "stop it, then restore the last backup, or rebuild the file from what SQLite can still"
+    " read with the sqlite3 shell's .recover (docs/operations.md, 'A corrupt catalog',"
+    " gives the commands)"
 )
 
 
@@ -320,6 +322,7 @@ class Catalog(FleetReads, TierReads):
             catalog.db().enable_wal()
             with catalog.writing() as tx:
                 ensure_schema(tx.db)
+                tx.recount_usage()  # after a restore or a .recover, the triggers' totals
         except CatalogCorrupt:
             raise
         except sqlite3.DatabaseError as exc:
@@ -330,7 +333,12 @@ class Catalog(FleetReads, TierReads):
 
     def _check(self, *, full: bool) -> None:
         pragma = "integrity_check" if full else "quick_check"
-        found = [str(r[0]) for r in self.db().conn.execute(f"PRAGMA {pragma}(5)")]
+        try:
+            found = [str(r[0]) for r in self.db().conn.execute(f"PRAGMA {pragma}(5)")]
+        except sqlite3.DatabaseError as exc:  # a page it cannot even walk
+            if not is_corruption(exc):
+                raise
+            found = [str(exc)]
         if found != ["ok"]:
             raise CatalogCorrupt(self._refusal(f"PRAGMA {pragma}: {'; '.join(found)}"))
 
@@ -338,11 +346,11 @@ class Catalog(FleetReads, TierReads):
         problem = " ".join(problem.split())[:300]
         return (
             f"catalog {self.path} is corrupt ({problem}); the server will not serve it: "
-            + _WAY_BACK.format(path=self.path)
+            + _WAY_BACK
         )
 
     # -- when the catalog cannot answer ------------------------------------------------------
-    def _met(self, exc: sqlite3.DatabaseError) -> CatalogCorrupt:
+    def met(self, exc: sqlite3.DatabaseError) -> CatalogCorrupt:
         """Mark the catalog broken by ``exc`` (a corruption) and say so to the caller."""
         if self.broken is None:
             self.broken = (
@@ -359,13 +367,19 @@ class Catalog(FleetReads, TierReads):
             return super()._rows(sql, params)
         except sqlite3.DatabaseError as exc:
             if is_corruption(exc):
-                raise self._met(exc) from exc
+                raise self.met(exc) from exc
             raise
 
-    def probe(self) -> str | None:
-        """Why the catalog cannot answer now, or None: the first and the last row of every
-        table are read (two root-to-leaf walks per table: cheap however big it is), and a
-        corruption any query met before is remembered."""
+    def probe(self, *, samples: int = PROBE_SAMPLES) -> str | None:
+        """Why the catalog cannot answer now, or None.
+
+        Every table's first and last row are read, and ``samples`` rows at random rowids
+        between them: each a root-to-leaf walk, a few pages however big the table (well
+        under a millisecond for the whole catalog: docs/operations.md). A damaged page
+        among thousands is found by the first query that reads it, which marks the catalog
+        broken for every later probe; the random rows make the probes themselves find one
+        sooner or later, at no more cost per probe.
+        """
         if self.broken is not None:
             return self.broken
         conn = self.db().conn
@@ -378,13 +392,21 @@ class Catalog(FleetReads, TierReads):
                 )
             ]
             for table in tables:
-                for order in ("", " DESC"):
+                ends = [
                     conn.execute(
-                        f'SELECT * FROM "{table}" ORDER BY rowid{order} LIMIT 1'
-                    ).fetchall()
+                        f'SELECT rowid, * FROM "{table}" ORDER BY rowid{order} LIMIT 1'
+                    ).fetchone()
+                    for order in ("", " DESC")
+                ]
+                if ends[0] is None or ends[1] is None:
+                    continue
+                for _ in range(samples):
+                    at = random.randint(int(ends[0][0]), int(ends[1][0]))
+                    sql = f'SELECT * FROM "{table}" WHERE rowid >= ? ORDER BY rowid LIMIT 1'
+                    conn.execute(sql, [at]).fetchall()
         except sqlite3.DatabaseError as exc:
             if is_corruption(exc):
-                return self._met(exc).detail
+                return self.met(exc).detail
             return f"the server's catalog ({self.path.name}) cannot answer: {exc}"
         return None
 
@@ -434,7 +456,7 @@ class Catalog(FleetReads, TierReads):
                         f"the server's metadata disk is full ({exc}); nothing was changed"
                     ) from exc
                 if is_corruption(exc):
-                    raise self._met(exc) from exc
+                    raise self.met(exc) from exc
                 raise
             for action in tx.after_commit_actions:
                 action()

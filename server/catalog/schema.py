@@ -248,10 +248,11 @@ def _add_budget_columns(db: sqlite_utils.Database) -> None:
         " (name TEXT PRIMARY KEY, rows INTEGER NOT NULL, bytes INTEGER NOT NULL)"
     )
     for name in ("job_reports", "agent_events"):
-        db.execute(
-            "INSERT OR IGNORE INTO table_usage (name, rows, bytes)"
-            f" SELECT '{name}', COUNT(*), COALESCE(SUM(size_bytes), 0) FROM {name}"
-        )
+        if db.execute("SELECT 1 FROM table_usage WHERE name = ?", [name]).fetchone() is None:
+            db.execute(  # once: from then on the triggers keep it
+                "INSERT INTO table_usage (name, rows, bytes)"
+                f" SELECT '{name}', COUNT(*), COALESCE(SUM(size_bytes), 0) FROM {name}"
+            )
         db.execute(
             f"CREATE TRIGGER IF NOT EXISTS {name}_usage_insert AFTER INSERT ON {name} BEGIN"
             " UPDATE table_usage SET rows = rows + 1,"
