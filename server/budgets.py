@@ -54,8 +54,9 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,26 @@ def _ago(now: datetime, seconds: float) -> str:
     return (now - timedelta(seconds=seconds)).isoformat(timespec="microseconds")
 
 
+@dataclass
+class _Window:
+    """One reporter's reports in the current window: (received at, job key), oldest first,
+    and how many of them each job has."""
+
+    reports: deque[tuple[str, str]] = field(default_factory=deque)
+    jobs: Counter[str] = field(default_factory=Counter)
+
+    def add(self, at: str, job_key: str) -> None:
+        self.reports.append((at, job_key))
+        self.jobs[job_key] += 1
+
+    def forget_before(self, since: str) -> None:
+        while self.reports and self.reports[0][0] < since:
+            _at, key = self.reports.popleft()
+            self.jobs[key] -= 1
+            if not self.jobs[key]:
+                del self.jobs[key]
+
+
 class Budgets:
     """The bounds of the client-written tables, checked inside the writer's transaction."""
 
@@ -117,6 +138,7 @@ class Budgets:
         self._pruned: Counter[tuple[str, str]] = Counter()
         self._pruned_at = float("-inf")  # time.monotonic() of the last retention pass
         self._warned: dict[str, float] = {}  # reporter -> when its refusal was last logged
+        self._windows: dict[str | None, _Window] = {}  # reporter (token id) -> its window
 
     # -- what /metrics shows --------------------------------------------------------------
     def refused(self) -> dict[tuple[str, str], int]:
@@ -158,24 +180,26 @@ class Budgets:
     # -- job reports ----------------------------------------------------------------------
     def admit_report(
         self, tx: Transaction, report: JobReport, *, token_id: str | None, at: str
-    ) -> int:
-        """Check the reporter's budgets and make room in the table; the report's weight.
-        RateLimited (429) past a token's budget for the window."""
+    ) -> Callable[[int], None]:
+        """Check the reporter's budgets and make room in the table. RateLimited (429) past
+        a token's budget for the window. Returns what to call with the stored report's id
+        (it counts the report in the token's window once the transaction commits)."""
         self.room(tx, table="job_reports")
         settings = self.settings
         now = datetime.fromisoformat(at)
         since = _ago(now, settings.reports_window_s)
-        reports, jobs, oldest = tx.token_reports(token_id, since=since)
-        new_job = report.job is None or not tx.job_reported(
-            token_id, node=report.node, job=report.job, since=since
-        )
+        window = self._window(tx, token_id, since=since)
+        reports, jobs = len(window.reports), len(window.jobs)
+        oldest = window.reports[0][0] if window.reports else None
+        job_key = None if report.job is None else f"{report.node}|{report.job}"
+        new_job = job_key is None or job_key not in window.jobs
         who = token_id or ANONYMOUS
-        window = f"{settings.reports_window_s:g} s"
+        span = f"{settings.reports_window_s:g} s"
         if reports >= settings.reports_per_token:
             self._over(
                 who,
                 "reports_per_token",
-                f"{who} filed {reports} job reports in the last {window}, its budget"
+                f"{who} filed {reports} job reports in the last {span}, its budget"
                 f" (reports_per_token)",
                 oldest=oldest,
                 now=now,
@@ -184,7 +208,7 @@ class Budgets:
             self._over(
                 who,
                 "report_jobs_per_token",
-                f"{who} reported {jobs} jobs in the last {window}, its budget of new jobs"
+                f"{who} reported {jobs} jobs in the last {span}, its budget of new jobs"
                 " (report_jobs_per_token; more reports on those jobs are still taken)",
                 oldest=oldest,
                 now=now,
@@ -199,7 +223,25 @@ class Budgets:
         if over_bytes > 0:
             gone = tx.drop_oldest_bytes("job_reports", over_bytes=over_bytes)
             self._count_pruned(tx, "job_reports", "max_bytes", gone)
-        return size
+
+        def stored_as(report_id: int) -> None:
+            key = job_key if job_key is not None else f"report:{report_id}"
+            tx.after_commit(lambda: window.add(at, key))
+
+        return stored_as
+
+    def _window(self, tx: Transaction, token_id: str | None, *, since: str) -> _Window:
+        """The reporter's window, read from the catalog the first time (a restart keeps
+        the budgets), then kept here: a count per report costs nothing however many the
+        window holds (counting them in SQL took 12 ms per report at 1,000 in the window,
+        0.6 s at 20,000). Only ever used under the catalog's write lock."""
+        window = self._windows.get(token_id)
+        if window is None:
+            window = self._windows[token_id] = _Window()
+            for at, key in tx.token_window(token_id, since=since):
+                window.add(at, key)
+        window.forget_before(since)
+        return window
 
     def _over(self, who: str, budget: str, said: str, *, oldest: str | None, now: datetime) -> None:
         self._refuse("job_reports", budget)

@@ -53,7 +53,7 @@ from cachekeeper.wire import (
 
 from .archive import archive_chunks
 from .backend import BlobBackend, DirectAccess
-from .budgets import Budgets, event_bytes
+from .budgets import Budgets, event_bytes, report_bytes
 from .catalog import Catalog, agent_id_for
 from .fleet import fleet_status
 from .gc import Collector, GcPlan
@@ -498,8 +498,12 @@ class Storage:
         self.prune()
         with self.catalog.writing() as tx:
             at = utc_now()
-            size = self.budgets.admit_report(tx, report, token_id=token_id, at=at)
-            return tx.add_job_report(report, token_id=token_id, size_bytes=size, at=at), at
+            counted = self.budgets.admit_report(tx, report, token_id=token_id, at=at)
+            report_id = tx.add_job_report(
+                report, token_id=token_id, size_bytes=report_bytes(report), at=at
+            )
+            counted(report_id)
+        return report_id, at
 
     def prune(self, *, force: bool = False) -> dict[str, int]:
         """A retention pass over the client-written tables when one is due (``force``:

@@ -57,24 +57,16 @@ class BudgetWrites(Writes):
         return self._one(f"SELECT 1 FROM {table} WHERE {column} = ?", [value]) is not None
 
     # -- one token's reports in a window ------------------------------------------------------
-    def token_reports(self, token_id: str | None, *, since: str) -> tuple[int, int, str | None]:
-        """(reports, distinct jobs, the oldest report's time) that ``token_id`` (None: the
-        anonymous callers of a server with auth off) filed at or after ``since``."""
-        row = self.db.execute(
-            "SELECT COUNT(*), COUNT(DISTINCT CASE WHEN job IS NULL THEN 'report:' || id"
-            " ELSE node || '|' || job END), MIN(at) FROM job_reports"
-            " WHERE token_id IS ? AND at >= ?",
+    def token_window(self, token_id: str | None, *, since: str) -> list[tuple[str, str]]:
+        """(received at, job key) of each report ``token_id`` (None: the anonymous callers
+        of a server with auth off) filed at or after ``since``, oldest first. The job key
+        is the status's (``node|job``; ``report:<id>`` for a report without a job)."""
+        rows = self.db.execute(
+            "SELECT at, CASE WHEN job IS NULL THEN 'report:' || id ELSE node || '|' || job END"
+            " FROM job_reports WHERE token_id IS ? AND at >= ? ORDER BY at, id",
             [token_id, since],
-        ).fetchone()
-        return int(row[0]), int(row[1]), row[2]
-
-    def job_reported(self, token_id: str | None, *, node: str, job: str, since: str) -> bool:
-        """Whether ``token_id`` already reported this node's ``job`` at or after ``since``."""
-        sql = (
-            "SELECT 1 FROM job_reports WHERE token_id IS ? AND at >= ? AND node = ? AND job = ?"
-            " LIMIT 1"
         )
-        return self._one(sql, [token_id, since, node, job]) is not None
+        return [(str(r[0]), str(r[1])) for r in rows]
 
     def harvested_count(self, parent: str, *, fingerprint_digest: str) -> int:
         sql = (

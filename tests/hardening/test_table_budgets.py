@@ -232,12 +232,15 @@ def test_a_workload_with_100000_sequence_lengths_is_refused(tmp_path: Path, reli
     for its field, and so is a small file listing 70 lengths in one regime."""
     huge = _regime_toml("huge", 100_000)
     with start_server(Settings(data_dir=tmp_path / "data", tokens=TOKENS)) as live:
-        with httpx.Client(base_url=live.url, headers=WRITE) as c:
+        with httpx.Client(base_url=live.url, headers=WRITE, timeout=60) as c:
             too_big = c.put("/v1/workloads/huge", content=huge)
             seventy = c.put("/v1/workloads/seventy", content=_regime_toml("seventy", 70))
             listed = c.get("/v1/workloads").json()["workloads"]
     lenient = Settings(data_dir=tmp_path / "data2", tokens=TOKENS, max_workload_bytes=1 << 20)
-    with start_server(lenient) as live, httpx.Client(base_url=live.url, headers=WRITE) as c:
+    with (
+        start_server(lenient) as live,
+        httpx.Client(base_url=live.url, headers=WRITE, timeout=60) as c,  # TOML of 689 KB
+    ):
         fields = c.put("/v1/workloads/huge", content=huge)
     assert len(huge.encode()) < 1 << 20
     assert too_big.status_code == 413, too_big.text  # 200 before

@@ -183,3 +183,34 @@ def test_probe_answers_none_for_a_whole_catalog(tmp_path: Path) -> None:
         report = _report(1)
         tx.add_job_report(report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
     assert catalog.probe() is None and catalog.broken is None
+
+
+def test_a_tokens_window_survives_a_restart(tmp_path: Path) -> None:
+    """The window is kept in memory, and read back from the reports after a restart: a
+    restart never hands a token a fresh budget."""
+    from tests.helpers.in_process import in_process
+
+    settings = Settings(data_dir=tmp_path / "data", tokens={"r": "read"}, report_jobs_per_token=3)
+    auth = {"Authorization": "Bearer r"}
+
+    def report(job: str) -> dict[str, object]:
+        return {
+            "phase": "prejob",
+            "outcome": "cold",
+            "workload": "wl",
+            "fingerprint_digest": "a" * 64,
+            "node": "n",
+            "job": job,
+        }
+
+    with in_process(settings) as server:
+        codes = [
+            server.client.post("/v1/reports", json=report(j), headers=auth).status_code
+            for j in ("j1", "j2", "j3", "j1")
+        ]
+    with in_process(settings) as server:
+        again = server.client.post("/v1/reports", json=report("j2"), headers=auth)
+        fourth = server.client.post("/v1/reports", json=report("j4"), headers=auth)
+    assert codes == [201, 201, 201, 201]  # j1 twice is one job
+    assert again.status_code == 201  # a job it already reported is not new
+    assert fourth.status_code == 429 and fourth.json()["budget"] == "report_jobs_per_token"
