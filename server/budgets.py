@@ -78,6 +78,7 @@ _log = logging.getLogger("cachekeeper.server")
 AGENT_ROW_BYTES = 64 << 10  # an agent's fingerprint, GPUs and devices as stored, each
 PRUNE_EVERY_S = 60.0  # retention runs at most this often (on the next write)
 PRUNE_ROWS = 5000  # rows one retention pass deletes per table at most (a bounded pause)
+ROOM_EVERY_S = 1.0  # the catalog's size is measured at most this often
 ANONYMOUS = "anonymous callers"  # who reports on a server with auth off
 
 
@@ -139,6 +140,7 @@ class Budgets:
         self._pruned_at = float("-inf")  # time.monotonic() of the last retention pass
         self._warned: dict[str, float] = {}  # reporter -> when its refusal was last logged
         self._windows: dict[str | None, _Window] = {}  # reporter (token id) -> its window
+        self._measured = (float("-inf"), 0)  # (time.monotonic(), catalog bytes) last measured
 
     # -- what /metrics shows --------------------------------------------------------------
     def refused(self) -> dict[tuple[str, str], int]:
@@ -166,8 +168,16 @@ class Budgets:
 
     # -- every client write -----------------------------------------------------------------
     def room(self, tx: Transaction, *, table: str) -> None:
-        """InsufficientStorage (507) when meta.sqlite is past ``max_catalog_bytes``."""
-        size = tx.catalog_bytes()
+        """InsufficientStorage (507) when meta.sqlite is past ``max_catalog_bytes``: measured
+        at most once per ``ROOM_EVERY_S`` (what one second of writes adds is small against
+        the bound; three PRAGMAs per write were a third of a report's cost)."""
+        with self._lock:
+            fresh = time.monotonic() - self._measured[0] < ROOM_EVERY_S
+            size = self._measured[1]
+        if not fresh:
+            size = tx.catalog_bytes()
+            with self._lock:
+                self._measured = (time.monotonic(), size)
         if size > self.settings.max_catalog_bytes:
             self._refuse(table, "catalog_bytes")
             raise InsufficientStorage(

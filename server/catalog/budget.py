@@ -63,8 +63,8 @@ class BudgetWrites(Writes):
         is the status's (``node|job``; ``report:<id>`` for a report without a job)."""
         rows = self.db.execute(
             "SELECT at, CASE WHEN job IS NULL THEN 'report:' || id ELSE node || '|' || job END"
-            " FROM job_reports WHERE token_id IS ? AND at >= ? ORDER BY at, id",
-            [token_id, since],
+            " FROM job_reports WHERE at >= ? AND token_id IS ? ORDER BY at, id",
+            [since, token_id],
         )
         return [(str(r[0]), str(r[1])) for r in rows]
 

@@ -240,8 +240,8 @@ def _add_budget_columns(db: sqlite_utils.Database) -> None:
         if "size_bytes" not in table.columns_dict:
             table.add_column("size_bytes", int)
             db.execute(f"UPDATE {table.name} SET size_bytes = {weight}")
-    reports.create_index(["token_id", "at"], if_not_exists=True)
-    reports.create_index(["at"], if_not_exists=True)  # retention: the oldest, by an index
+    # by time: the retention's oldest rows, and a token's window read back after a start
+    reports.create_index(["at"], if_not_exists=True)
     events.create_index(["at"], if_not_exists=True)
     db.execute(
         "CREATE TABLE IF NOT EXISTS table_usage"
