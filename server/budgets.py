@@ -247,9 +247,10 @@ class Budgets:
         0.6 s at 20,000). Only ever used under the catalog's write lock."""
         window = self._windows.get(token_id)
         if window is None:
-            window = self._windows[token_id] = _Window()
+            window = _Window()
             for at, key in tx.token_window(token_id, since=since):
                 window.add(at, key)
+            self._windows[token_id] = window  # only once read whole
         window.forget_before(since)
         return window
 

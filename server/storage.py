@@ -307,6 +307,7 @@ class Storage:
         it did not have; it answers ``created`` False. A publish of a snapshot being
         published waits for that one (a client retrying a slow publish packs nothing twice).
         """
+        self.prune()  # the audit log grows with publishes
         with self._publishing.hold(manifest.id):
             return self._publish(manifest)
 
