@@ -96,8 +96,8 @@ def test_a_corrupt_catalog_is_refused_at_start_in_one_line(tmp_path: Path, relia
         pass  # nothing listens
     reliability.record(
         "catalog with random bytes over one leaf page of job_reports: serve refuses to start,"
-        " one line naming the file, PRAGMA quick_check's finding, the backup and sqlite3"
-        " .recover; the file is left as it was",
+        " one line naming the file, PRAGMA quick_check's finding and the way back (a backup,"
+        " or the sqlite3 shell's .recover: docs/operations.md); the file is left as it was",
         tries=1,
         outcome="refused",
         area="corrupt catalog",
