@@ -36,6 +36,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + PayloadTooLarge
     + RequestTimeout
     + InsufficientStorage
+    + RateLimited
   x LocalEnvironmentError          this machine: its dirs, settings, devices, drivers
     + CacheDirUnusable
     + LinkInCacheDir
@@ -43,6 +44,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + ConfigInvalid
     + DeviceInvalid
     + FingerprintUnavailable
+    + CatalogCorrupt
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -103,6 +105,8 @@ __all__ = [
     "RequestTimeout",
     "ConfigInvalid",
     "FingerprintUnavailable",
+    "RateLimited",
+    "CatalogCorrupt",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -410,6 +414,22 @@ class InvalidDigest(InvalidRequest):
     not bytes that hash to another digest (that is ``DigestMismatch``)."""
 
     code = "invalid_digest"
+
+
+class RateLimited(RequestRejected):
+    """A caller past its budget for this window (a token's job reports): the same request
+    is refused until the window moves on (``retry_after_s``)."""
+
+    code = "rate_limited"
+    http_status = 429
+
+
+class CatalogCorrupt(LocalEnvironmentError):
+    """The server's metadata database (``meta.sqlite``) failed SQLite's integrity check or
+    a query met a malformed page: the server will not answer from it (restore a backup)."""
+
+    code = "catalog_corrupt"
+    http_status = 503
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:

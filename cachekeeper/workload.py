@@ -23,6 +23,11 @@ A workload is a TOML file (format in docs/workloads.md)::
     [process]                     # optional: the process state training's ranks run with
     omp_num_threads = 1           # torchrun's default; CPU kernels are keyed on it
 
+A workload is bounded (``LIMITS``): its text, its tables, the sequence lengths of a regime
+and of the whole file (each one a cold compile), a command's argv and env. A file past
+one is refused naming the field and the limit, so no registered workload can keep a
+builder compiling for days (the agent's build timeout bounds what is left).
+
 This module never imports torch or user code: the server validates workloads with it.
 Whether an import path (``"pkg.mod:attr"``) resolves is checked by the prewarm child;
 whether a command's ``argv[0]`` exists, when it runs. ``Workload.code`` lists what a
@@ -45,6 +50,7 @@ from cachekeeper.errors import WorkloadInvalid
 from cachekeeper.units import parse_duration
 
 __all__ = [
+    "LIMITS",
     "DTYPES",
     "MASKS",
     "SCORE_MODS",
@@ -83,6 +89,19 @@ _COMPILE_KEYS: dict[str, type | tuple[type, ...]] = {
     "backend": str,
     "mode": str,
     "options": dict,
+}
+# What one workload file may hold (docs/workloads.md, "Limits"). Each sequence length of
+# each regime is one flex_attention compile per device, cold (seconds to a minute each),
+# then again in verify; a real training run has a handful.
+LIMITS = {
+    "bytes": 1 << 20,  # the file's text, UTF-8
+    "attention": 64,  # [[attention]] tables
+    "seq_lens": 64,  # per regime
+    "calls": 256,  # sequence lengths of all regimes together
+    "entrypoint": 64,  # [[entrypoint]] tables
+    "command": 16,  # [[command]] tables
+    "argv": 1024,  # a command's arguments
+    "env": 256,  # a command's variables
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -276,6 +295,11 @@ def load_workload(path: Path) -> Workload:
 
 def parse_workload(text: str, *, source: str) -> Workload:
     """Parse and validate workload TOML; errors name ``source``, the table and the field."""
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > LIMITS["bytes"]:
+        raise WorkloadInvalid(
+            f"{source}: the file is {size} bytes; a workload file is at most {LIMITS['bytes']}"
+        )
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -296,6 +320,8 @@ def parse_workload(text: str, *, source: str) -> Workload:
     attention = _tables(v, data, "attention")
     entrypoint = _tables(v, data, "entrypoint")
     command = _tables(v, data, "command")
+    for key, tables in (("attention", attention), ("entrypoint", entrypoint), ("command", command)):
+        v.at_most(key, len(tables), LIMITS[key], f"[[{key}]] tables", per=" in a workload")
     if not attention and not entrypoint and not command:
         v.fail(
             "", "a workload needs at least one [[attention]], [[entrypoint]] or [[command]] table"
@@ -306,6 +332,14 @@ def parse_workload(text: str, *, source: str) -> Workload:
         v.positive(process, "omp_num_threads", "process") if "omp_num_threads" in process else None
     )
     regimes = tuple(_regime(v, table, f"attention[{i}]") for i, table in enumerate(attention))
+    calls = sum(len(r.seq_lens) for r in regimes)
+    v.at_most(
+        "attention",
+        calls,
+        LIMITS["calls"],
+        "sequence lengths in all regimes (each is a cold compile per device)",
+        per=" in a workload",
+    )
     entrypoints = tuple(
         _entrypoint(v, table, f"entrypoint[{i}]") for i, table in enumerate(entrypoint)
     )
@@ -351,6 +385,10 @@ class _Validator:
         if not ok:
             self.fail(where, f"expected {_type_name(kind)}, got {_type_name(type(value))}")
         return float(value) if kind is float else value
+
+    def at_most(self, where: str, count: int, limit: int, what: str, *, per: str = "") -> None:
+        if count > limit:
+            self.fail(where, f"{count} {what}; at most {limit}{per} (docs/workloads.md, 'Limits')")
 
     def positive(self, table: dict[str, Any], key: str, where: str) -> int:
         value = self.required(table, key, int, where)
@@ -400,6 +438,13 @@ def _regime(v: _Validator, table: dict[str, Any], where: str) -> Regime:
     seq_lens = v.required(table, "seq_lens", list, where)
     if not seq_lens:
         v.fail(f"{where}.seq_lens", "must list at least one sequence length")
+    v.at_most(
+        f"{where}.seq_lens",
+        len(seq_lens),
+        LIMITS["seq_lens"],
+        "sequence lengths (each is a cold compile per device)",
+        per=" per regime",
+    )
     for i, seq in enumerate(seq_lens):
         v.typed(seq, int, f"{where}.seq_lens[{i}]")
         if seq <= 0:
@@ -507,6 +552,7 @@ def _command(v: _Validator, table: dict[str, Any], where: str) -> Command:
     argv = v.required(table, "argv", list, where)
     if not argv:
         v.fail(f"{where}.argv", "must name at least the program to run")
+    v.at_most(f"{where}.argv", len(argv), LIMITS["argv"], "arguments", per=" per command")
     for i, arg in enumerate(argv):
         v.typed(arg, str, f"{where}.argv[{i}]")
         if "\x00" in arg:
@@ -514,6 +560,7 @@ def _command(v: _Validator, table: dict[str, Any], where: str) -> Command:
     if not argv[0].strip():
         v.fail(f"{where}.argv[0]", "the program to run is empty")
     env_table = v.typed(table.get("env", {}), dict, f"{where}.env")
+    v.at_most(f"{where}.env", len(env_table), LIMITS["env"], "variables", per=" per command")
     env: dict[str, str] = {}
     for key, value in env_table.items():
         key_where = f"{where}.env.{key}"

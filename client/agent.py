@@ -70,6 +70,7 @@ from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, w
 from cachekeeper.prewarm import prewarm, promote
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu
 from cachekeeper.store import LocalStore
+from cachekeeper.verdicts import CommandRun, DeviceRun
 from cachekeeper.workload import Workload, parse_workload
 
 from .pull import pull
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
     from cachekeeper.verdicts import PrewarmReport, ProgressEvent
 
 __all__ = [
+    "DEFAULT_BUILD_TIMEOUT_S",
     "AgentMemory",
     "AgentOptions",
     "AgentStopped",
@@ -100,6 +102,11 @@ _TAIL_LINES = 20
 _TAIL_LINE_CHARS = 500
 _DETAIL_CHARS = 4000
 KEEP_REPORTS = 16  # round reports run_agent keeps in memory (the newest)
+# A build's default bound (``agent --build-timeout``): a cold compile of a real workload
+# takes minutes (torchtitan's flex_attention with max-autotune, the most expensive we
+# measured, 69 s per regime), so an hour per child is far past any honest build and ends
+# one that a registered workload made endless (100,000 sequence lengths kept an agent busy).
+DEFAULT_BUILD_TIMEOUT_S = 3600.0
 
 
 class AgentStopped(BaseException):
@@ -168,7 +175,9 @@ class AgentOptions:
     devices: tuple[str, ...]
     work_dir: Path
     name: str = field(default_factory=socket.gethostname)
-    build_timeout_s: float | None = None
+    # Each prewarm or verify child, and each command run, is killed past this (a command's
+    # own ``timeout`` wins when shorter); the build is then reported ``failed``, "timeout".
+    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S
     push_workers: int = 4
     heartbeat_s: float = 60.0  # heartbeats while a build runs
     sign_key: Path | None = None  # Ed25519 PREFIX.key: every pushed manifest is signed
@@ -592,11 +601,24 @@ class _Builder:
         if report.verify is not None:
             runs += [*report.verify.devices, *report.verify.commands]
         error = report.error or next((r.error for r in runs if r.error), None)
+        timed_out = next((r for r in runs if r.status == "timeout"), None)
         if report.status == "not_effective":
             reasons = report.verify.reasons if report.verify is not None else []
             detail = "verify was not effective: " + (
                 "; ".join(reasons) if reasons else "the second run still missed the cache"
             )
+        elif timed_out is not None:
+            error = timed_out.error or error
+            what = (
+                f"{timed_out.mode} on {timed_out.device}"
+                if isinstance(timed_out, DeviceRun)
+                else f"{timed_out.mode} of command[{timed_out.index}]"
+            )
+            bound = self.options.build_timeout_s
+            limit = "no build timeout" if bound is None else f"--build-timeout {bound:g} s"
+            own = " or the command's own timeout" if isinstance(timed_out, CommandRun) else ""
+            said = error.message if error is not None else "killed"
+            detail = f"timeout: {what}: {said} (the agent's {limit}{own})"
         elif error is not None:
             where = f" ({error.where})" if error.where else ""
             detail = f"{error.type}: {error.message}{where}"

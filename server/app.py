@@ -2,8 +2,9 @@
 
 ``open_backend`` is the one place that picks a blob backend (``server/backend.py``): the
 local directory by default, or the object store ``--blob-store`` names (``s3://``).
-``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``),
-then runs the start-up check. Routers, one per resource in ``server/routes/``, are
+``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
+refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the retention
+of the tables clients write (``server/budgets.py``) and the start-up check. Routers, one per resource in ``server/routes/``, are
 included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``blobs``,
 ``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
 (/v1/reports), ``ui`` (the status page: /, /ui). To add one: write the module in
@@ -27,6 +28,7 @@ Starlette's HTTP errors (404, 405, ...) with a code derived from the status.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,9 +42,9 @@ from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
-from .auth import route_scopes
+from .auth import Need, route_scopes
 from .backend import BlobBackend
-from .catalog import Catalog
+from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
@@ -96,6 +98,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if is_corruption(exc):  # a query the catalog layer did not wrap met a damaged page
+            assert isinstance(exc, sqlite3.DatabaseError)
+            broken = request.app.state.storage.catalog.met(exc)
+            return JSONResponse(broken.to_dict(), status_code=broken.http_status)
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
             {"error": "server_error", "detail": f"internal error: {type(exc).__name__}"},
@@ -137,9 +143,10 @@ def open_storage(settings: Settings) -> Storage:
     S3-compatible object store ``settings.blob_store`` names (``s3://BUCKET/PREFIX``)."""
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
-    catalog = Catalog.create(data / "meta.sqlite")
+    catalog = Catalog.create(data / "meta.sqlite", check=settings.catalog_check)
     backend = open_backend(settings.blob_store, local_root=data / "blobs")
     storage = Storage(settings=settings, catalog=catalog, blobs=backend)
+    storage.prune(force=True)  # the retention of the client-written tables (budgets.py)
     report = storage.check()
     if report.stale_blob_rows or report.completed or report.quarantined:
         _log.warning(
@@ -184,7 +191,7 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
         else RespServer(store=app.state.tier, settings=settings, metrics=app.state.metrics)
     )
     _install_error_handlers(app)
-    scoped: list[tuple[APIRoute, str]] = []
+    scoped: list[tuple[APIRoute, Need]] = []
     for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
         scoped += route_scopes(module.router.routes)

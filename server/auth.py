@@ -12,13 +12,19 @@ A request with a body is judged twice by the same rule (``admit``): first from i
 by ``RequestLimits``, before a byte of the body is read (``refusal_before_body``, with each
 route's scope listed once by ``route_scopes`` at ``create_app``), so a caller without a good token cannot
 make the server read and screen megabytes of JSON; then by the route's own dependency.
+
+A route that attributes what it stores to its caller (``POST /v1/reports``) needs a token
+even where ``anonymous_read`` opens the other read routes (``identified``), and names the
+caller by ``token_id``: a stable, non-secret name of a configured token (a short hash),
+stored with the rows it writes and counted in per-token budgets.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 from fastapi import Depends, Request
 from fastapi.routing import APIRoute
@@ -31,8 +37,11 @@ from cachekeeper.errors import CachekeeperError, Forbidden, Unauthorized
 from .settings import SCOPES, Settings
 
 __all__ = [
+    "Need",
     "admit",
     "covers",
+    "identified",
+    "token_id",
     "refusal_before_body",
     "require",
     "scope_of_token",
@@ -42,7 +51,23 @@ __all__ = [
 ]
 
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
-_CHECKS: dict[Callable[..., Any], str] = {}  # each ``require`` dependency: the scope it needs
+
+
+class Need(NamedTuple):
+    """What a route asks of its caller: a scope, and (``identified``) a token of its own,
+    which ``anonymous_read`` does not stand in for."""
+
+    scope: str
+    identified: bool = False
+
+
+_CHECKS: dict[Callable[..., Any], Need] = {}  # each ``require``/``identified`` dependency
+
+
+def token_id(presented: str) -> str:
+    """A stable, non-secret name for a configured token: ``tok-`` and the first 12 hex
+    digits of its sha256. Stored with what the token wrote; never the token itself."""
+    return "tok-" + hashlib.sha256(presented.encode("utf-8")).hexdigest()[:12]
 
 
 def scope_of_token(settings: Settings, presented: str) -> str | None:
@@ -70,16 +95,21 @@ def _bearer(headers: Mapping[str, str]) -> str | None:
     return value.strip()
 
 
-def admit(settings: Settings, scope: str, presented: str | None) -> str:
+def admit(
+    settings: Settings, scope: str, presented: str | None, *, identified: bool = False
+) -> str:
     """The scope granted to a caller presenting ``presented`` (None: no token) on a route
-    that needs ``scope``; Unauthorized (401) or Forbidden (403) when it is not admitted."""
+    that needs ``scope``; Unauthorized (401) or Forbidden (403) when it is not admitted.
+    ``identified``: the route attributes what it stores to the token, so ``anonymous_read``
+    does not admit a caller without one."""
     if not settings.auth_enabled:
         return "admin"
     if presented is None:
-        if scope == "read" and settings.anonymous_read:
+        if scope == "read" and settings.anonymous_read and not identified:
             return "read"
+        why = " (what it stores is attributed to the token that sent it)" if identified else ""
         raise Unauthorized(
-            f"this route needs a bearer token with the {scope!r} scope",
+            f"this route needs a bearer token with the {scope!r} scope{why}",
             extra={"scope": scope},
         )
     granted = scope_of_token(settings, presented)
@@ -100,7 +130,25 @@ def require(scope: str) -> Callable[[Request], str]:
         return admit(request.app.state.settings, scope, _bearer(request.headers))
 
     check.__name__ = f"require_{scope}"
-    _CHECKS[check] = scope
+    _CHECKS[check] = Need(scope)
+    return check
+
+
+def identified(scope: str) -> Callable[[Request], str | None]:
+    """A dependency that admits only a caller whose own token covers ``scope`` (with auth
+    on; ``anonymous_read`` is not enough) and returns its ``token_id``; None with auth off
+    (every caller is the same anonymous one)."""
+
+    def check(request: Request) -> str | None:
+        settings: Settings = request.app.state.settings
+        presented = _bearer(request.headers)
+        admit(settings, scope, presented, identified=True)
+        if not settings.auth_enabled or presented is None:
+            return None
+        return token_id(presented)
+
+    check.__name__ = f"identified_{scope}"
+    _CHECKS[check] = Need(scope, identified=True)
     return check
 
 
@@ -110,7 +158,7 @@ AdminScope = Annotated[str, Depends(require("admin"))]
 
 
 def refusal_before_body(
-    settings: Settings, routes: Sequence[tuple[APIRoute, str]], asgi: Scope, headers: Headers
+    settings: Settings, routes: Sequence[tuple[APIRoute, Need]], asgi: Scope, headers: Headers
 ) -> CachekeeperError | None:
     """The 401 or 403 that the route of ``routes`` (``route_scopes``) matching the request
     ``asgi`` would answer, decided from its ``headers`` alone, or None. ``RequestLimits``
@@ -122,13 +170,13 @@ def refusal_before_body(
     if needed is None:
         return None
     try:
-        admit(settings, needed, _bearer(headers))
+        admit(settings, needed.scope, _bearer(headers), identified=needed.identified)
     except (Unauthorized, Forbidden) as exc:
         return exc
     return None
 
 
-def route_scopes(routes: Sequence[Any]) -> list[tuple[APIRoute, str]]:
+def route_scopes(routes: Sequence[Any]) -> list[tuple[APIRoute, Need]]:
     """Each route of ``routes`` (a router's, as declared) that needs a scope, with it."""
     return [
         (route, needed)
@@ -138,7 +186,7 @@ def route_scopes(routes: Sequence[Any]) -> list[tuple[APIRoute, str]]:
     ]
 
 
-def _needed(dependencies: Sequence[Any]) -> str | None:
+def _needed(dependencies: Sequence[Any]) -> Need | None:
     for dependency in dependencies:
         needed = _CHECKS.get(dependency.call) or _needed(dependency.dependencies)
         if needed is not None:

@@ -49,7 +49,7 @@ from cachekeeper.errors import (
     RequestTimeout,
 )
 
-from .auth import refusal_before_body
+from .auth import Need, refusal_before_body
 from .settings import Settings
 
 __all__ = [
@@ -202,7 +202,7 @@ class RequestLimits:
         app: ASGIApp,
         *,
         settings: Settings,
-        route_scopes: Sequence[tuple[APIRoute, str]] = (),
+        route_scopes: Sequence[tuple[APIRoute, Need]] = (),
     ) -> None:
         self.app = app
         self.settings = settings

@@ -84,6 +84,18 @@ _HELP = {
         "gauge",
         "Stored bytes of the per-key tier: its values, and its keys' rows (keys, writers).",
     ),
+    "cachekeeper_catalog_refusals_total": (
+        "counter",
+        "Rows a client sent that a table's budget refused, by table and reason"
+        " (server/budgets.py): reports_per_token, report_jobs_per_token, max_rows,"
+        " catalog_bytes, ...",
+    ),
+    "cachekeeper_catalog_pruned_total": (
+        "counter",
+        "Rows deleted to keep a client-written table within its bound or retention, by"
+        " table and reason (max_rows, max_bytes, retention).",
+    ),
+    "cachekeeper_catalog_bytes": ("gauge", "meta.sqlite's size less its free pages."),
     "cachekeeper_store_bytes": ("gauge", "Stored (compressed) blob bytes."),
     "cachekeeper_store_blobs": ("gauge", "Blobs in the store."),
     "cachekeeper_store_snapshots": ("gauge", "Snapshots in the store."),

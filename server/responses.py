@@ -6,7 +6,8 @@ tests/server/test_api_doc.py checks docs/api.md against exactly that. The codes 
 can answer (401 ``unauthorized`` and 403 ``forbidden`` on a route with a scope, 422
 ``invalid_request`` for a parameter or body that does not validate, 413
 ``payload_too_large`` and 408 ``request_timeout`` from ``limits.RequestLimits``, 500
-``server_error``) are not listed per route; docs/api.md states them once.
+``server_error``, 503 ``catalog_corrupt`` from the catalog) are not listed per route;
+docs/api.md states them once.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from cachekeeper import config
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.manifest import MAX_FILES
 from cachekeeper.signing import load_trusted_keys
+from cachekeeper.units import parse_duration
 
 __all__ = [
     "Scope",
@@ -71,6 +72,27 @@ _SIZE_FIELDS = (
     "remote_cache_pending_bytes",
     "remote_cache_output_bytes",
     "remote_cache_max_key_bytes",
+    "max_catalog_bytes",
+    "reports_max_bytes",
+    "agent_events_max_bytes",
+)
+_DURATION_FIELDS = (
+    "reports_window_s",
+    "reports_retention_s",
+    "agent_events_retention_s",
+    "agents_retention_s",
+    "events_retention_s",
+)
+_COUNT_FIELDS = (
+    "reports_per_token",
+    "report_jobs_per_token",
+    "reports_max_rows",
+    "agent_events_max_rows",
+    "max_agents",
+    "max_workloads",
+    "max_snapshots",
+    "max_harvested_deltas",
+    "events_max_rows",
 )
 
 
@@ -161,7 +183,7 @@ class Settings(BaseSettings):
     max_blob_bytes: int = 2 << 30
     max_manifest_bytes: int = 64 << 20
     max_files: int = MAX_FILES
-    max_workload_bytes: int = 1 << 20
+    max_workload_bytes: int = 256 << 10  # a real workload file is a few KB
     # Every other request body (resolve, blobs/missing, archive, agents, gc): 200 000
     # digests as JSON fit.
     max_json_bytes: int = 16 << 20
@@ -234,6 +256,39 @@ class Settings(BaseSettings):
     # /metrics without a token (a Prometheus that scrapes without one). Off by default:
     # /metrics needs the read scope like every read route, since its labels name workloads.
     metrics_public: bool = False
+    # -- the catalog and what clients write into it (server/budgets.py; docs/server.md) ---
+    # At start-up: "quick" (PRAGMA quick_check: every page read, ~1-2 s per GB), "full"
+    # (integrity_check, indexes too: ~5x slower) or "off"; a corrupt catalog is refused.
+    catalog_check: Literal["quick", "full", "off"] = "quick"
+    # meta.sqlite's size: past it, every write of rows a client sends (publish, workload,
+    # agent, agent event, job report) is refused (507) until GC or retention frees pages.
+    max_catalog_bytes: int = 4 << 30
+    # Job reports: the window per-token budgets count in, what one token (every caller
+    # without one, with auth off) may file in it, and what the table keeps.
+    reports_window_s: float = 3600.0
+    reports_per_token: int = 1000  # reports per window (every rank's prejob is one)
+    report_jobs_per_token: int = 100  # new jobs (a node's job, counted once) per window
+    reports_max_rows: int = 500_000  # the oldest are dropped past either bound
+    reports_max_bytes: int = 256 << 20
+    reports_retention_s: float = 90 * 86400.0
+    # Agents' build events: the newest event of each (workload, fingerprint) is kept (the
+    # status is decided from it); older ones past a bound or the retention are dropped.
+    agent_events_max_rows: int = 100_000
+    agent_events_max_bytes: int = 256 << 20
+    agent_events_retention_s: float = 90 * 86400.0
+    # Agents (one per name and environment): unseen this long, an agent is removed; past
+    # max_agents a new one is refused (507).
+    max_agents: int = 1000
+    agents_retention_s: float = 90 * 86400.0
+    # Workloads (no retention: an admin removes them), snapshots (GC evicts them) and the
+    # harvested deltas of one snapshot for one environment (resolve offers 32 at most).
+    max_workloads: int = 1000
+    max_snapshots: int = 100_000
+    max_harvested_deltas: int = 32
+    # The audit log (snapshot published, evicted, quarantined): the oldest past the bound
+    # or the retention are dropped.
+    events_max_rows: int = 100_000
+    events_retention_s: float = 365 * 86400.0
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -244,6 +299,18 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
+
+    @field_validator(*_DURATION_FIELDS, mode="before")
+    @classmethod
+    def _durations(cls, value: Any) -> Any:
+        return parse_duration(value)  # 90d, 1h, 3600: seconds, > 0
+
+    @field_validator(*_COUNT_FIELDS)
+    @classmethod
+    def _at_least_one(cls, value: Any) -> Any:
+        if value < 1:
+            raise ValueError(f"{value} is not a positive count")
+        return value
 
     @field_validator("blob_store")
     @classmethod

@@ -8,7 +8,9 @@ What this module adds on top: the upload size limit, publishing a manifest (pack
 first when the backend has direct access, ``server/packing.py``), resolve, and GC
 (``server/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down to
 the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
-each and never see the catalog or the backend.
+each and never see the catalog or the backend. Every write of rows a client sends is
+checked against its table's budget in the same transaction (``server/budgets.py``), and
+a retention pass runs at start-up and at most once a minute before such a write.
 
 Ordering rules that keep a crash harmless: a blob's row is written only after the blob
 store made the file visible (a crash before leaves at most a temp file, or a file with no
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 from cachekeeper import remote_tier
@@ -50,7 +53,8 @@ from cachekeeper.wire import (
 
 from .archive import archive_chunks
 from .backend import BlobBackend, DirectAccess
-from .catalog import Catalog
+from .budgets import Budgets, event_bytes, report_bytes
+from .catalog import Catalog, agent_id_for
 from .fleet import fleet_status
 from .gc import Collector, GcPlan
 from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
@@ -99,6 +103,7 @@ class Storage:
         self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
         self.packs = 0  # archive objects packed by publish since start (for /metrics)
         self._publishing = SnapshotLocks()  # one publish of a snapshot at a time (packing.py)
+        self.budgets = Budgets(settings)  # the client-written tables' bounds and retention
         self._gc = Collector(catalog=catalog, blobs=blobs, direct=self.direct, settings=settings)
 
     # -- blobs ------------------------------------------------------------------------
@@ -302,11 +307,14 @@ class Storage:
         it did not have; it answers ``created`` False. A publish of a snapshot being
         published waits for that one (a client retrying a slow publish packs nothing twice).
         """
+        self.prune()  # the audit log grows with publishes
         with self._publishing.hold(manifest.id):
             return self._publish(manifest)
 
     def _publish(self, manifest: Manifest) -> tuple[Summary, bool]:
         snapshot_id = manifest.id
+        with self.catalog.writing() as tx:  # refused before packing, not after
+            self.budgets.admit_snapshot(tx, manifest)
         checked = self._pack(manifest)
         sizes = checked.sizes if checked is not None else self.catalog.blob_sizes(manifest.digests)
         missing = sorted(manifest.digests - sizes.keys())
@@ -339,6 +347,7 @@ class Storage:
                     extra={"missing": still},
                 )
             if created:
+                self.budgets.admit_snapshot(tx, manifest)
                 tx.insert_snapshot(manifest, created_at=utc_now())
             else:
                 if manifest.signature is not None:
@@ -411,6 +420,7 @@ class Storage:
 
     def put_workload(self, *, name: str, toml: str, digest: str) -> WorkloadInfo:
         with self.catalog.writing() as tx:
+            self.budgets.admit_workload(tx, name=name)
             return tx.put_workload(name=name, toml=toml, digest=digest)
 
     def workload_toml(self, name: str) -> str:
@@ -426,7 +436,14 @@ class Storage:
 
     def register_agent(self, **registration: Any) -> tuple[AgentInfo, bool]:
         """(agent, created); see ``Transaction.register_agent`` for the keywords."""
+        self.prune()
         with self.catalog.writing() as tx:
+            self.budgets.admit_agent(
+                tx,
+                agent_id=agent_id_for(registration["name"], registration["fingerprint_digest"]),
+                fields={k: registration[k] for k in ("fingerprint", "gpus", "devices")},
+                now=datetime.now(UTC),
+            )
             agent_id, created = tx.register_agent(**registration)
         return self.agent(agent_id), created
 
@@ -446,8 +463,17 @@ class Storage:
 
     def report_event(self, agent_id: str, **report: Any) -> EventOut:
         """Record an agent's report; see ``Transaction.add_agent_event`` for the keywords."""
+        self.prune()
+        size = event_bytes(
+            workload=report["workload"],
+            detail=report["detail"],
+            traceback_tail=report["traceback_tail"],
+        )
         with self.catalog.writing() as tx:
-            event = tx.add_agent_event(agent_id, **report)
+            if not tx.exists("agents", "id", agent_id):
+                raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
+            self.budgets.admit_agent_event(tx, size_bytes=size)
+            event = tx.add_agent_event(agent_id, size_bytes=size, **report)
         if event is None:
             raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
         return event
@@ -467,10 +493,27 @@ class Storage:
             serve_harvested=self.settings.serve_harvested,
         )
 
-    def add_job_report(self, report: JobReport) -> tuple[int, str]:
-        """Store one job report; (its id, when it was received)."""
+    def add_job_report(self, report: JobReport, *, token_id: str | None) -> tuple[int, str]:
+        """Store one job report sent by ``token_id`` (None: auth is off), within that
+        token's budget (RateLimited past it); (its id, when it was received)."""
+        self.prune()
         with self.catalog.writing() as tx:
-            return tx.add_job_report(report)
+            at = utc_now()
+            counted = self.budgets.admit_report(tx, report, token_id=token_id, at=at)
+            report_id = tx.add_job_report(
+                report, token_id=token_id, size_bytes=report_bytes(report), at=at
+            )
+            counted(report_id)
+        return report_id, at
+
+    def prune(self, *, force: bool = False) -> dict[str, int]:
+        """A retention pass over the client-written tables when one is due (``force``:
+        now); {table: rows deleted}."""
+        due = self.budgets.prune_due()  # first: a forced pass restarts the minute too
+        if not (due or force):
+            return {}
+        with self.catalog.writing() as tx:
+            return self.budgets.prune(tx)
 
     def fingerprint_of(self, fingerprint_digest: str) -> Fingerprint | None:
         """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
@@ -490,6 +533,10 @@ class Storage:
 
     def counts(self) -> Counts:
         return self.catalog.counts()
+
+    def catalog_bytes(self) -> int:
+        """meta.sqlite's size less its free pages (what ``max_catalog_bytes`` bounds)."""
+        return self.catalog.catalog_bytes()
 
     # -- GC (server/gc.py) --------------------------------------------------------------
     def plan_gc(self, *, target_bytes: int | None = None) -> GcPlan:

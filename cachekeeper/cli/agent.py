@@ -28,7 +28,13 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option
-from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
+from cachekeeper.client.agent import (
+    DEFAULT_BUILD_TIMEOUT_S,
+    AgentOptions,
+    RoundReport,
+    StopSignal,
+    run_agent,
+)
 from cachekeeper.client.api import CacheClient
 from cachekeeper.devices import select_devices
 
@@ -58,8 +64,11 @@ __all__ = ["agent_cmd"]
     "--build-timeout",
     "build_timeout_s",
     type=click.FloatRange(min=1.0),
-    default=None,
-    help="Seconds each prewarm or verify child may run before it is killed [default: none].",
+    default=DEFAULT_BUILD_TIMEOUT_S,
+    show_default=True,
+    help="Seconds each prewarm or verify child, and each run of a workload's command, may"
+    " run before it is killed (a command's own shorter timeout wins); the workload is then"
+    " reported failed with a 'timeout:' detail and the agent carries on.",
 )
 @click.option(
     "--name",
@@ -93,7 +102,7 @@ def agent_cmd(
     interval_s: float,
     once: bool,
     work_dir: Path | None,
-    build_timeout_s: float | None,
+    build_timeout_s: float,
     name: str | None,
     allow: tuple[str, ...],
     allow_files: tuple[Path, ...],

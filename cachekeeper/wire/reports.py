@@ -68,6 +68,10 @@ class JobStats:
     new_graphs: int  # FX-graph + AOTAutograd entries those jobs compiled
     new_bytes: int
     last_report_at: str
+    # The distinct tokens whose reports these are (each report is attributed to the token
+    # that sent it; 0 on a server with auth off): what a token can add is bounded per
+    # window (server/budgets.py), so numbers from one token are numbers one node group said.
+    reporters: int = 0
 
     @property
     def mismatch_note(self) -> str | None:

@@ -8,6 +8,7 @@ This package is the catalog layer's one import point (``Catalog``, ``Transaction
     server/catalog/fleet.py   agents, their build events, job reports, the fleet's facts
                               (mixed into Catalog and Transaction)
     server/catalog/tier.py    the per-key tier's key table (mixed in the same way)
+    server/catalog/budget.py  what the budgets count and delete (server/budgets.py decides)
     server/catalog/base.py    ``IN (...)`` batches, the Reads/Writes bases
     server/catalog/schema.py  the tables (drawn there), indexes and in-place migrations
 
@@ -17,7 +18,7 @@ resolver, the fleet and storage).
 
 from __future__ import annotations
 
-from .core import Catalog, Transaction
+from .core import Catalog, Transaction, is_corruption
 from .fleet import agent_id_for
 
-__all__ = ["Catalog", "Transaction", "agent_id_for"]
+__all__ = ["Catalog", "Transaction", "agent_id_for", "is_corruption"]

@@ -6,8 +6,9 @@ import point).
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import sqlite_utils
@@ -40,8 +41,11 @@ class Reads:
         conn.execute("BEGIN")
         try:
             yield
-        finally:
-            conn.execute("COMMIT")
+        except BaseException:
+            with suppress(sqlite3.Error):  # never hide what went wrong inside
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
 
     def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         return list(self.db().query(sql, list(params)))

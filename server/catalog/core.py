@@ -12,11 +12,23 @@ multi-statement operation (publish, delete, pin, GC) is all or nothing.
 
 Adding a table: an idempotent step in ``server/catalog/schema.py``, and its queries as
 methods here (or in ``server/catalog/fleet.py`` for the fleet), returning dataclasses.
+
+A corrupt catalog is never served as if it were whole. ``Catalog.create`` runs SQLite's
+``quick_check`` (every page of every table and index is read and its structure checked;
+``integrity_check`` also cross-checks each index against its table, about five times
+slower: ``check``) and refuses with ``CatalogCorrupt``, in one line naming the file and the
+way back. A page that goes bad while the server runs is met by the first query that reads
+it: that query, and every later one, answers 503 ``catalog_corrupt`` (``broken`` is sticky:
+SQLite only reports a bad page when it reads it, so "it answered this time" proves nothing
+about the next), and ``probe`` (``/healthz``) reads the first and last row of every table,
+so a server whose catalog cannot answer stops passing its health check.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import random
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -27,17 +39,18 @@ from typing import Any, cast
 import sqlite_utils
 from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 
-from cachekeeper.errors import InsufficientStorage
+from cachekeeper.errors import CatalogCorrupt, InsufficientStorage
 from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.manifest import Manifest
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
 from .base import BATCH, chunks
+from .budget import BudgetWrites
 from .fleet import FleetReads, FleetWrites, agent_id_for
 from .schema import ensure_schema
 from .tier import TierReads, TierWrites
 
-__all__ = ["Catalog", "Transaction", "agent_id_for"]
+__all__ = ["Catalog", "Transaction", "agent_id_for", "is_corruption"]
 
 _SUMMARY_COLUMNS = (
     "id, workload, fingerprint_digest, devices, verified, signed, size_bytes, file_count, "
@@ -70,12 +83,31 @@ def _summary(row: dict[str, Any]) -> Summary:
     )
 
 
+_log = logging.getLogger("cachekeeper.server")
+PROBE_SAMPLES = 2  # random rows per table each /healthz reads, besides the first and last
+_CORRUPT = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+# What to do about a corrupt catalog: docs/operations.md, "A corrupt catalog".
+_WAY_BACK = (
+    "stop it, then restore the last backup, or rebuild the file from what SQLite can still"
+    " read with the sqlite3 shell's .recover (docs/operations.md, 'A corrupt catalog',"
+    " gives the commands)"
+)
+
+
+def is_corruption(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite saying the file is damaged (a malformed page, not a database)."""
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code in _CORRUPT or "malformed" in str(exc) or "not a database" in str(exc)
+
+
 def _disk_full(exc: sqlite3.OperationalError) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
 
 
-class Transaction(FleetWrites, TierWrites):
+class Transaction(FleetWrites, TierWrites, BudgetWrites):
     """The queries that run inside one ``Catalog.writing()`` block (reads see its writes)."""
 
     # -- blobs ------------------------------------------------------------------------
@@ -274,16 +306,109 @@ class Catalog(FleetReads, TierReads):
         self.path = Path(path)
         self.write_lock = threading.Lock()
         self._local = threading.local()
+        # Why the catalog cannot answer, once a query met a damaged page (sticky).
+        self.broken: str | None = None
 
     @classmethod
-    def create(cls, path: Path) -> Catalog:
-        """Open (creating if needed) the database at ``path``, enable WAL, ensure tables."""
+    def create(cls, path: Path, *, check: str = "quick") -> Catalog:
+        """Open (creating if needed) the database at ``path``, check it (``check``:
+        ``quick``, ``full`` or ``off``), enable WAL, ensure tables. CatalogCorrupt, naming
+        the file and the way back, when SQLite finds it damaged."""
         path.parent.mkdir(parents=True, exist_ok=True)
         catalog = cls(path)
-        catalog.db().enable_wal()
-        with catalog.writing() as tx:
-            ensure_schema(tx.db)
+        try:
+            if check != "off":
+                catalog._check(full=check == "full")
+            catalog.db().enable_wal()
+            with catalog.writing() as tx:
+                ensure_schema(tx.db)
+                tx.recount_usage()  # after a restore or a .recover, the triggers' totals
+        except CatalogCorrupt:
+            raise
+        except sqlite3.DatabaseError as exc:
+            if not is_corruption(exc):
+                raise
+            raise CatalogCorrupt(catalog._refusal(str(exc))) from exc
         return catalog
+
+    def _check(self, *, full: bool) -> None:
+        pragma = "integrity_check" if full else "quick_check"
+        try:
+            found = [str(r[0]) for r in self.db().conn.execute(f"PRAGMA {pragma}(5)")]
+        except sqlite3.DatabaseError as exc:  # a page it cannot even walk
+            if not is_corruption(exc):
+                raise
+            found = [str(exc)]
+        if found != ["ok"]:
+            raise CatalogCorrupt(self._refusal(f"PRAGMA {pragma}: {'; '.join(found)}"))
+
+    def _refusal(self, problem: str) -> str:
+        problem = " ".join(problem.split())[:300]
+        return (
+            f"catalog {self.path} is corrupt ({problem}); the server will not serve it: "
+            + _WAY_BACK
+        )
+
+    # -- when the catalog cannot answer ------------------------------------------------------
+    def met(self, exc: sqlite3.DatabaseError) -> CatalogCorrupt:
+        """Mark the catalog broken by ``exc`` (a corruption) and say so to the caller."""
+        if self.broken is None:
+            self.broken = (
+                f"the server's catalog ({self.path.name}) is corrupt: {exc}; the operator"
+                " must restore it (docs/operations.md, 'A corrupt catalog')"
+            )
+            _log.error("%s", self._refusal(f"{exc}, met by a query while serving"))
+        return CatalogCorrupt(self.broken)
+
+    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        if self.broken is not None:
+            raise CatalogCorrupt(self.broken)
+        try:
+            return super()._rows(sql, params)
+        except sqlite3.DatabaseError as exc:
+            if is_corruption(exc):
+                raise self.met(exc) from exc
+            raise
+
+    def probe(self, *, samples: int = PROBE_SAMPLES) -> str | None:
+        """Why the catalog cannot answer now, or None.
+
+        Every table's first and last row are read, and ``samples`` rows at random rowids
+        between them: each a root-to-leaf walk, a few pages however big the table (well
+        under a millisecond for the whole catalog: docs/operations.md). A damaged page
+        among thousands is found by the first query that reads it, which marks the catalog
+        broken for every later probe; the random rows make the probes themselves find one
+        sooner or later, at no more cost per probe.
+        """
+        if self.broken is not None:
+            return self.broken
+        conn = self.db().conn
+        try:
+            tables = [
+                str(r[0])
+                for r in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                    " AND name NOT LIKE 'sqlite_%'"
+                )
+            ]
+            for table in tables:
+                ends = [
+                    conn.execute(
+                        f'SELECT rowid, * FROM "{table}" ORDER BY rowid{order} LIMIT 1'
+                    ).fetchone()
+                    for order in ("", " DESC")
+                ]
+                if ends[0] is None or ends[1] is None:
+                    continue
+                for _ in range(samples):
+                    at = random.randint(int(ends[0][0]), int(ends[1][0]))
+                    sql = f'SELECT * FROM "{table}" WHERE rowid >= ? ORDER BY rowid LIMIT 1'
+                    conn.execute(sql, [at]).fetchall()
+        except sqlite3.DatabaseError as exc:
+            if is_corruption(exc):
+                return self.met(exc).detail
+            return f"the server's catalog ({self.path.name}) cannot answer: {exc}"
+        return None
 
     def db(self) -> sqlite_utils.Database:
         """This thread's connection (opened on first use).
@@ -312,6 +437,8 @@ class Catalog(FleetReads, TierReads):
         lock (``BEGIN IMMEDIATE``) for the block; any exception rolls back the whole block.
         A full disk (SQLITE_FULL) is raised as InsufficientStorage (507), after rollback.
         """
+        if self.broken is not None:
+            raise CatalogCorrupt(self.broken)
         conn = self.db().conn
         with self.write_lock:
             try:
@@ -323,11 +450,13 @@ class Catalog(FleetReads, TierReads):
                 finally:
                     if conn.in_transaction:  # an exception in the block, or in COMMIT
                         conn.execute("ROLLBACK")
-            except sqlite3.OperationalError as exc:
-                if _disk_full(exc):
+            except sqlite3.DatabaseError as exc:
+                if isinstance(exc, sqlite3.OperationalError) and _disk_full(exc):
                     raise InsufficientStorage(
                         f"the server's metadata disk is full ({exc}); nothing was changed"
                     ) from exc
+                if is_corruption(exc):
+                    raise self.met(exc) from exc
                 raise
             for action in tx.after_commit_actions:
                 action()
@@ -367,6 +496,14 @@ class Catalog(FleetReads, TierReads):
 
     def store_bytes(self) -> int:
         row = self._rows("SELECT COALESCE(SUM(stored_bytes), 0) AS n FROM blobs")[0]
+        return int(row["n"])
+
+    def catalog_bytes(self) -> int:
+        """The database's size in bytes less its free pages (WAL content included)."""
+        row = self._rows(
+            "SELECT (SELECT page_size FROM pragma_page_size()) * ((SELECT page_count FROM"
+            " pragma_page_count()) - (SELECT freelist_count FROM pragma_freelist_count())) AS n"
+        )[0]
         return int(row["n"])
 
     def counts(self) -> Counts:

@@ -117,6 +117,7 @@ class FleetWrites(Writes):
         traceback_tail: list[str],
         snapshot_id: str | None,
         seconds: float | None,
+        size_bytes: int = 0,
     ) -> EventOut | None:
         """Record one report (also a heartbeat); None when the agent is not registered."""
         now = utc_now()
@@ -124,7 +125,8 @@ class FleetWrites(Writes):
             return None
         cursor = self.db.execute(
             "INSERT INTO agent_events (at, agent_id, workload, fingerprint_digest, status,"
-            " detail, traceback_tail, snapshot_id, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " detail, traceback_tail, snapshot_id, seconds, size_bytes)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 now,
                 agent_id,
@@ -135,6 +137,7 @@ class FleetWrites(Writes):
                 json.dumps(traceback_tail),
                 snapshot_id,
                 seconds,
+                size_bytes,
             ],
         )
         return EventOut(
@@ -150,16 +153,17 @@ class FleetWrites(Writes):
             seconds=seconds,
         )
 
-    def add_job_report(self, report: JobReport) -> tuple[int, str]:
-        """Store one job report; returns its (id, received at)."""
-        now = utc_now()
+    def add_job_report(
+        self, report: JobReport, *, token_id: str | None, size_bytes: int, at: str
+    ) -> int:
+        """Store one job report received ``at``, attributed to ``token_id``; its id."""
         cursor = self.db.execute(
             "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
             " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
-            " new_triton, new_other, new_bytes, started_at, finished_at, job)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " new_triton, new_other, new_bytes, started_at, finished_at, job, token_id,"
+            " size_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
-                now,
+                at,
                 report.phase,
                 report.outcome,
                 report.workload,
@@ -177,9 +181,11 @@ class FleetWrites(Writes):
                 report.started_at,
                 report.finished_at,
                 report.job,
+                token_id,
+                size_bytes,
             ],
         )
-        return int(cursor.lastrowid or 0), now
+        return int(cursor.lastrowid or 0)
 
 
 class FleetReads(Reads):
@@ -225,6 +231,7 @@ class FleetReads(Reads):
             " TOTAL(CASE WHEN phase = 'postjob' AND snapshot_id IS NOT NULL"
             " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
             " TOTAL(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
+            " COUNT(DISTINCT token_id) AS reporters,"
             f" MAX(at) AS last_report_at FROM job_reports {where}"
             " GROUP BY workload, fingerprint_digest ORDER BY workload, fingerprint_digest",
             params,
@@ -252,6 +259,7 @@ class FleetReads(Reads):
                 new_graphs=int(row["new_graphs"]),
                 new_bytes=int(row["new_bytes"]),
                 last_report_at=row["last_report_at"],
+                reporters=int(row["reporters"]),
             )
             for row in totals
         ]

@@ -18,7 +18,9 @@ Tables::
                     outcome, workload, fingerprint_digest, snapshot_id, node, devices
                     (JSON), reason_code, reason, new_fxgraph, new_aotautograd, new_triton,
                     new_other, new_bytes, started_at, finished_at, at (received),
-                    job (the job's identity: reports of one job on one node count once)
+                    job (the job's identity: reports of one job on one node count once),
+                    token_id (who sent it: ``server.auth.token_id``; NULL with auth off),
+                    size_bytes (its text's bytes, what ``reports_max_bytes`` counts)
     quarantine      id, at, reason, manifest: snapshots the start-up check took out of
                     service because blobs they reference are gone (re-push to restore)
     archive_objects snapshot_id, etag, size_bytes: the object-store archive as this server
@@ -26,12 +28,16 @@ Tables::
                     the server's back (a re-push packs it again; the archive route then
                     builds the stream from the blobs instead)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
-                    skipped, cold_compile_broken, failed (see server/fleet.py)
+                    skipped, cold_compile_broken, failed (see server/fleet.py); size_bytes
+    table_usage     name, rows, bytes: job_reports' and agent_events' totals, kept by
+                    triggers in the same transaction as each insert and delete, so the
+                    budgets (server/budgets.py) read them without a scan
     tier_keys       the per-key tier (server/tier.py): key (torch's, as bytes), digest of
                     the value in the tier's blob store, size_bytes, stored_bytes,
                     created_at, last_used_at, writer (JSON: who wrote it, from where)
 
-Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
+Every table a client writes has a bound and a retention (``server/budgets.py``, whose
+docstring lists them). Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
 text. Part of the catalog layer: only ``server/catalog/core.py`` calls ``ensure_schema``.
 
 Adding a table or a column: add an idempotent step to ``_SCHEMA_STEPS``
@@ -45,7 +51,7 @@ from collections.abc import Callable
 
 import sqlite_utils
 
-__all__ = ["ensure_schema"]
+__all__ = ["EVENT_BYTES_SQL", "REPORT_BYTES_SQL", "ensure_schema"]
 
 
 def ensure_schema(db: sqlite_utils.Database) -> None:
@@ -209,6 +215,56 @@ def _add_job_column(db: sqlite_utils.Database) -> None:
         table.add_column("job", str)
 
 
+# What a job report's and an agent event's text weighs (``size_bytes``), in SQL for the rows
+# of an older database; ``server/budgets.py`` computes the same for new rows.
+REPORT_BYTES_SQL = (
+    "160 + LENGTH(CAST(COALESCE(workload, '') AS BLOB)) + LENGTH(CAST(COALESCE(node, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(devices, '') AS BLOB)) + LENGTH(CAST(COALESCE(reason, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(reason_code, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(started_at, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(finished_at, '') AS BLOB)) + LENGTH(CAST(COALESCE(job, '') AS BLOB))"
+)
+EVENT_BYTES_SQL = (
+    "200 + LENGTH(CAST(COALESCE(workload, '') AS BLOB)) + LENGTH(CAST(COALESCE(detail, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(traceback_tail, '') AS BLOB))"
+)
+
+
+def _add_budget_columns(db: sqlite_utils.Database) -> None:
+    """``token_id`` and ``size_bytes`` on job reports, ``size_bytes`` on agent events (older
+    rows get their weight once), and ``table_usage`` with the triggers that keep it."""
+    reports, events = db.table("job_reports"), db.table("agent_events")
+    if "token_id" not in reports.columns_dict:
+        reports.add_column("token_id", str)
+    for table, weight in ((reports, REPORT_BYTES_SQL), (events, EVENT_BYTES_SQL)):
+        if "size_bytes" not in table.columns_dict:
+            table.add_column("size_bytes", int)
+            db.execute(f"UPDATE {table.name} SET size_bytes = {weight}")
+    # by time: the retention's oldest rows, and a token's window read back after a start
+    reports.create_index(["at"], if_not_exists=True)
+    events.create_index(["at"], if_not_exists=True)
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS table_usage"
+        " (name TEXT PRIMARY KEY, rows INTEGER NOT NULL, bytes INTEGER NOT NULL)"
+    )
+    for name in ("job_reports", "agent_events"):
+        if db.execute("SELECT 1 FROM table_usage WHERE name = ?", [name]).fetchone() is None:
+            db.execute(  # once: from then on the triggers keep it
+                "INSERT INTO table_usage (name, rows, bytes)"
+                f" SELECT '{name}', COUNT(*), COALESCE(SUM(size_bytes), 0) FROM {name}"
+            )
+        db.execute(
+            f"CREATE TRIGGER IF NOT EXISTS {name}_usage_insert AFTER INSERT ON {name} BEGIN"
+            " UPDATE table_usage SET rows = rows + 1,"
+            f" bytes = bytes + COALESCE(NEW.size_bytes, 0) WHERE name = '{name}'; END"
+        )
+        db.execute(
+            f"CREATE TRIGGER IF NOT EXISTS {name}_usage_delete AFTER DELETE ON {name} BEGIN"
+            " UPDATE table_usage SET rows = rows - 1,"
+            f" bytes = bytes - COALESCE(OLD.size_bytes, 0) WHERE name = '{name}'; END"
+        )
+
+
 def _create_quarantine(db: sqlite_utils.Database) -> None:
     db.table("quarantine").create(
         {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
@@ -253,4 +309,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_workload_digest_column,
     _add_job_column,
     _create_archive_objects,
+    _add_budget_columns,
 ]

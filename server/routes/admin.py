@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from cachekeeper.server.auth import AdminScope, require
 from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
+from cachekeeper.errors import CatalogCorrupt
 from cachekeeper.wire import GcAnswer, GcRequest, Health
 
 __all__ = ["router"]
@@ -14,9 +16,14 @@ __all__ = ["router"]
 router = APIRouter(tags=["admin"])
 
 
-@router.get("/healthz", response_model=Health)
-def healthz(request: Request) -> Health:
-    """Liveness: answers without touching the store."""
+@router.get("/healthz", response_model=Health, responses=error_responses(CatalogCorrupt))
+def healthz(request: Request, storage: StorageDep) -> Health:
+    """Health: 200 while the catalog answers (the first and last row of every table are
+    read: a few microseconds each, whatever its size), 503 ``catalog_corrupt`` with the
+    reason once it cannot. Never touches the blob store."""
+    problem = storage.catalog.probe()
+    if problem is not None:
+        raise CatalogCorrupt(problem)
     return Health(status="ok", version=request.app.version)
 
 
@@ -50,6 +57,16 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
     packed = storage.packs - registry.value("cachekeeper_archive_packs_total")
     if packed:
         registry.inc("cachekeeper_archive_packs_total", packed)
+    budgets = storage.budgets
+    for name, counts in (
+        ("cachekeeper_catalog_refusals_total", budgets.refused()),
+        ("cachekeeper_catalog_pruned_total", budgets.pruned()),
+    ):
+        for (table, reason), count in counts.items():
+            added = count - registry.value(name, table=table, reason=reason)
+            if added:
+                registry.inc(name, added, table=table, reason=reason)
+    gauges["cachekeeper_catalog_bytes"] = float(storage.catalog_bytes())
     return PlainTextResponse(
         registry.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8"
     )

@@ -21,7 +21,13 @@ from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Path, Query
 
 from cachekeeper.devices import requested_devices
-from cachekeeper.errors import AgentNotFound, CachekeeperError, InvalidManifest, InvalidRequest
+from cachekeeper.errors import (
+    AgentNotFound,
+    CachekeeperError,
+    InsufficientStorage,
+    InvalidManifest,
+    InvalidRequest,
+)
 from cachekeeper.fingerprint import digest_of, parse
 from cachekeeper.wire import (
     DIGEST_PATTERN,
@@ -41,7 +47,11 @@ router = APIRouter(prefix="/v1", tags=["agents"])
 AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent's id")]
 
 
-@router.post("/agents", response_model=RegisterAnswer, responses=error_responses(InvalidManifest))
+@router.post(
+    "/agents",
+    response_model=RegisterAnswer,
+    responses=error_responses(InvalidManifest, InsufficientStorage),
+)
 def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
     """Register (or refresh) an agent for its environment; idempotent per name + digest."""
     fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
@@ -85,7 +95,7 @@ def list_agents(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
     "/agents/{agent_id}/events",
     status_code=201,
     response_model=EventOut,
-    responses=error_responses(AgentNotFound),
+    responses=error_responses(AgentNotFound, InsufficientStorage),
 )
 def report_event(
     agent_id: AgentId, body: AgentEvent, storage: StorageDep, _: WriteScope

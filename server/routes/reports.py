@@ -5,7 +5,11 @@ postjob`` reports what the job compiled on top of the restored snapshot. The cat
 every report (``job_reports``) and adds them up per (workload, fingerprint digest) for
 ``GET /v1/status`` (``Catalog.job_stats``); this route also counts them for ``/metrics``.
 
-Read scope: the nodes that run the hooks hold read tokens. A report names a workload the
+Read scope, and a token of the caller's own where auth is on (``auth.identified``:
+``anonymous_read`` does not admit a report): the nodes that run the hooks hold read
+tokens, and every report is stored with the ``token_id`` that sent it and counted in that
+token's budget for the window (``server/budgets.py``: past it, 429 ``rate_limited``).
+A report names a workload the
 server may not know (a misspelt name is a cold start worth seeing), so the metrics label a
 workload that is not registered as ``-``, and a cold start's reason code that is not one of
 the error table's as ``other``, to keep their label sets bounded (anyone with a read token
@@ -15,24 +19,35 @@ the workload is not registered (with a did-you-mean) and no snapshot names it ei
 
 from __future__ import annotations
 
-from cachekeeper.server.auth import ReadScope
-from cachekeeper.server.deps import MetricsDep, StorageDep
-from fastapi import APIRouter
+from typing import Annotated
 
-from cachekeeper.errors import ERRORS
+from cachekeeper.server.auth import identified
+from cachekeeper.server.deps import MetricsDep, StorageDep
+from cachekeeper.server.responses import error_responses
+from fastapi import APIRouter, Depends
+
+from cachekeeper.errors import ERRORS, InsufficientStorage, RateLimited
 from cachekeeper.wire import JobReport, JobReportAnswer
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["reports"])
 
+Reporter = Annotated[str | None, Depends(identified("read"))]
 
-@router.post("/reports", status_code=201, response_model=JobReportAnswer)
+
+@router.post(
+    "/reports",
+    status_code=201,
+    response_model=JobReportAnswer,
+    responses=error_responses(RateLimited, InsufficientStorage),
+)
 def post_report(
-    body: JobReport, storage: StorageDep, metrics: MetricsDep, _: ReadScope
+    body: JobReport, storage: StorageDep, metrics: MetricsDep, reporter: Reporter
 ) -> JobReportAnswer:
-    """Store one job report (prejob: restored or cold; postjob: compiled or clean)."""
-    report_id, at = storage.add_job_report(body)
+    """Store one job report (prejob: restored or cold; postjob: compiled or clean),
+    attributed to the token that sent it and within that token's budget."""
+    report_id, at = storage.add_job_report(body, token_id=reporter)
     known = storage.has_workload(body.workload)
     workload = body.workload if known else "-"
     metrics.inc(

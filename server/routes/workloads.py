@@ -14,7 +14,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from cachekeeper.errors import Forbidden, WorkloadInvalid, WorkloadNotFound
+from cachekeeper.errors import Forbidden, InsufficientStorage, WorkloadInvalid, WorkloadNotFound
 from cachekeeper.wire import WorkloadInfo, WorkloadList
 from cachekeeper.workload import parse_workload
 
@@ -69,7 +69,7 @@ _TOML_BODY = {
     "/{name}",
     response_model=WorkloadInfo,
     openapi_extra=_TOML_BODY,
-    responses=error_responses(WorkloadInvalid, Forbidden),
+    responses=error_responses(WorkloadInvalid, Forbidden, InsufficientStorage),
 )
 async def put_workload(name: WorkloadName, request: Request, scope: WriteScope) -> dict[str, Any]:
     """Register or replace a workload; the TOML must parse and name itself ``name``.

@@ -87,7 +87,8 @@ def test_round_trip_keeps_every_field_in_order():
                           "jobs": {"workload": "w", "fingerprint_digest": "f" * 64,
                                    "restores": 3, "cold": 1, "cold_reasons": {"no_match": 1},
                                    "postjobs": 2, "compiled": 1, "compiled_after_restore": 1,
-                                   "new_graphs": 4, "new_bytes": 10, "last_report_at": "t"},
+                                   "new_graphs": 4, "new_bytes": 10, "last_report_at": "t",
+                                   "reporters": 2},
                           "jobs_note": "restored, but ...", "stale": None, "harvested": 2,
                           "harvest_note": "2 harvested deltas ... kept back"}]}  # fmt: skip
     assert to_dict(from_dict(StatusAnswer, status)) == status

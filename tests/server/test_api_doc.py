@@ -30,6 +30,7 @@ COMMON = {  # any route (server/responses.py); stated once at the top of docs/ap
     "payload_too_large",
     "request_timeout",
     "server_error",
+    "catalog_corrupt",
 }
 METHODS = {"GET", "POST", "PUT", "DELETE", "PATCH"}
 

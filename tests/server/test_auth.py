@@ -139,3 +139,18 @@ def test_a_good_token_still_sends_its_body(fresh_server) -> None:  # type: ignor
     with httpx.Client(base_url=live.url) as c:
         r = c.post("/v1/gc", json={"dry_run": True}, headers={"Authorization": "Bearer a-tok"})
     assert r.status_code == 200, r.text
+
+
+def test_a_report_without_a_token_is_refused_before_its_body_with_anonymous_read(
+    fresh_server,
+) -> None:  # type: ignore[no-untyped-def]
+    """anonymous_read opens the read routes, not reports (they are attributed to a token):
+    the refusal comes from the headers, as for any route a caller may not use."""
+    live = fresh_server(tokens=TOKENS, anonymous_read=True)
+    head = (
+        "POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {(16 << 20) - 1}\r\n\r\n"
+    )
+    answer = _raw_request(live.port, head)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1:2] == [b"401"], answer[:200]
+    assert b"attributed to the token" in answer
