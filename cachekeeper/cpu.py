@@ -35,10 +35,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
     from cachekeeper.fingerprint import CpuState
 
-__all__ = ["state", "differences", "COMPARED", "THREAD_VARIABLES"]
+__all__ = ["state", "differences", "COMPARED", "PROVENANCE", "THREAD_VARIABLES"]
 
-# The fields of ``state()`` that are in Inductor's key (the rest say where they came from).
+# The fields of ``state()`` that are in Inductor's key; the rest (PROVENANCE) say where they
+# came from, and are in no identity (``cachekeeper.fingerprint.digest_of``).
 COMPARED = ("threads", "isa", "aten_cpu_capability")
+PROVENANCE = ("threads_from",)
 THREAD_VARIABLES = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
 # Inductor's x86 ISAs, best first, with the /proc/cpuinfo flags each needs; then Arm.

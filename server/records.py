@@ -65,6 +65,9 @@ class StatusFacts:
     unverified: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # as verified
     agent_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (name, digest)
     agent_seen: dict[str, str] = field(default_factory=dict)  # id -> last_seen_at
+    # id -> registered_at: when the agent's current environment began (an event before it
+    # was reported under an environment the agent has left)
+    agent_since: dict[str, str] = field(default_factory=dict)
     workload_digests: dict[str, str] = field(default_factory=dict)  # name -> registered digest
     built_for: dict[str, str | None] = field(
         default_factory=dict
