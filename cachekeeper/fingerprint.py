@@ -526,8 +526,11 @@ def compare(
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,
     node_devices: list[str] | None = None,
+    built_by: str | None = None,
 ) -> list[Mismatch]:
     """Fields on which ``node`` cannot use a cache built under ``snapshot``; empty = compatible.
+
+    ``built_by`` (``Manifest.built_by``) goes with a ``cpu`` mismatch, for its advice.
 
     ``devices`` are the devices a snapshot covers (``["cuda:0", "cuda:1"]`` or ``["cpu"]``).
     When given, GPU models are compared only at the covered indices (a snapshot built on
@@ -547,7 +550,8 @@ def compare(
             out.append(Mismatch(field=field, node=a, snapshot=b))
     node_cpu, snap_cpu = node.get("cpu"), snapshot.get("cpu")
     if _cpu_compiled(snapshot, devices) and cpu.differences(node_cpu, snap_cpu):
-        out.append(Mismatch(field="cpu", node=node_cpu, snapshot=snap_cpu))
+        kind = built_by if built_by in ("command", "workload") else None
+        out.append(Mismatch(field="cpu", node=node_cpu, snapshot=snap_cpu, built_by=kind))  # type: ignore[arg-type]
     if devices is not None:
         wanted = node_devices
         if wanted is None:
@@ -603,7 +607,8 @@ def describe_mismatch(mismatch: Mismatch) -> str:
     if mismatch.field == "devices":  # node: the devices asked for; snapshot: those it covers
         return coverage_advice(covered=mismatch.snapshot, wanted=mismatch.node)
     if mismatch.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
-        return "cpu: " + "; ".join(cpu.differences(mismatch.node, mismatch.snapshot))
+        found = cpu.differences(mismatch.node, mismatch.snapshot, built_by=mismatch.built_by)
+        return "cpu: " + "; ".join(found)
     return f"{mismatch.field} {_short(mismatch.node)} != {_short(mismatch.snapshot)}"
 
 

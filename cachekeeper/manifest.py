@@ -55,6 +55,7 @@ __all__ = [
     "STATE_DIR",
     "FileEntry",
     "Manifest",
+    "built_by",
     "check_relpath",
 ]
 
@@ -65,6 +66,16 @@ MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
 # cachekeeper's own folder in a cache dir (cachekeeper.restore.marker draws it): no snapshot path
 # may be inside it, or a restore would write our lock, staging or markers.
 STATE_DIR = ".cachekeeper"
+
+
+def built_by(stats: Any) -> str | None:
+    """``"command"`` when a prewarm ran a ``[[command]]`` (its launcher set its processes'
+    thread count), ``"workload"`` when it ran only prewarm's own children (the workload's
+    ``[process] omp_num_threads``), None when nothing says (a dir pushed without a prewarm)."""
+    prewarm = stats.get("prewarm") if isinstance(stats, dict) else None
+    if not isinstance(prewarm, dict):
+        return None
+    return "command" if prewarm.get("commands") else "workload"
 
 
 def check_relpath(path: object) -> str:
@@ -190,6 +201,11 @@ class Manifest:
     @property
     def digests(self) -> set[str]:
         return {f.digest for f in self.files}
+
+    @property
+    def built_by(self) -> str | None:
+        """How the snapshot's processes got their CPU thread count: ``built_by(stats)``."""
+        return built_by(self.stats)
 
     @property
     def verified(self) -> bool:

@@ -22,6 +22,7 @@ class Candidate:
     # The order of publication (SQLite's rowid): newer is larger. Resolve ranks by it, not
     # by ``created_at``, which a server clock that jumped back would turn around.
     seq: int = 0
+    built_by: str | None = None  # manifest.built_by of its stats (a cpu mismatch's advice)
 
 
 @dataclass(frozen=True)
