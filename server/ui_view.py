@@ -119,7 +119,7 @@ class Cell:
         if self.state not in ("refused", "broken", "failed"):
             return ""
         lines = self.why.strip().splitlines()
-        first = lines[0] if lines else ""
+        first = lines[0].removeprefix(f"{self.row['status']}: ") if lines else ""
         return first if len(first) <= 90 else first[:87] + "..."
 
     @property

@@ -117,7 +117,8 @@ def _reason(row: StatusRow) -> str | None:
     if row.status not in ("refused", "broken", "failed") or row.last_event is None:
         return None
     lines = row.last_event.detail.strip().splitlines()
-    detail = printable(lines[0]) if lines else ""
+    # the agent's detail may start with its status ("refused: ..."): said once, by the line
+    detail = printable(lines[0]).removeprefix(f"{row.last_event.status}: ") if lines else ""
     if not detail:
         return "no reason reported (see --json for the traceback)"
     return detail if len(detail) <= 400 else detail[:397] + "..."

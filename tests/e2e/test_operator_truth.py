@@ -114,8 +114,9 @@ def test_one_agent_and_no_missing_cell_where_the_agent_built_warm(scenario: Any)
     out = subprocess.run(
         [CK, "status", "--workload", "foreign"], capture_output=True, text=True, env=env, timeout=60
     ).stdout
-    assert f"  ! refused: {refused['last_event']['detail']}" in out, out
-    assert "/opt/vendor/bin/launch" in out
+    assert refused["last_event"]["detail"].startswith("refused: command[0].argv command ")
+    said = "  ! refused: command[0].argv command '/opt/vendor/bin/launch --steps 2'"
+    assert said in out, out
 
 
 @pytest.fixture(scope="module")
