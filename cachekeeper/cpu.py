@@ -35,10 +35,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
     from cachekeeper.fingerprint import CpuState
 
-__all__ = ["state", "differences", "COMPARED", "THREAD_VARIABLES"]
+__all__ = ["state", "differences", "thread_advice", "COMPARED", "PROVENANCE", "THREAD_VARIABLES"]
 
-# The fields of ``state()`` that are in Inductor's key (the rest say where they came from).
+# The fields of ``state()`` that are in Inductor's key; the rest (PROVENANCE) say where they
+# came from, and are in no identity (``cachekeeper.fingerprint.digest_of``).
 COMPARED = ("threads", "isa", "aten_cpu_capability")
+PROVENANCE = ("threads_from",)
 THREAD_VARIABLES = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
 # Inductor's x86 ISAs, best first, with the /proc/cpuinfo flags each needs; then Arm.
@@ -111,8 +113,13 @@ def with_threads(cpu: CpuState, omp_num_threads: int) -> CpuState:
     return {**cpu, "threads": omp_num_threads, "threads_from": f"OMP_NUM_THREADS={omp_num_threads}"}
 
 
-def differences(node: CpuState | None, snapshot: CpuState | None) -> list[str]:
-    """Why a CPU cache built under ``snapshot``'s state misses under ``node``'s (empty: it hits).
+def differences(
+    node: CpuState | None, snapshot: CpuState | None, *, built_by: str | None = None
+) -> list[str]:
+    """Why a CPU cache built under ``snapshot``'s state misses under ``node``'s (empty: it hits),
+    each with the advice that works for how the snapshot got its thread count (``built_by``:
+    ``"command"``, a ``[[command]]``'s launcher; ``"workload"``, prewarm's children and the
+    workload's ``[process] omp_num_threads``; None, not known).
 
     Either side missing (a fingerprint from before schema 2) is no difference: it cannot be
     checked, and ``unchecked`` callers say so.
@@ -120,14 +127,43 @@ def differences(node: CpuState | None, snapshot: CpuState | None) -> list[str]:
     if not isinstance(node, Mapping) or not isinstance(snapshot, Mapping):
         return []
     out: list[str] = []
-    if node.get("threads") != snapshot.get("threads"):
+    built, has = snapshot.get("threads"), node.get("threads")
+    if has != built:
         out.append(
-            f"built with {snapshot.get('threads')} threads ({snapshot.get('threads_from')}); "
-            f"this job has {node.get('threads')} ({node.get('threads_from')}): set "
-            f"[process] omp_num_threads = {node.get('threads')} in the workload and prewarm "
-            "again, or run the job with the builder's thread count"
+            f"built with {built} threads ({snapshot.get('threads_from')}); this job has"
+            f" {has} ({node.get('threads_from')}): {thread_advice(built, has, built_by=built_by)}"
         )
     for key, what in (("isa", "CPU vector ISA"), ("aten_cpu_capability", "ATEN_CPU_CAPABILITY")):
         if node.get(key) != snapshot.get(key):
             out.append(f"built for {what} {snapshot.get(key)}; this node has {node.get(key)}")
     return out
+
+
+def thread_advice(built: object, has: object, *, built_by: str | None) -> str:
+    """What to do when a snapshot built with ``built`` threads meets a hook with ``has``.
+
+    The hook fingerprints its own process, which is not the job's ranks: exporting the
+    ranks' ``OMP_NUM_THREADS`` before it (as their launcher will) is the fix whenever the
+    ranks run with the snapshot's count, for every kind of workload. Otherwise the builder
+    must compile with the job's count, and how depends on who set the snapshot's:
+    ``[process] omp_num_threads`` reaches prewarm's children only, never a ``[[command]]``
+    (whose launcher sets its ranks' count; its ``env`` reaches the launcher).
+    """
+    torchrun = " (torchrun gives each rank 1 when it starts more than one)" if built == 1 else ""
+    if built_by == "command":
+        return (
+            f"export OMP_NUM_THREADS={built} before prejob, as the job's launcher will for its"
+            f" ranks{torchrun}; if its processes do run with {has}, set OMP_NUM_THREADS ="
+            f' "{has}" in the [[command]]\'s env and prewarm again ([process] omp_num_threads'
+            " does not reach a command)"
+        )
+    rebuild = (
+        f"set [process] omp_num_threads = {has} in the workload and prewarm again"
+        if built_by == "workload"
+        else f"prewarm again with {has} ([process] omp_num_threads = {has}; for a [[command]],"
+        f' OMP_NUM_THREADS = "{has}" in its env)'
+    )
+    return (
+        f"if the job's processes run with {built}{torchrun}, export OMP_NUM_THREADS={built}"
+        f" before prejob, as their launcher will; otherwise {rebuild}"
+    )

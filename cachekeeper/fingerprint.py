@@ -15,6 +15,16 @@ the CPU: the thread count, the vector ISA (``cachekeeper.cpu``). It is compared 
 snapshots that cover the ``cpu`` device; a fingerprint without it (schema 1) is not a
 mismatch, and ``unchecked`` names it so ``explain`` can say it was not checked.
 
+Identity (``digest_of``) is the sha256 of the canonical JSON of the fingerprint *without
+its provenance* (``PROVENANCE``: ``cpu.threads_from``, which says where the thread count
+came from, ``OMP_NUM_THREADS=1`` or ``1 cpus this process may use``). Two processes that
+compile the same kernels are one environment however their values were set: before issue
+31 the digest covered the whole JSON, so a node with ``OMP_NUM_THREADS=1`` exported by hand
+was another environment than the torchrun ranks that built its snapshot, and the status
+counted its restores in no row. ``json_digest`` is that older digest, the sha256 of the
+whole JSON: manifests keep it in their ``fingerprint_digest`` key (a checksum of the
+fingerprint as written, which every reader, old or new, checks), so no snapshot id moves.
+
 Matching (``compare``) is exact on every field but the driver; for the driver the default
 policy (``"newer"``) accepts a node driver at least as new as the builder's, since a kernel
 built by a newer ptxas can fail to load on an older driver, and no Inductor key holds it.
@@ -74,6 +84,9 @@ __all__ = [
     "collect",
     "canonical_json",
     "digest_of",
+    "identity",
+    "json_digest",
+    "PROVENANCE",
     "compare",
     "is_compatible",
     "format_mismatches",
@@ -103,6 +116,10 @@ _ENV_IGNORED = frozenset(
     }
 )
 
+# Fields that say where a value came from, not what it is: (field, key inside it). They are
+# shown (``explain``, the status page) and never part of an identity (``digest_of``).
+PROVENANCE: tuple[tuple[str, str], ...] = tuple(("cpu", key) for key in cpu.PROVENANCE)
+
 # Fields compared exactly, in the order an explanation lists them.
 _EXACT_FIELDS = ("torch", "triton", "cuda", "cuda_wheels", "python", "arch", "gpus", "env")
 
@@ -119,7 +136,7 @@ class Gpu(TypedDict):
 class CpuState(TypedDict):
     """The fingerprint's ``cpu`` field (schema 2): what changes Inductor's CPU kernels
     (``cachekeeper.cpu``). ``threads_from`` says where the count came from; it is shown,
-    never compared (``cpu.COMPARED``)."""
+    never compared (``cpu.COMPARED``) and not in the digest (``PROVENANCE``)."""
 
     threads: ReadOnly[int]
     threads_from: ReadOnly[str]
@@ -238,8 +255,27 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def identity(fingerprint: Fingerprint) -> dict[str, Any]:
+    """The fingerprint without its provenance (``PROVENANCE``): what its digest covers.
+    Every other field, known to this version or not, stays as it is."""
+    out: dict[str, Any] = dict(fingerprint)
+    for name, key in PROVENANCE:
+        inner = out.get(name)
+        if isinstance(inner, Mapping) and key in inner:
+            out[name] = {k: v for k, v in inner.items() if k != key}
+    return out
+
+
 def digest_of(fingerprint: Fingerprint) -> str:
-    """sha256 of the fingerprint's canonical JSON (lowercase hex)."""
+    """The environment's identity: sha256 (lowercase hex) of the canonical JSON of
+    ``identity(fingerprint)``. Status rows, agents, job reports and the hook's default
+    cache dir are named by it."""
+    return hashlib.sha256(canonical_json(identity(fingerprint)).encode()).hexdigest()
+
+
+def json_digest(fingerprint: Fingerprint) -> str:
+    """sha256 of the whole fingerprint's canonical JSON, provenance included: a manifest's
+    ``fingerprint_digest`` key (see the module docstring), and ``digest_of`` before issue 31."""
     return hashlib.sha256(canonical_json(dict(fingerprint)).encode()).hexdigest()
 
 
@@ -490,8 +526,11 @@ def compare(
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,
     node_devices: list[str] | None = None,
+    built_by: str | None = None,
 ) -> list[Mismatch]:
     """Fields on which ``node`` cannot use a cache built under ``snapshot``; empty = compatible.
+
+    ``built_by`` (``Manifest.built_by``) goes with a ``cpu`` mismatch, for its advice.
 
     ``devices`` are the devices a snapshot covers (``["cuda:0", "cuda:1"]`` or ``["cpu"]``).
     When given, GPU models are compared only at the covered indices (a snapshot built on
@@ -511,7 +550,8 @@ def compare(
             out.append(Mismatch(field=field, node=a, snapshot=b))
     node_cpu, snap_cpu = node.get("cpu"), snapshot.get("cpu")
     if _cpu_compiled(snapshot, devices) and cpu.differences(node_cpu, snap_cpu):
-        out.append(Mismatch(field="cpu", node=node_cpu, snapshot=snap_cpu))
+        kind = built_by if built_by in ("command", "workload") else None
+        out.append(Mismatch(field="cpu", node=node_cpu, snapshot=snap_cpu, built_by=kind))  # type: ignore[arg-type]
     if devices is not None:
         wanted = node_devices
         if wanted is None:
@@ -567,7 +607,8 @@ def describe_mismatch(mismatch: Mismatch) -> str:
     if mismatch.field == "devices":  # node: the devices asked for; snapshot: those it covers
         return coverage_advice(covered=mismatch.snapshot, wanted=mismatch.node)
     if mismatch.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
-        return "cpu: " + "; ".join(cpu.differences(mismatch.node, mismatch.snapshot))
+        found = cpu.differences(mismatch.node, mismatch.snapshot, built_by=mismatch.built_by)
+        return "cpu: " + "; ".join(found)
     return f"{mismatch.field} {_short(mismatch.node)} != {_short(mismatch.snapshot)}"
 
 

@@ -7,7 +7,7 @@ A manifest is JSON::
       "workload": "drafter-gqa" | null,
       "workload_digest": "<sha256 of the workload TOML>" | null,
       "fingerprint": {...},                  # a Fingerprint (cachekeeper.fingerprint)
-      "fingerprint_digest": "<sha256>",
+      "fingerprint_digest": "<sha256>",      # of the fingerprint's whole JSON (a checksum)
       "devices": ["cuda:0", "cuda:1"] | ["cpu"],
       "files": [{"path": "fxgraph/ab/..", "digest": "<sha256>", "size_bytes": 123, "mode": 420}],
       "stats": {...} | null,                 # prewarm / verify statistics (verified when
@@ -26,6 +26,13 @@ as a node's snapshot: a server with ``--serve-harvested`` offers it after its pa
 A snapshot's id is the sha256 of the canonical JSON of the manifest *without* its
 signature, so signing a manifest does not change its id, and the signature covers the id.
 Files are sorted by path; blobs are content-addressed by ``digest``.
+
+The ``fingerprint_digest`` key is ``fingerprint.json_digest``: the sha256 of the
+fingerprint's whole JSON, as every manifest since format 1 has it and every reader checks
+it. ``Manifest.fingerprint_digest`` is the environment's identity (``fingerprint.digest_of``,
+without provenance such as ``cpu.threads_from``), which the server files the snapshot
+under. The two differ for a fingerprint with provenance; keeping the key's meaning keeps
+every snapshot id, and lets an older cachekeeper read a newer manifest (docs/snapshots.md).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Any
 
 from cachekeeper import wire
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
-from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of, parse
+from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of, json_digest, parse
 from cachekeeper.integrity import is_digest
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "STATE_DIR",
     "FileEntry",
     "Manifest",
+    "built_by",
     "check_relpath",
 ]
 
@@ -58,6 +66,16 @@ MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, tmpfs, ...
 # cachekeeper's own folder in a cache dir (cachekeeper.restore.marker draws it): no snapshot path
 # may be inside it, or a restore would write our lock, staging or markers.
 STATE_DIR = ".cachekeeper"
+
+
+def built_by(stats: Any) -> str | None:
+    """``"command"`` when a prewarm ran a ``[[command]]`` (its launcher set its processes'
+    thread count), ``"workload"`` when it ran only prewarm's own children (the workload's
+    ``[process] omp_num_threads``), None when nothing says (a dir pushed without a prewarm)."""
+    prewarm = stats.get("prewarm") if isinstance(stats, dict) else None
+    if not isinstance(prewarm, dict):
+        return None
+    return "command" if prewarm.get("commands") else "workload"
 
 
 def check_relpath(path: object) -> str:
@@ -130,13 +148,13 @@ class Manifest:
     stats: dict[str, Any] | None = None
     signature: dict[str, Any] | None = None
     format: int = FORMAT
-    fingerprint_digest: str = field(default="")
     source: str | None = None  # "harvest" for a harvested delta
     parent: str | None = None  # a harvested delta's parent snapshot id
+    # The environment's identity (fingerprint.digest_of), never the JSON key's checksum.
+    fingerprint_digest: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
-        if not self.fingerprint_digest:
-            object.__setattr__(self, "fingerprint_digest", digest_of(self.fingerprint))
+        object.__setattr__(self, "fingerprint_digest", digest_of(self.fingerprint))
         files = tuple(sorted(self.files, key=lambda f: f.path))
         object.__setattr__(self, "files", files)
         _check_tree(files)
@@ -148,7 +166,7 @@ class Manifest:
             "workload": self.workload,
             "workload_digest": self.workload_digest,
             "fingerprint": self.fingerprint,
-            "fingerprint_digest": self.fingerprint_digest,
+            "fingerprint_digest": json_digest(self.fingerprint),  # the key's meaning since format 1
             "devices": list(self.devices),
             "files": [f.to_dict() for f in self.files],
             "stats": self.stats,
@@ -183,6 +201,11 @@ class Manifest:
     @property
     def digests(self) -> set[str]:
         return {f.digest for f in self.files}
+
+    @property
+    def built_by(self) -> str | None:
+        """How the snapshot's processes got their CPU thread count: ``built_by(stats)``."""
+        return built_by(self.stats)
 
     @property
     def verified(self) -> bool:
@@ -235,8 +258,8 @@ class Manifest:
         parent = raw.get("parent")
         if parent is not None and not is_digest(parent):
             raise InvalidManifest("manifest 'parent' is not a snapshot id (sha256 hex)")
-        fp_digest = raw.get("fingerprint_digest") or digest_of(fingerprint)
-        if fp_digest != digest_of(fingerprint):
+        written = raw.get("fingerprint_digest")
+        if written and written != json_digest(fingerprint):
             raise InvalidManifest("manifest 'fingerprint_digest' does not match its fingerprint")
         files = tuple(FileEntry.from_dict(f, index=i) for i, f in enumerate(files_raw))
         return cls(
@@ -247,7 +270,6 @@ class Manifest:
             workload_digest=workload_digest,
             stats=stats,
             signature=signature,
-            fingerprint_digest=fp_digest,
             source=source,
             parent=parent,
         )

@@ -13,8 +13,10 @@ Scan -> plan -> execute, as huggingface_hub's cache manager does: ``scan_node_di
 frozen ``NodeDir`` rows, ``plan_prune`` a frozen ``PrunePlan`` with the bytes it frees, and
 only ``PrunePlan.execute()`` deletes. Only folders named by 16 hex digits directly under
 ``<home>/inductor`` are ever considered (what the hook makes), never a link, never the dir
-of this node's environment (at any thread count: torchrun's ranks run with
-``OMP_NUM_THREADS=1``), and never a dir in use: a process has it as its
+of this node's environment (at any thread count from 1 to the node's CPUs, however it was
+set: torchrun's ranks run with ``OMP_NUM_THREADS=1``, a job may set ``MKL_NUM_THREADS`` or
+run under ``taskset``; the digest leaves out where a count came from, so one name per
+count), and never a dir in use: a process has it as its
 ``TORCHINDUCTOR_CACHE_DIR`` or holds a file, or its working dir, under it (``/proc``), or a
 restore holds its lock. ``execute`` checks "in use" again just before each deletion.
 
@@ -108,13 +110,18 @@ class PrunePlan:
 
 def node_digests(environ: Mapping[str, str] | None = None) -> set[str]:
     """The dir names (digest[:16]) this node's environment uses: its fingerprint as the
-    shell has it, and with ``OMP_NUM_THREADS`` at each count up to its CPUs (a hook run
-    under torchrun, or in a workload's ``[process]``, fingerprints with those)."""
+    shell has it, and at each thread count from 1 to the node's CPUs (a hook run under
+    torchrun, in a workload's ``[process]``, with ``MKL_NUM_THREADS`` or under ``taskset``
+    fingerprints with one of those; ``os.cpu_count``, not this process's affinity, since a
+    prune run under ``taskset`` must not forget the jobs' counts). Before issue 31 the
+    digest held where the count came from, and a dir a hook made with ``MKL_NUM_THREADS=1``
+    or under ``taskset -c 0`` was "another environment" that prune deleted."""
     fingerprint = collect(environ=os.environ if environ is None else environ)
     names = {digest_of(fingerprint)[:16]}
     state = fingerprint.get("cpu")
     if state is not None:
-        for threads in range(1, len(os.sched_getaffinity(0)) + 1):
+        cpus = max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)
+        for threads in range(1, cpus + 1):
             variant = with_cpu(fingerprint, cpu.with_threads(state, threads))
             names.add(digest_of(variant)[:16])
     return names

@@ -3,8 +3,8 @@
 One round (``run_round``):
 
 1. Collect the fingerprint again (a torch, Triton, CUDA wheel or driver upgrade changes its
-   digest) and register with the server; registration is idempotent per name + digest, so
-   a changed environment is simply a new agent id.
+   digest) and register with the server; the agent is one per name (its id is its name's),
+   so registering is idempotent and a changed environment updates the same agent.
 2. List the registered workloads. For each, in name order: ask the server to resolve it
    for the fingerprint its build compiles under (the agent's, with the CPU state of the
    workload's ``[process] omp_num_threads``: what the snapshot carries and the workload's

@@ -13,8 +13,14 @@ and counts the rest by kind:
 - ``triton``: Triton kernels (``triton/<device>/<hash>/``);
 - ``other``: files of Inductor's code cache (``<xx>/*.py``, ``*.so``, ...), one per file.
 
-A job whose FX-graph, AOTAutograd or Triton count is not zero ``compiled``; otherwise it is
-``clean``. The outcome is reported to the server (``POST /v1/reports``) under the same
+A job whose FX-graph or AOTAutograd count is not zero ``compiled`` graphs: on top of a
+restored snapshot, training called something the workload file does not list. Otherwise it
+is ``clean``, whatever else appeared: a Triton kernel or an autotune result alone, after
+every graph hit, is Triton or Inductor re-making a binary or a timing its cache lacked (a
+kernel's compile, seconds), never a sign that the workload file is wrong; the line says
+what appeared and that it is benign (``new_triton``, ``new_other`` still count it). Before
+issue 31 a Triton kernel alone made a job ``compiled`` and told it that its workload file
+did not match training, after 5 of 5 FX-graph hits. The outcome is reported to the server (``POST /v1/reports``) under the same
 best-effort rules as the pre-job hook (``timeout_s`` bounds the fingerprint and the report
 together, in wall time, whatever the server or the GPU driver does; ``push``'s upload has
 its own bound, the larger of ``timeout_s`` and 30 s per request): nothing here raises for a server or a cache-dir
@@ -56,6 +62,7 @@ __all__ = [
 ]
 
 KINDS = ("fxgraph", "aotautograd", "triton", "other")
+GRAPH_KINDS = ("fxgraph", "aotautograd")  # a new one means the job compiled a graph
 _ENTRY_DEPTH = {"fxgraph": 3, "aotautograd": 2, "triton": 3}  # path parts naming one entry
 SEEN_FILE = "postjob.json"
 REPORT_TIMEOUT_S = 5.0
@@ -90,7 +97,13 @@ class CacheDiff:
 
     @property
     def compiled(self) -> bool:
-        return any(self.entries[k] for k in ("fxgraph", "aotautograd", "triton"))
+        """The job compiled graphs (FX-graph or AOTAutograd entries appeared)."""
+        return any(self.entries[k] for k in GRAPH_KINDS)
+
+    @property
+    def harvestable(self) -> bool:
+        """Something ``--push`` can harvest: graphs or Triton kernels appeared."""
+        return self.compiled or bool(self.entries["triton"])
 
 
 def _markers(cache_dir: Path) -> list[tuple[float, str, list[list[Any]]]]:
@@ -174,6 +187,7 @@ class PostjobReport:
     entries: dict[str, int] = field(default_factory=dict)
     kind_bytes: dict[str, int] = field(default_factory=dict)
     new_files: int = 0
+    autotune: int = 0  # of the ``other`` files, autotune results (``*.best_config``)
     reported: bool = False
     error: str | None = None  # why nothing could be counted; None otherwise
     warning: str | None = None  # counted, but the count could not be recorded
@@ -197,6 +211,7 @@ class PostjobReport:
             "new_bytes_by_kind": dict(self.kind_bytes),
             "new_bytes": self.new_bytes,
             "new_files": self.new_files,
+            "new_autotune": self.autotune,
             "reported": self.reported,
             "error": self.error,
             "warning": self.warning,
@@ -216,7 +231,9 @@ def summary_line(report: PostjobReport) -> str:
         else "with no snapshot restored (a cold start)"
     )
     if report.outcome == "clean":
-        return f"cachekeeper: postjob: the job compiled nothing new {on}"
+        if not report.new_files:
+            return f"cachekeeper: postjob: the job compiled nothing new {on}"
+        return f"cachekeeper: postjob: the job compiled no graph {on}; {_benign(report)}"
     e = report.entries
     what = (
         f"{e.get('fxgraph', 0)} FX graph(s), {e.get('aotautograd', 0)} AOTAutograd entr(ies),"
@@ -238,6 +255,30 @@ def summary_line(report: PostjobReport) -> str:
             " docs/workloads.md"
         )
     return line
+
+
+def _benign(report: PostjobReport) -> str:
+    """What appeared in a job that compiled no graph, and why it does not matter."""
+    e = report.entries
+    parts = []
+    if e.get("triton"):
+        parts.append(f"{e['triton']} Triton kernel(s)")
+    if report.autotune:
+        parts.append(f"{report.autotune} autotune result(s)")
+    code = e.get("other", 0) - report.autotune
+    if code:
+        parts.append(f"{code} other file(s) of Inductor's code cache")
+    what = ", ".join(parts) + f" ({report.new_bytes / 1e6:.1f} MB)"
+    after = "every FX graph and AOTAutograd entry it used hit" if report.snapshot_id else ""
+    return (
+        f"new: {what}, made again at run time"
+        + (f" ({after})" if after else "")
+        + ": benign, no sign that the workload file differs from training; nothing to do"
+    )
+
+
+def _autotune_files(diff: CacheDiff) -> int:
+    return sum(1 for path, _size in diff.new_files if path.endswith(".best_config"))
 
 
 def postjob(
@@ -351,6 +392,7 @@ def postjob(
         entries=dict(diff.entries),
         kind_bytes=dict(diff.kind_bytes),
         new_files=len(diff.new_files),
+        autotune=_autotune_files(diff),
         reported=reported,
         warning=warning,
         pushed_snapshot_id=pushed,
@@ -372,7 +414,7 @@ def _harvest(
 ) -> tuple[str | None, bool, str | None]:
     """Push the job's new files as a harvested delta: (its id, whether the server offers it
     to nodes, None), or (None, True, why not)."""
-    if not diff.compiled:
+    if not diff.harvestable:
         return None, True, None
     if diff.snapshot_id is None:
         return None, True, "nothing harvested: no snapshot was restored here to layer it on"

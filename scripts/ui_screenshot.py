@@ -1,7 +1,15 @@
-"""Take docs/status-page.png: the status page of a real server holding the tests' data.
+"""Take docs/status-page.png: the status page after issue 31's two-node scenario, for real.
 
 Run from the repository root: ``.venv/bin/python scripts/ui_screenshot.py [OUT.png]``.
-Needs /usr/bin/chromium and Playwright for Python (the dev extra).
+Needs torch (the agent and the nodes compile; about two minutes on two cores),
+/usr/bin/chromium and Playwright for Python (the dev extra).
+
+The scenario is tests/helpers/two_nodes.py, the one tests/e2e/test_operator_truth.py
+checks: a real server with admin/write/read tokens, a real agent round (the site's
+two-rank torchrun job as a ``[[command]]``, an ``[[attention]]`` workload, a command the
+builder does not allow), a second round from another shell, then two training nodes
+(prejob with the ranks' ``OMP_NUM_THREADS``, the torchrun job, postjob). The page is then
+shown to the admin token, as an operator opens it.
 """
 
 from __future__ import annotations
@@ -17,20 +25,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.helpers
 from cachekeeper.server.settings import Settings  # noqa: E402
 
 from tests.helpers.live_server import start_server  # noqa: E402
-from tests.helpers.ui_data import TOKENS, seed  # noqa: E402
+from tests.helpers.two_nodes import ADMIN, TOKENS, run_scenario  # noqa: E402
 
 
 def main(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        with start_server(Settings(data_dir=Path(tmp), tokens=TOKENS)) as live:
-            seed(live.url)
+        root = Path(tmp)
+        with start_server(Settings(data_dir=root / "server", tokens=TOKENS)) as live:
+            done = run_scenario(live.url, root)
+            for node in done.nodes:
+                print(f"{node.name}: {node.prejob.strip()}")
+                print(f"{node.name}: {node.postjob.strip()}")
             with sync_playwright() as p:
                 browser = p.chromium.launch(
                     executable_path="/usr/bin/chromium", args=["--no-sandbox"]
                 )
-                page = browser.new_page(viewport={"width": 1180, "height": 900})
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
                 page.goto(f"{live.url}/")
-                page.fill("input[name=token]", "admin-token-1")
+                page.fill("input[name=token]", ADMIN)
                 page.click("#login button")
                 page.wait_for_selector("#matrix")
                 page.screenshot(path=str(out), full_page=True)

@@ -20,12 +20,15 @@ fingerprint digest:
   ``detail`` names what);
 - ``missing``: nothing was built for the pair (or the snapshot a report named is gone).
 
-A pair whose newest fact is an agent's report is dropped when the same agent reported on
-the same workload later under another digest and the pair holds no snapshot and no job
-report: a command's
-processes compile under the CPU state their launcher gives them, which the agent learns
-only by running them, so its first report (``refused``, ``building``, a failure) can name
-the digest of its own children and the next ones the digest of what the command built.
+A pair whose newest fact is an agent's report is dropped when the pair holds no snapshot
+and no job report and either the same agent reported on the same workload later under
+another digest (a command's processes compile under the CPU state their launcher gives
+them, which the agent learns only by running them, so its first report, ``refused``,
+``building`` or a failure, can name the digest of its own children and the next ones the
+digest of what the command built), or the agent's environment changed since the report
+(it registered another fingerprint after it: an agent is one per name, and its
+``registered_at`` is when its current environment began). A ``refused`` or ``failed`` row
+of an environment the builder left says nothing about any environment it builds now.
 
 ``stale`` says, on a ``warm`` or ``building`` row, why that state is out of date: the
 registered workload's digest is not the one its snapshot was built from (the workload file
@@ -134,7 +137,7 @@ def fleet_status(
     # digest: the workload's row is that one, not a "missing" row of the agent's own.
     builders: dict[tuple[str, str], set[str]] = {}
     for (w, d), newest in facts.latest.items():
-        if newest.agent_id not in facts.agent_of:
+        if newest.agent_id not in facts.agent_of or _left(facts, newest):
             continue
         builder, own = facts.agent_of[newest.agent_id]
         builders.setdefault((w, d), set()).add(builder)
@@ -199,9 +202,16 @@ def harvest_note(count: int, *, serve_harvested: bool) -> str | None:
     )
 
 
+def _left(facts: StatusFacts, event: EventOut) -> bool:
+    """Whether the agent that reported ``event`` has registered another environment since."""
+    since = facts.agent_since.get(event.agent_id)
+    return since is not None and event.at < since
+
+
 def _superseded(facts: StatusFacts) -> set[tuple[str, str]]:
-    """Pairs whose newest report an agent superseded by a later report on the same workload
-    under another digest, and that hold no snapshot (see the module docstring)."""
+    """Pairs whose newest report an agent superseded (a later report on the same workload
+    under another digest, or a change of its environment since), and that hold no snapshot
+    and no job report (see the module docstring)."""
     newest: dict[tuple[str, str], int] = {}  # (agent id, workload) -> its newest event's id
     for (w, _d), event in facts.latest.items():
         key = (event.agent_id, w)
@@ -209,7 +219,7 @@ def _superseded(facts: StatusFacts) -> set[tuple[str, str]]:
     return {
         (w, d)
         for (w, d), event in facts.latest.items()
-        if event.id < newest[(event.agent_id, w)]
+        if (event.id < newest[(event.agent_id, w)] or _left(facts, event))
         and (w, d) not in facts.verified
         and (w, d) not in facts.unverified
         and (w, d) not in facts.jobs

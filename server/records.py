@@ -22,6 +22,7 @@ class Candidate:
     # The order of publication (SQLite's rowid): newer is larger. Resolve ranks by it, not
     # by ``created_at``, which a server clock that jumped back would turn around.
     seq: int = 0
+    built_by: str | None = None  # manifest.built_by of its stats (a cpu mismatch's advice)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class StatusFacts:
     unverified: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # as verified
     agent_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (name, digest)
     agent_seen: dict[str, str] = field(default_factory=dict)  # id -> last_seen_at
+    # id -> registered_at: when the agent's current environment began (an event before it
+    # was reported under an environment the agent has left)
+    agent_since: dict[str, str] = field(default_factory=dict)
     workload_digests: dict[str, str] = field(default_factory=dict)  # name -> registered digest
     built_for: dict[str, str | None] = field(
         default_factory=dict

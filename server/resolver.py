@@ -46,6 +46,7 @@ def rank(
             driver_policy=driver_policy,
             devices=list(summary.devices) or None,
             node_devices=devices,
+            built_by=candidate.built_by,
         )
         if not mismatches:
             same_driver = fingerprint.get("driver") == candidate.fingerprint.get("driver")

@@ -440,7 +440,7 @@ class Storage:
         with self.catalog.writing() as tx:
             self.budgets.admit_agent(
                 tx,
-                agent_id=agent_id_for(registration["name"], registration["fingerprint_digest"]),
+                agent_id=agent_id_for(registration["name"]),
                 fields={k: registration[k] for k in ("fingerprint", "gpus", "devices")},
                 now=datetime.now(UTC),
             )

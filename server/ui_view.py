@@ -12,6 +12,15 @@ row's ``status``, refined only where the row itself leaves it open:
   built from another workload digest than the one registered, or a ``building`` row whose
   agent went silent. The same rule answers ``GET /v1/status`` and ``cachekeeper status``.
 
+An environment's column reads torch, Triton, CUDA, driver, GPUs and CPU (``label``). Two
+environments can read the same there and still differ (the per-key tier's switch in
+torch's key, ``TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE=1``; a CUDA wheel; Python): then each
+column also shows what separates it from the others of its label (``distinct``: the
+fingerprint's fields that differ among them, provenance aside), so no two columns read
+the same. A workload with no status row in a column (its agent builds it under another
+environment: a ``[[command]]``'s ranks compile with their launcher's thread count) shows
+an empty cell, not "missing": nothing is missing there.
+
 The plot (``size_plot_svg``) is plain SVG text: the stored snapshots' total size over
 time and, where job reports exist, restores per day.
 """
@@ -19,16 +28,25 @@ time and, where job reports exist, restores per day.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from datetime import datetime
 from html import escape
 from typing import Any
 
-from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.fingerprint import Fingerprint, identity
 
 from .storage import Storage
 
-__all__ = ["Cell", "Environment", "PageData", "page_data", "size_plot_svg", "STATES", "plain"]
+__all__ = [
+    "Cell",
+    "Environment",
+    "PageData",
+    "page_data",
+    "distinguish",
+    "size_plot_svg",
+    "STATES",
+    "plain",
+]
 
 # (state, label, what it means): the legend, in the order the page shows it.
 STATES: tuple[tuple[str, str, str], ...] = (
@@ -66,10 +84,20 @@ class Environment:
     gpu: str
     fingerprint: Fingerprint | None
     cpu: str = "-"  # threads and vector ISA: two hosts may differ only there (cachekeeper.cpu)
+    # what separates this column from the others with the same ``label`` (``distinct``)
+    distinct: tuple[str, ...] = ()
 
     @property
     def short(self) -> str:
         return self.digest[:12]
+
+    @property
+    def label(self) -> str:
+        """What the column's header reads, the digest aside."""
+        return (
+            f"torch {self.torch} · Triton {self.triton} · CUDA {self.cuda} · driver"
+            f" {self.driver} · {self.gpu} · CPU {self.cpu}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +112,15 @@ class Cell:
     snapshot: dict[str, Any] | None
     restore_rate: float | None  # restores / (restores + cold starts), from job reports
     compiled_anyway_rate: float | None  # restored jobs that compiled anyway / restores
+
+    @property
+    def reason(self) -> str:
+        """A refused, broken or failed cell's reason, its first line cut to fit a cell."""
+        if self.state not in ("refused", "broken", "failed"):
+            return ""
+        lines = self.why.strip().splitlines()
+        first = lines[0].removeprefix(f"{self.row['status']}: ") if lines else ""
+        return first if len(first) <= 90 else first[:87] + "..."
 
     @property
     def traceback(self) -> list[str]:
@@ -126,6 +163,45 @@ def environment_of(digest: str, fingerprint: Fingerprint | None) -> Environment:
         fingerprint=fingerprint,
         cpu=cpu if state else "-",
     )
+
+
+def _leaves(fingerprint: Fingerprint | None) -> dict[str, str]:
+    """{field path: value as text} of the fingerprint's identity (``fingerprint.identity``:
+    provenance left out), one level into objects (``env.NAME``, ``cpu.threads``)."""
+    out: dict[str, str] = {}
+    for name, value in identity(fingerprint or {}).items():
+        if isinstance(value, dict) and value:
+            for key, inner in value.items():
+                out[f"{name}.{key}"] = inner if isinstance(inner, str) else json.dumps(inner)
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return out
+
+
+def distinguish(environments: list[Environment]) -> list[Environment]:
+    """``environments`` with ``distinct`` set where columns share a ``label``: each one's
+    values of the fields that differ among them (``env.X=1`` as ``X=1``, absent as unset)."""
+    groups: dict[str, list[Environment]] = {}
+    for env in environments:
+        groups.setdefault(env.label, []).append(env)
+    out = []
+    for env in environments:
+        group = groups[env.label]
+        if len(group) < 2:
+            out.append(env)
+            continue
+        leaves = [_leaves(e.fingerprint) for e in group]
+        mine = _leaves(env.fingerprint)
+        paths = sorted({p for found in leaves for p in found})
+        differ = [p for p in paths if len({found.get(p) for found in leaves}) > 1]
+        shown = []
+        for path in differ:
+            name = path.removeprefix("env.")
+            shown.append(f"{name}={mine[path]}" if path in mine else f"{name} unset")
+        if env.fingerprint is None:
+            shown = ["fingerprint not stored"]
+        out.append(replace(env, distinct=tuple(shown)))
+    return out
 
 
 def _rates(jobs: dict[str, Any] | None) -> tuple[float | None, float | None]:
@@ -188,10 +264,12 @@ def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
         recorded = storage.fingerprint_of(digest)
         if recorded is not None:
             fingerprints[digest] = recorded
-    environments = [
-        environment_of(d, fingerprints.get(d))
-        for d in sorted({r["fingerprint_digest"] for r in rows})
-    ]
+    environments = distinguish(
+        [
+            environment_of(d, fingerprints.get(d))
+            for d in sorted({r["fingerprint_digest"] for r in rows})
+        ]
+    )
     workloads = sorted({w["name"] for w in workload_rows} | {r["workload"] for r in rows})
     return PageData(
         workloads=workloads,

@@ -36,7 +36,8 @@ def cache_cmd() -> None:
 @handle_errors
 def ls_cmd(as_json: bool) -> None:
     """List the hook's cache dirs: size, last use, fingerprint, snapshot, and whether this
-    node's environment (at any thread count) uses it. Most recently used first."""
+    node's environment (at any thread count from 1 to its CPUs) uses it. Most recently
+    used first."""
     rows = scan_node_dirs()
     if as_json:
         emit_json({"dirs": [r.to_dict() for r in rows]})
@@ -76,9 +77,12 @@ def prune_cmd(
     """Delete cache dirs of other environments that no job uses.
 
     Without FINGERPRINTS (prefixes, or paths, as `cache ls` shows them): every dir unused
-    for --older-than. Never this node's environment's dir (at any thread count), and never
-    a dir in use (a process has it as TORCHINDUCTOR_CACHE_DIR or a file open in it, or a
-    restore holds its lock; checked again just before each deletion).
+    for --older-than. Never this node's environment's dir, at any thread count from 1 to
+    its CPUs however the count was set (OMP_NUM_THREADS, MKL_NUM_THREADS, taskset), and
+    never a dir in use (a process has it as TORCHINDUCTOR_CACHE_DIR or a file open in it,
+    or a restore holds its lock; checked again just before each deletion). A dir of this
+    environment made before cachekeeper's fingerprint left provenance out (issue 31) is
+    named by the older digest: another environment's here, pruned once unused.
     """
     plan = plan_prune(scan_node_dirs(), older_than_s=older_than_s, names=fingerprints)
     if plan.dirs and not dry_run and not yes and not as_json:

@@ -120,6 +120,7 @@ def explain_cmd(
         driver_policy=driver_policy,  # type: ignore[arg-type]
         devices=list(manifest.devices),
         node_devices=node_devices,
+        built_by=manifest.built_by,
     )
     notes = [
         f"{field}: the snapshot's fingerprint does not record it (made before fingerprint "

@@ -243,10 +243,17 @@ def restore_cmd(
                 f"{len(report.conflicts)} conflicts"
             )
         else:
+            shared = ""
+            if report.shared:
+                held = sorted({i[:12] for i in report.shared.values()})
+                shared = (
+                    f", {len(report.shared)} held as snapshot {', '.join(held)} restored them"
+                    " (the same cache entries, built separately)"
+                )
             click.echo(
                 f"restored {report.snapshot_id[:12]} into {cache_dir}: {report.written} written "
                 f"({mb(report.bytes_written)}), {report.skipped} already present, "
-                f"{len(report.conflicts)} conflicts"
+                f"{len(report.conflicts)} conflicts{shared}"
             )
     for rel in report.conflicts:
         if aside is not None and rel in aside.paths:

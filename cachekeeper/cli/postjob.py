@@ -82,8 +82,10 @@ def postjob_cmd(
     Compares the cache dir with the snapshot prejob restored there (and what an earlier
     postjob counted) and counts the new FX-graph, AOTAutograd and Triton entries and their
     bytes. Prints one line (--json: a report) and reports to the server (POST /v1/reports).
-    A job that compiled on top of a restored snapshot means the workload file does not
-    match training (see cachekeeper explain). Never deletes anything and never fails the
+    A job that compiled graphs (FX-graph or AOTAutograd entries) on top of a restored
+    snapshot means the workload file does not match training (see cachekeeper explain); a
+    Triton kernel or an autotune result alone after every graph hit is benign, and the line
+    says so. Never deletes anything and never fails the
     job: exits 0 whatever happens, unless --strict. With --push, what the job compiled is
     uploaded as a harvested delta (unverified, source=harvest) parented on the restored
     snapshot; a server run with --serve-harvested offers it to later prejobs after it.

@@ -14,6 +14,11 @@ does not know is an error with a did-you-mean.
 A row that training jobs reported on (``cachekeeper prejob`` / ``postjob``) gets a
 ``jobs:`` line: restores, cold starts by reason, jobs that compiled anyway; and when
 restored jobs compiled anyway, a line saying the workload file does not match training.
+A job counts in the row of the snapshot it restored (server/catalog/fleet.py).
+
+A ``refused``, ``broken`` or ``failed`` row is followed by the reason its agent reported
+(what the allowlist does not admit, the exception, the timeout): before issue 31 only
+``--json`` and the page's tooltip had it.
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from cachekeeper.cli._common import (
     handle_errors,
     json_option,
     open_client,
+    printable,
     server_option,
     timeout_option,
     token_option,
 )
 from cachekeeper.devices import format_devices, requested_devices
 from cachekeeper.errors import CachekeeperError, WorkloadNotFound, did_you_mean
-from cachekeeper.wire import JobStats
+from cachekeeper.wire import JobStats, StatusRow
 
 __all__ = ["status_cmd"]
 
@@ -54,11 +60,13 @@ def status_cmd(
 ) -> None:
     """Show which workloads are warm for which builder environments, and on which devices.
 
-    One row per (workload, environment): warm, building, broken, failed or missing, the
-    devices the warm snapshot covers, and the agents of that environment; then what
-    training jobs reported (restores, cold starts by reason, jobs that compiled anyway). --device names
-    the devices the training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get
-    a line saying which indices were never built and what to do. Needs the read scope.
+    One row per (workload, environment): warm, building, broken, failed, refused or
+    missing, the devices the warm snapshot covers, and the agents of that environment; a
+    refused, broken or failed row is followed by the reason its agent reported. Then what
+    training jobs reported (restores, counted in the row of the snapshot they restored;
+    cold starts by reason; jobs that compiled anyway). --device names the devices the
+    training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get a line saying
+    which indices were never built and what to do. Needs the read scope.
     """
     from cachekeeper.wire import to_dict
 
@@ -89,6 +97,9 @@ def status_cmd(
             f"{row.workload[:23]:<24}{row.fingerprint_digest[:12]:<14}{row.status:<10}"
             f"{covers[:13]:<14}{agents}"
         )
+        reason = _reason(row)
+        if reason:
+            click.echo(f"  ! {row.status}: {reason}")
         if row.stale:
             click.echo(f"  ! stale: {row.stale}")
         if row.note:
@@ -99,6 +110,18 @@ def status_cmd(
             click.echo(f"  ! {row.jobs_note}")
         if row.harvest_note:
             click.echo(f"  ! {row.harvest_note}")
+
+
+def _reason(row: StatusRow) -> str | None:
+    """What the agent reported for a refused, broken or failed row (its first line, cut)."""
+    if row.status not in ("refused", "broken", "failed") or row.last_event is None:
+        return None
+    lines = row.last_event.detail.strip().splitlines()
+    # the agent's detail may start with its status ("refused: ..."): said once, by the line
+    detail = printable(lines[0]).removeprefix(f"{row.last_event.status}: ") if lines else ""
+    if not detail:
+        return "no reason reported (see --json for the traceback)"
+    return detail if len(detail) <= 400 else detail[:397] + "..."
 
 
 def _nothing_yet(registered: list[str]) -> str:

@@ -43,7 +43,9 @@ def workload_cmd() -> None:
 def register_cmd(file: Path, server: str | None, token: str | None, as_json: bool) -> None:
     """Validate workload FILE and register it on the server under the name it gives itself.
 
-    Registering a name again replaces its file. Needs the write scope.
+    Registering a name again replaces its file. Needs the write scope for a workload
+    without code, and the admin scope for one that holds code a builder runs (a
+    [[command]], an [[entrypoint]], a mask or score_mod named pkg.mod:factory).
     """
     workload = load_workload(file)
     with open_client(server, token) as client:

@@ -7,6 +7,11 @@ The rules, and how this module keeps them:
   path is kept as it was and reported in ``RestoreReport.conflicts``. Conflicts are a
   report, not an error: the CLI prints one warning line per conflict and exits 0, because
   a cache dir that already holds some other version of an entry is still a usable cache.
+  A different file that a restore of another snapshot wrote there, unchanged since
+  (``marker.held_by_restores``: two workloads restored into one per-environment dir both
+  hold a C++ kernel's ``.so``, compiled twice into other bytes), is no conflict: it is the
+  same cache entry, kept and reported in ``RestoreReport.shared``, and the marker is
+  written. A warning is left for what no restore explains.
 - **Nothing is written through a link the restore did not create**, at any depth: a
   link (or a file) where a folder above a snapshot path should be makes every file
   below it a conflict. Folders are opened and made relative to the cache dir's
@@ -92,6 +97,7 @@ from cachekeeper.errors import (
 from cachekeeper.integrity import hash_file
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore.marker import (
+    held_by_restores,
     is_restored,
     record_conflicts,
     state_dir,
@@ -139,6 +145,8 @@ class RestoreReport:
     dry_run: bool
     planned: list[str] = field(default_factory=list)  # paths to write (dry runs only)
     already_restored: bool = False
+    # path -> the snapshot whose restore wrote it with other bytes: the same entry, kept
+    shared: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,6 +154,7 @@ class RestoreReport:
             "written": self.written,
             "skipped": self.skipped,
             "conflicts": list(self.conflicts),
+            "shared": dict(self.shared),
             "bytes_written": self.bytes_written,
             "dry_run": self.dry_run,
             "planned": list(self.planned),
@@ -192,11 +201,15 @@ class _Plan:
     todo: dict[str, list[FileEntry]]
     skipped: int = 0
     conflicts: list[str] = field(default_factory=list)
+    shared: dict[str, str] = field(default_factory=dict)  # see RestoreReport.shared
 
 
-def _plan(manifest: Manifest, cache_dir: Path, *, exact: bool) -> _Plan:
+def _plan(
+    manifest: Manifest, cache_dir: Path, *, exact: bool, trusted_key_ids: set[str] | None = None
+) -> _Plan:
     """What to write, skip, and keep (a conflict: something else there, or a link or a
-    file where a folder above it should be, which a restore never writes through)."""
+    file where a folder above it should be, which a restore never writes through; a file
+    another restore wrote is ``shared``, not a conflict)."""
     by_digest = _check_manifest(manifest)
     paths = {e.path for e in manifest.files}
     plan = _Plan(todo={})
@@ -213,6 +226,10 @@ def _plan(manifest: Manifest, cache_dir: Path, *, exact: bool) -> _Plan:
                 plan.skipped += 1
             else:
                 plan.conflicts.append(entry.path)
+    plan.shared = held_by_restores(
+        cache_dir, plan.conflicts, other_than=manifest.id, trusted_key_ids=trusted_key_ids
+    )
+    plan.conflicts = [p for p in plan.conflicts if p not in plan.shared]
     return plan
 
 
@@ -267,7 +284,7 @@ def restore_snapshot(
     snapshot_id = source.snapshot_id or (manifest.id if manifest is not None else "")
     if dry_run and manifest is not None:
         plan = (
-            _plan(manifest, cache_dir, exact=key_id is not None)
+            _plan(manifest, cache_dir, exact=key_id is not None, trusted_key_ids=key_ids)
             if cache_dir.is_dir()
             else _empty_plan(manifest)
         )
@@ -280,11 +297,11 @@ def restore_snapshot(
             return _already(snapshot_id)
         if manifest is None:
             manifest, key_id = _accept(source, trusted_keys)
-        plan = _plan(manifest, cache_dir, exact=key_id is not None)
+        plan = _plan(manifest, cache_dir, exact=key_id is not None, trusted_key_ids=key_ids)
         if not plan.todo:
             record_conflicts(manifest, cache_dir, plan.conflicts)  # what verify names
             if not plan.conflicts:
-                write_marker(manifest, cache_dir, key_id=key_id)
+                write_marker(manifest, cache_dir, key_id=key_id, held=plan.shared)
             return _report(manifest, plan, None, dry_run=False)
         # Signed: all-or-nothing (nothing appears until every blob verified), and only the
         # bytes this restore verified count as present.
@@ -304,7 +321,7 @@ def restore_snapshot(
         report = _report(manifest, plan, writer, dry_run=False)
         record_conflicts(manifest, cache_dir, report.conflicts)  # what verify names
         if not report.conflicts:
-            write_marker(manifest, cache_dir, key_id=key_id)
+            write_marker(manifest, cache_dir, key_id=key_id, held=plan.shared)
         return report
 
 
@@ -383,6 +400,7 @@ def _report(
             bytes_written=0,
             dry_run=dry_run,
             planned=planned if dry_run else [],
+            shared=dict(plan.shared),
         )
     return RestoreReport(
         snapshot_id=manifest.id,
@@ -391,6 +409,7 @@ def _report(
         conflicts=sorted(plan.conflicts + writer.conflicts),
         bytes_written=writer.bytes_written,
         dry_run=False,
+        shared=dict(plan.shared),
     )
 
 

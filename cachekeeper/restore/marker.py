@@ -32,6 +32,14 @@ another user rewrote is no longer "already restored", the restore then hashes it
 it as a conflict. A marker without mtimes (written by an older version) is not trusted:
 the next restore hashes what is there once and writes a new one.
 
+``held_by_restores`` names, of some paths, those another complete restore into the dir
+wrote and nobody changed since (its marker lists the path, and the file still has the size
+and mtime it recorded): two snapshots that hold one cache path with other bytes (a C++
+kernel's ``.so`` compiled twice is not the same bytes; an autotune result timed twice) are
+two builds of the same cache entry, and what the first restore wrote serves the second.
+Such a path is no conflict: the second restore keeps it, and its marker records it as it
+is (``write_marker``'s ``held``).
+
 ``record_conflicts`` is the restore's record of what it kept (a file that differs from the
 manifest: someone's own version, or a corrupt entry), which ``verify`` names when the dir
 misses and ``restore --repair`` replaces; a restore without conflicts removes it.
@@ -66,6 +74,7 @@ __all__ = [
     "is_restored",
     "read_markers",
     "held_snapshot",
+    "held_by_restores",
     "record_conflicts",
     "recorded_conflicts",
 ]
@@ -243,9 +252,16 @@ def state_dir(cache_dir: Path, *, create: bool) -> Iterator[StateDir]:
         state.close()
 
 
-def write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) -> None:
+def write_marker(
+    manifest: Manifest,
+    cache_dir: Path,
+    *,
+    key_id: str | None,
+    held: Collection[str] = (),
+) -> None:
     """Record that ``cache_dir`` holds all of ``manifest`` (signed by ``key_id``, if given),
-    with each file's size and modification time as it is now."""
+    with each file's size and modification time as it is now. ``held``: paths another
+    restore wrote with other bytes (``held_by_restores``), recorded with their own size."""
     # Imported here: only a restore writes a marker, and the hook's no-op path, which
     # imports this module, then loads nothing of the restore package but this module.
     from cachekeeper.restore.triton_groups import is_group_path
@@ -255,6 +271,8 @@ def write_marker(manifest: Manifest, cache_dir: Path, *, key_id: str | None) -> 
     for entry in manifest.files:
         st = os.lstat(f"{root}/{entry.path}")
         size = -1 if is_group_path(entry.path) else entry.size_bytes
+        if entry.path in held:
+            size = st.st_size
         files.append([entry.path, size, st.st_mtime_ns])
     body = {"id": manifest.id, "files": files, "key_id": key_id}
     with state_dir(cache_dir, create=True) as state:
@@ -323,6 +341,44 @@ def held_snapshot(cache_dir: Path) -> str | None:
         if isinstance(snapshot_id, str) and is_restored(snapshot_id, cache_dir):
             return snapshot_id
     return None
+
+
+def held_by_restores(
+    cache_dir: Path,
+    paths: Collection[str],
+    *,
+    other_than: str,
+    trusted_key_ids: Collection[str] | None = None,
+) -> dict[str, str]:
+    """{path: snapshot id} for each of ``paths`` that a complete restore of another snapshot
+    (not ``other_than``) wrote into ``cache_dir`` and nobody changed since: its marker lists
+    the path, and the file is a regular file with the size and mtime it recorded. With
+    ``trusted_key_ids``, only a restore that verified one of those keys counts."""
+    wanted = set(paths)
+    found: dict[str, str] = {}
+    if not wanted:
+        return found
+    root = os.fspath(cache_dir)
+    for _mtime, body in reversed(read_markers(cache_dir)):  # the newest restore first
+        snapshot_id, files = body.get("id"), body.get("files")
+        if snapshot_id == other_than or not isinstance(files, list):
+            continue
+        if trusted_key_ids and body.get("key_id") not in trusted_key_ids:
+            continue
+        for item in files:
+            try:
+                path, size, mtime_ns = item
+                if path not in wanted or path in found:
+                    continue
+                st = os.lstat(f"{root}/{path}")
+            except (OSError, ValueError, TypeError):
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_mtime_ns != mtime_ns:
+                continue
+            if isinstance(size, int) and size >= 0 and st.st_size != size:
+                continue
+            found[str(path)] = str(snapshot_id)
+    return found
 
 
 def record_conflicts(manifest: Manifest, cache_dir: Path, conflicts: Collection[str]) -> None:

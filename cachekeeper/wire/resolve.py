@@ -9,6 +9,7 @@ from ._core import Check, Digest, DriverPolicy, to_dict
 
 # A node's wish for the per-key tier: "auto" = the server's default (remote_cache_default).
 RemoteCacheWish = Literal["auto", "on", "off"]
+BuiltBy = Literal["command", "workload"]
 
 # -- resolve ----------------------------------------------------------------------------------
 
@@ -20,6 +21,10 @@ class Mismatch:
     field: str
     node: Any = None
     snapshot: Any = None
+    # For ``cpu``: how the snapshot's processes got their thread count, so the advice fits
+    # the workload ("command": a [[command]]'s launcher; "workload": prewarm's children and
+    # [process] omp_num_threads); None when not known (a pushed dir, an older server).
+    built_by: BuiltBy | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

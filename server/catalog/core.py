@@ -41,7 +41,7 @@ from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 
 from cachekeeper.errors import CatalogCorrupt, InsufficientStorage
 from cachekeeper.fingerprint import Fingerprint
-from cachekeeper.manifest import Manifest
+from cachekeeper.manifest import Manifest, built_by
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
 from .base import BATCH, chunks
@@ -551,7 +551,7 @@ class Catalog(FleetReads, TierReads):
     def candidates(self, workload: str | None, *, limit: int = 2000) -> list[Candidate]:
         """Snapshots of a workload with what resolve compares, newest published first."""
         sql = (
-            f"SELECT {_SUMMARY_COLUMNS}, fingerprint, rowid AS seq FROM snapshots"
+            f"SELECT {_SUMMARY_COLUMNS}, fingerprint, rowid AS seq, stats FROM snapshots"
             " WHERE workload IS ? AND source IS NULL ORDER BY rowid DESC LIMIT ?"
         )
         parsed: dict[str, Fingerprint] = {}  # one parse per distinct fingerprint
@@ -560,7 +560,14 @@ class Catalog(FleetReads, TierReads):
             fingerprint = parsed.get(row["fingerprint_digest"])
             if fingerprint is None:
                 fingerprint = parsed[row["fingerprint_digest"]] = _stored(row["fingerprint"])
-            out.append(Candidate(summary=_summary(row), fingerprint=fingerprint, seq=row["seq"]))
+            out.append(
+                Candidate(
+                    summary=_summary(row),
+                    fingerprint=fingerprint,
+                    seq=row["seq"],
+                    built_by=built_by(json.loads(row["stats"] or "null")),
+                )
+            )
         return out
 
     def archive_etag(self, snapshot_id: str) -> str | None:

@@ -22,9 +22,12 @@ from .base import Reads, Writes, chunks
 __all__ = ["FleetReads", "FleetWrites", "agent_id_for"]
 
 
-def agent_id_for(name: str, fingerprint_digest: str) -> str:
-    """The id an agent of ``name`` gets for an environment (stable across registrations)."""
-    return hashlib.sha256(f"{name}\n{fingerprint_digest}".encode()).hexdigest()[:16]
+def agent_id_for(name: str) -> str:
+    """The id of the agent named ``name``: one agent per name, whatever its environment (a
+    changed environment updates the agent; it is not a second one). Before issue 31 the id
+    also hashed the fingerprint digest, so an agent started again in another shell showed
+    up twice under one name."""
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def _agent(row: dict[str, Any]) -> AgentInfo:
@@ -79,15 +82,22 @@ class FleetWrites(Writes):
         gpus: list[dict[str, Any]],
         version: str,
     ) -> tuple[str, bool]:
-        """(agent id, created): insert the agent, or refresh devices, GPUs, version, seen."""
-        agent_id = agent_id_for(name, fingerprint_digest)
+        """(agent id, created): insert the agent, or refresh its environment, devices,
+        GPUs, version and ``last_seen_at``. ``registered_at`` is when the agent registered
+        its current environment: it moves only when the fingerprint digest changes (what
+        it reported under the one before is then out of date: server/fleet.py)."""
+        agent_id = agent_id_for(name)
         now = utc_now()
         created = self._one("SELECT 1 FROM agents WHERE id = ?", [agent_id]) is None
         self.db.execute(
             "INSERT INTO agents (id, name, fingerprint_digest, fingerprint, devices,"
             " registered_at, last_seen_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(id) DO UPDATE SET devices = excluded.devices,"
-            " last_seen_at = excluded.last_seen_at, info = excluded.info",
+            " last_seen_at = excluded.last_seen_at, info = excluded.info,"
+            " registered_at = CASE WHEN fingerprint_digest = excluded.fingerprint_digest"
+            " THEN registered_at ELSE excluded.registered_at END,"
+            " fingerprint_digest = excluded.fingerprint_digest,"
+            " fingerprint = excluded.fingerprint",
             [
                 agent_id,
                 name,
@@ -212,19 +222,31 @@ class FleetReads(Reads):
     def job_stats(self, *, workload: str | None = None) -> list[JobStats]:
         """The job reports added up per (workload, fingerprint digest), sorted by both.
 
+        A report that names a snapshot (a restore, and the post-job after one) counts in
+        the row of that snapshot, by its id: the node's own digest may differ from the
+        snapshot's in what matching allows (a newer driver), and a report of an older hook
+        carries a digest with provenance in it. A report without a snapshot (a cold start),
+        or whose snapshot is gone, counts under the digest it carries.
+
         A job counts once: the reports of one ``job`` on one node (every rank's prejob, a
         postjob run twice) are one restore, cold start or post-job count; a report without
         a ``job`` (older clients) is its own job. The entries and bytes are summed over
         every report (each post-job counts only what appeared since the last one).
         """
         where, params = ("WHERE workload = ?", [workload]) if workload is not None else ("", [])
+        # every report, with the digest of the row it counts in (``pair``)
+        reports = (
+            "(SELECT r.*, COALESCE(s.fingerprint_digest, r.fingerprint_digest) AS pair"
+            " FROM job_reports r LEFT JOIN snapshots s"
+            " ON s.id = r.snapshot_id AND s.workload = r.workload)"
+        )
         restored = "phase = 'prejob' AND outcome IN ('restored', 'already_restored')"
         cold = "phase = 'prejob' AND outcome = 'cold'"
         postjob = "phase = 'postjob'"
         compiled = "phase = 'postjob' AND outcome = 'compiled'"
         after_restore = compiled + " AND snapshot_id IS NOT NULL"
         totals = self._rows(
-            f"SELECT workload, fingerprint_digest, {_jobs(restored)} AS restores,"
+            f"SELECT workload, pair, {_jobs(restored)} AS restores,"
             f" {_jobs(cold)} AS cold, {_jobs(postjob)} AS postjobs,"
             f" {_jobs(compiled)} AS compiled, {_jobs(after_restore)} AS compiled_after_restore,"
             # TOTAL (a float), not SUM: sums of what clients report never overflow into a 500
@@ -232,27 +254,27 @@ class FleetReads(Reads):
             " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
             " TOTAL(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
             " COUNT(DISTINCT token_id) AS reporters,"
-            f" MAX(at) AS last_report_at FROM job_reports {where}"
-            " GROUP BY workload, fingerprint_digest ORDER BY workload, fingerprint_digest",
+            f" MAX(at) AS last_report_at FROM {reports} {where}"
+            " GROUP BY workload, pair ORDER BY workload, pair",
             params,
         )
         reasons: dict[tuple[str, str], dict[str, int]] = {}
         for row in self._rows(
-            "SELECT workload, fingerprint_digest, COALESCE(reason_code, 'unknown') AS code,"
-            f" COUNT(DISTINCT {_JOB_KEY}) AS n FROM job_reports"
+            "SELECT workload, pair, COALESCE(reason_code, 'unknown') AS code,"
+            f" COUNT(DISTINCT {_JOB_KEY}) AS n FROM {reports}"
             f" {where + ' AND' if where else 'WHERE'} phase = 'prejob' AND outcome = 'cold'"
-            " GROUP BY workload, fingerprint_digest, code",
+            " GROUP BY workload, pair, code",
             params,
         ):
-            key = (row["workload"], row["fingerprint_digest"])
+            key = (row["workload"], row["pair"])
             reasons.setdefault(key, {})[row["code"]] = int(row["n"])
         return [
             JobStats(
                 workload=row["workload"],
-                fingerprint_digest=row["fingerprint_digest"],
+                fingerprint_digest=row["pair"],
                 restores=int(row["restores"]),
                 cold=int(row["cold"]),
-                cold_reasons=reasons.get((row["workload"], row["fingerprint_digest"]), {}),
+                cold_reasons=reasons.get((row["workload"], row["pair"]), {}),
                 postjobs=int(row["postjobs"]),
                 compiled=int(row["compiled"]),
                 compiled_after_restore=int(row["compiled_after_restore"]),
@@ -273,7 +295,8 @@ class FleetReads(Reads):
         workload_rows = self._rows("SELECT name, digest FROM workloads ORDER BY name")
         workloads = tuple(r["name"] for r in workload_rows)
         agent_rows = self._rows(
-            "SELECT id, name, fingerprint_digest, last_seen_at FROM agents ORDER BY name, id"
+            "SELECT id, name, fingerprint_digest, last_seen_at, registered_at FROM agents"
+            " ORDER BY name, id"
         )
         agents = tuple((r["name"], r["fingerprint_digest"]) for r in agent_rows)
         latest = [
@@ -331,6 +354,7 @@ class FleetReads(Reads):
             unverified=unverified,
             agent_of={r["id"]: (r["name"], r["fingerprint_digest"]) for r in agent_rows},
             agent_seen={r["id"]: r["last_seen_at"] for r in agent_rows},
+            agent_since={r["id"]: r["registered_at"] for r in agent_rows},
             workload_digests={r["name"]: r["digest"] for r in workload_rows},
             built_for=built_for,
         )

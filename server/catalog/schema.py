@@ -35,6 +35,7 @@ Tables::
     tier_keys       the per-key tier (server/tier.py): key (torch's, as bytes), digest of
                     the value in the tier's blob store, size_bytes, stored_bytes,
                     created_at, last_used_at, writer (JSON: who wrote it, from where)
+    migrations      name, at: the one-time data migrations this catalog has had
 
 Every table a client writes has a bound and a retention (``server/budgets.py``, whose
 docstring lists them). Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
@@ -42,14 +43,21 @@ text. Part of the catalog layer: only ``server/catalog/core.py`` calls ``ensure_
 
 Adding a table or a column: add an idempotent step to ``_SCHEMA_STEPS``
 (``if_not_exists=True``, or a column added only when absent, as ``_add_harvest_columns``);
-its queries go in ``server/catalog/core.py`` or ``server/catalog/fleet.py``.
+its queries go in ``server/catalog/core.py`` or ``server/catalog/fleet.py``. A one-time
+data migration (``_identity_digests``) records its name in ``migrations`` and runs once.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import sqlite_utils
+
+from cachekeeper.fingerprint import digest_of
+from cachekeeper.wire import utc_now
+
+from .fleet import agent_id_for
 
 __all__ = ["EVENT_BYTES_SQL", "REPORT_BYTES_SQL", "ensure_schema"]
 
@@ -290,6 +298,67 @@ def _create_tier_keys(db: sqlite_utils.Database) -> None:
     db.table("tier_keys").create_index(["digest"], if_not_exists=True)
 
 
+def _create_migrations(db: sqlite_utils.Database) -> None:
+    db.table("migrations").create({"name": str, "at": str}, pk="name", if_not_exists=True)
+
+
+def _identity_digests(db: sqlite_utils.Database) -> None:
+    """Issue 31, once: every stored digest becomes the fingerprint's identity
+    (``fingerprint.digest_of``, without provenance such as ``cpu.threads_from``), and agents
+    get one id per name.
+
+    Snapshots and agents hold their fingerprint, so their digest is computed again; agent
+    events and job reports hold only a digest, which is translated when a stored
+    fingerprint had it (``map``), and kept otherwise (a node's cold report whose
+    fingerprint the server never held). Agents of one name merge into the one seen last,
+    their events kept under its id. Snapshot ids and manifests do not change (a manifest's
+    ``fingerprint_digest`` key keeps its meaning: cachekeeper/manifest.py).
+    """
+    name = "identity-digests"
+    if db.execute("SELECT 1 FROM migrations WHERE name = ?", [name]).fetchone():
+        return
+    moved: dict[str, str] = {}  # the digest before -> the identity
+    for table, key in (("snapshots", "id"), ("agents", "id")):
+        rows = db.execute(f"SELECT {key}, fingerprint_digest, fingerprint FROM {table}")
+        for row_id, before, text in rows.fetchall():
+            try:
+                after = digest_of(json.loads(text))
+            except (TypeError, ValueError):  # a row an older server took unchecked: left
+                continue
+            if after != before:
+                moved[before] = after
+                db.execute(
+                    f"UPDATE {table} SET fingerprint_digest = ? WHERE {key} = ?", [after, row_id]
+                )
+    for before, after in moved.items():
+        for table in ("agent_events", "job_reports"):
+            db.execute(
+                f"UPDATE {table} SET fingerprint_digest = ? WHERE fingerprint_digest = ?",
+                [after, before],
+            )
+    _one_agent_per_name(db)
+    db.execute("INSERT INTO migrations (name, at) VALUES (?, ?)", [name, utc_now()])
+
+
+def _one_agent_per_name(db: sqlite_utils.Database) -> None:
+    """Give every agent the id of its name (``agent_id_for``); of several agents of one
+    name, keep the one seen last, and move the others' events to it."""
+    rows = db.execute(
+        "SELECT id, name FROM agents ORDER BY name, last_seen_at DESC, registered_at DESC"
+    ).fetchall()
+    kept: set[str] = set()
+    for old_id, agent_name in rows:
+        new_id = agent_id_for(agent_name)
+        if old_id != new_id:
+            db.execute("UPDATE agent_events SET agent_id = ? WHERE agent_id = ?", [new_id, old_id])
+        if agent_name in kept:
+            db.execute("DELETE FROM agents WHERE id = ?", [old_id])
+            continue
+        kept.add(agent_name)
+        if old_id != new_id:
+            db.execute("UPDATE agents SET id = ? WHERE id = ?", [new_id, old_id])
+
+
 def _create_archive_objects(db: sqlite_utils.Database) -> None:
     db.table("archive_objects").create(
         {"snapshot_id": str, "etag": str, "size_bytes": int}, pk="snapshot_id", if_not_exists=True
@@ -310,4 +379,6 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_job_column,
     _create_archive_objects,
     _add_budget_columns,
+    _create_migrations,
+    _identity_digests,
 ]

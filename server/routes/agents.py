@@ -1,9 +1,10 @@
 """``/v1/agents`` and ``/v1/status``: builder agents, what they report, and the fleet's state.
 
-An agent registers once per environment: its id is derived from its name and its
-fingerprint digest (``catalog.agent_id_for``), so registering again is idempotent (it
-refreshes ``last_seen_at``, devices, GPUs and version) and an agent whose torch, Triton,
-CUDA wheels or driver changed registers as a new id. Reports go to ``agent_events``, one
+An agent is one per name: its id is derived from its name (``catalog.agent_id_for``), so
+registering again is idempotent (it refreshes ``last_seen_at``, devices, GPUs and version),
+and an agent whose torch, Triton, CUDA wheels or driver changed keeps its id with its new
+environment (``registered_at`` then says when that environment began; what it reported
+under the one before is out of date, ``server/fleet.py``). Reports go to ``agent_events``, one
 row per report; nothing is ever updated in place. How ``/v1/status`` decides each row's
 status (and the devices a row's snapshot covers or leaves uncovered, given
 ``?devices=cuda:0-7``, and what training jobs reported for the pair: ``jobs``,
@@ -28,7 +29,7 @@ from cachekeeper.errors import (
     InvalidManifest,
     InvalidRequest,
 )
-from cachekeeper.fingerprint import digest_of, parse
+from cachekeeper.fingerprint import digest_of, json_digest, parse
 from cachekeeper.wire import (
     DIGEST_PATTERN,
     AgentEvent,
@@ -53,13 +54,15 @@ AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent'
     responses=error_responses(InvalidManifest, InsufficientStorage),
 )
 def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
-    """Register (or refresh) an agent for its environment; idempotent per name + digest."""
+    """Register (or refresh) the agent of a name with its environment; idempotent."""
     fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
     try:
         digest = digest_of(fingerprint)
+        # an agent before issue 31 sends the digest of the whole JSON (fingerprint.py)
+        sent_by_older = json_digest(fingerprint)
     except (TypeError, ValueError) as exc:
         raise InvalidManifest(f"fingerprint is not canonical JSON: {exc}") from exc
-    if body.fingerprint_digest is not None and body.fingerprint_digest != digest:
+    if body.fingerprint_digest not in (None, digest, sent_by_older):
         raise InvalidManifest(
             f"fingerprint_digest {body.fingerprint_digest[:12]} is not the digest of the"
             f" fingerprint sent ({digest[:12]})"

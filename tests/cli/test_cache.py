@@ -104,3 +104,46 @@ def test_cache_ls_shows_each_dir_and_prune_keeps_what_is_used(node) -> None:
     run("cache", "prune", "cccc", "--yes", home=home)
     assert not dirs["busy"].exists()
     assert "is not an age" in run("cache", "prune", "--older-than", "soon", home=home, code=2)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for taskset")
+@pytest.mark.parametrize(
+    ("env", "taskset"),
+    [
+        ({"MKL_NUM_THREADS": "1"}, False),  # a job that sets MKL's, not OMP's
+        ({"OMP_NUM_THREADS": "64"}, False),  # more than the CPUs: torch uses the CPUs
+        ({}, True),  # under taskset -c 0: 1 thread from the affinity
+    ],
+)
+def test_prune_never_deletes_a_dir_the_hook_made_at_any_thread_count(
+    tmp_path: Path, env: dict[str, str], taskset: bool
+) -> None:
+    # Issue 31: the help promised "never this node's environment's dir (at any thread
+    # count)", but the digest held where the count came from: a dir the hook made with
+    # MKL_NUM_THREADS=1, OMP_NUM_THREADS above the CPUs, or under taskset was deleted.
+    home = tmp_path / "home"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEKEEPER_", "TORCHIN"))}
+    base.pop("OMP_NUM_THREADS", None)
+    base.pop("MKL_NUM_THREADS", None)
+    ck = str(Path(sys.executable).parent / "cachekeeper")
+    prefix = ["taskset", "-c", "0"] if taskset else []
+    hook = subprocess.run(
+        [*prefix, ck, "prejob", "--workload", "w", "--no-report", "--timeout", "5"],
+        env={**base, **env, "CACHEKEEPER_HOME": str(home), "CACHEKEEPER_SERVER": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    made = [p for p in (home / "inductor").iterdir()]
+    assert len(made) == 1 and hook.stdout == f"export TORCHINDUCTOR_CACHE_DIR={made[0]}\n", hook
+    age(made[0], 30)
+    proc = subprocess.run(
+        [ck, "cache", "prune", "--older-than", "1d", "--json"],
+        env={**base, "CACHEKEEPER_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    body = json.loads(proc.stdout)
+    assert body["dirs_removed"] == [] and made[0].is_dir(), body
+    assert body["kept"] == [{"path": str(made[0]), "why": "this node's environment uses it"}]

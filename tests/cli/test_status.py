@@ -63,3 +63,31 @@ def test_status_needs_a_server_and_a_valid_device(open_server: LiveServer) -> No
     assert "is not a GPU index" in run(
         "status", "--server", open_server.url, "--device", "cuda:x", code=2
     )
+
+
+def test_a_refused_broken_or_failed_row_says_why(open_server: LiveServer) -> None:
+    # Issue 31: a refused build showed only "refused" (the reason was in --json or a tooltip)
+    why = {
+        "refused": "refused: command[0].argv torchrun -m evil is not admitted (allowed: python)",
+        "cold_compile_broken": "ValueError: shapes (4, 8) and (9, 2) not aligned\nmore lines",
+        "failed": "",
+    }
+    with httpx.Client(base_url=open_server.url) as c:
+        for name in why:
+            text = f'name = "{name.replace("_", "-")}"\n[[entrypoint]]\ntarget = "pkg.mod:step"\n'
+            assert c.put(f"/v1/workloads/{name.replace('_', '-')}", content=text).is_success
+        agent = c.post("/v1/agents", json={"name": "b", "fingerprint": BUILDER}).json()
+        for status, detail in why.items():
+            event = {"workload": status.replace("_", "-"), "status": status, "detail": detail,
+                     "fingerprint_digest": digest_of(BUILDER)}  # fmt: skip
+            assert c.post(f"/v1/agents/{agent['id']}/events", json=event).status_code == 201
+    lines = run("status", "--server", open_server.url).splitlines()
+    assert lines[1].split()[:3] == ["cold-compile-broken", digest_of(BUILDER)[:12], "broken"]
+    assert lines[2] == "  ! broken: ValueError: shapes (4, 8) and (9, 2) not aligned"
+    assert lines[3].split()[2] == "failed"
+    assert lines[4] == "  ! failed: no reason reported (see --json for the traceback)"
+    assert lines[5].split()[2] == "refused"
+    assert (
+        lines[6]
+        == "  ! refused: command[0].argv torchrun -m evil is not admitted (allowed: python)"
+    )

@@ -156,6 +156,51 @@ def test_postjob_counts_what_the_job_compiled_and_the_server_adds_it_up(
     assert "compiled anyway" in status.stdout or "does not match training" in status.stdout
 
 
+def test_a_kernel_and_a_tuning_alone_after_every_graph_hit_are_benign(
+    authed_server: LiveServer, tmp_path: Path
+) -> None:
+    # Issue 31: a torchtitan job restored through the service hit all 5 FX graphs and both
+    # AOTAutograd entries, and postjob told it "the job compiled 0 FX graph(s), 0
+    # AOTAutograd entr(ies), 1 Triton kernel(s) ... the workload file does not match
+    # training". A job that compiled no graph is never told that.
+    src = tmp_path / "src"
+    make_cache(src)
+    with httpx.Client(
+        base_url=authed_server.url, headers={"Authorization": "Bearer write-token"}
+    ) as c:
+        assert c.put("/v1/workloads/titan", content=toml("titan")).status_code == 200
+    with CacheClient(base_url=authed_server.url, token="write-token") as client:
+        pushed = push(src, client=client, workload="titan", store=None, fingerprint=collect())
+    cache = tmp_path / "cache"
+    pre = prejob(workload="titan", server=authed_server.url, token="read-token", cache_dir=cache)
+    assert pre.outcome == "restored", pre
+    kernel = cache / "triton" / "0" / "hash-rebuilt"  # Triton re-made a binary it lacked
+    kernel.mkdir(parents=True)
+    (kernel / "k.so").write_bytes(b"k" * 300)
+    (cache / "qq").mkdir(exist_ok=True)
+    (cache / "qq" / "triton_k.best_config").write_text("{}")  # a tuning result, timed again
+    args = ("postjob", "--workload", "titan", "--cache-dir", str(cache))
+    line = ck(*args, server=authed_server.url, home=tmp_path / "home")
+    assert line.returncode == 0, line.stderr
+    assert line.stdout.strip() == (
+        f"cachekeeper: postjob: the job compiled no graph on top of snapshot"
+        f" {pushed.snapshot_id[:12]}; new: 1 Triton kernel(s), 1 autotune result(s) (0.0 MB),"
+        " made again at run time (every FX graph and AOTAutograd entry it used hit): benign,"
+        " no sign that the workload file differs from training; nothing to do"
+    )
+    assert "does not match" not in line.stdout + line.stderr
+    rows = httpx.get(
+        f"{authed_server.url}/v1/status",
+        params={"workload": "titan"},
+        headers={"Authorization": "Bearer read-token"},
+    ).json()["status"]
+    (row,) = [r for r in rows if r["jobs"]]
+    assert row["jobs"]["compiled"] == 0 and row["jobs_note"] is None, row
+    # what appeared is still counted, for whoever wants to see it
+    again = diff_cache(cache)
+    assert again.new_files == ()  # recorded: the next job counts only its own
+
+
 def test_a_cold_start_is_reported_with_its_reason(
     authed_server: LiveServer, tmp_path: Path
 ) -> None:

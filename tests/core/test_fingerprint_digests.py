@@ -1,12 +1,18 @@
-"""Fingerprint digests are pinned: computed once, on the code before the typed fingerprint.
+"""Fingerprint digests are pinned: literals, never recomputed by the code under test.
 
-A fingerprint's digest names everything built under it: snapshot ids (the manifest holds
-the fingerprint), ``fingerprint_digest`` on every server, agent ids, status rows and the
-hook's default cache dir (``<home>/inductor/<digest[:16]>``). None of them may move when
-the code that builds, parses or reads a fingerprint changes, so the expected values below
-are literals, computed on main at 7a8883a (before ``cachekeeper.fingerprint`` had a typed
-shape) and never recomputed: a change that moves one is a contract change, not a test to
-update.
+Two digests of a fingerprint, each naming things that must not move by accident:
+
+- ``json_digest`` (``EXPECTED``): the sha256 of the whole canonical JSON, the manifest's
+  ``fingerprint_digest`` key, so every snapshot id (``MANIFEST_IDS``). Computed on main at
+  7a8883a (before ``cachekeeper.fingerprint`` had a typed shape) and unchanged since.
+- ``digest_of`` (``IDENTITY``): the environment's identity, which status rows, agent ids,
+  job reports and the hook's default cache dir (``<home>/inductor/<digest[:16]>``) are
+  named by. Issue 31 moved it, deliberately: it leaves out provenance (``cpu.threads_from``,
+  where the thread count came from), since a node that exported ``OMP_NUM_THREADS=1`` by
+  hand and the torchrun ranks that built its snapshot compile the same kernels, yet had two
+  digests, and the status counted the node's restores in no row (docs/snapshots.md). The
+  values were computed once at that change; a fingerprint without provenance (schema 1)
+  keeps its digest. A change that moves one again is a contract change, not a test to update.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 import pytest
 
 from cachekeeper import config, cpu, remote_tier
-from cachekeeper.fingerprint import canonical_json, collect, digest_of, parse
+from cachekeeper.fingerprint import canonical_json, collect, digest_of, json_digest, parse
 from cachekeeper.manifest import FileEntry, Manifest
 
 # This dev VM's ``collect(environ={})`` at 7a8883a (torch 2.13.0+cpu, no GPU, schema 2).
@@ -107,6 +113,13 @@ EXPECTED = {  # name: the sha256 of its canonical JSON, i.e. its digest
     "remote_tier": "83cd7062d332ed71688364ba959614ccb86247fd9449cc0e2d4a6e06844d7975",
     "newer": "f6014028453316a2e755d9f3aeadc1f708829fbce625c78adbb44d49adea2d65",
 }
+IDENTITY = {  # name: digest_of, without provenance (issue 31)
+    "dev_vm": "064de82a3904a57c5268279c12ae1b6fd2616d7d5b12e485402c1b61b0bb3466",
+    "gpu_builder": "7df90337fd0e0dd79c031c04928e647b45688fae1d930d00ec3bb3733b3979c7",
+    "schema_1": "ca13c0705d8fec47dde2c168b5810f1d6050ddc27311898ff0df73edc6e1822c",
+    "remote_tier": "10d12469c4b8c9ab726f6f556c1840839e6120adf953b49362aaf3057b634adf",
+    "newer": "581882d177c41a74e7db58142d8352e9f87ba47ac6c1fb9a53f6f080ac5ebbc7",
+}
 FINGERPRINTS = {
     "dev_vm": DEV_VM,
     "gpu_builder": GPU_BUILDER,
@@ -126,10 +139,26 @@ MANIFEST_IDS = {
 def test_the_digest_of_each_fingerprint_is_pinned(name: str) -> None:
     fp = FINGERPRINTS[name]
     assert hashlib.sha256(canonical_json(fp).encode()).hexdigest() == EXPECTED[name]
-    assert digest_of(fp) == EXPECTED[name]
+    assert json_digest(fp) == EXPECTED[name]
+    assert digest_of(fp) == IDENTITY[name]
     # as a manifest or a request body carries it: JSON text, decoded again, and parsed
-    assert digest_of(json.loads(json.dumps(fp))) == EXPECTED[name]
-    assert digest_of(parse(json.loads(json.dumps(fp)))) == EXPECTED[name]
+    assert digest_of(json.loads(json.dumps(fp))) == IDENTITY[name]
+    assert digest_of(parse(json.loads(json.dumps(fp)))) == IDENTITY[name]
+    assert json_digest(parse(json.loads(json.dumps(fp)))) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("name", sorted(FINGERPRINTS))
+def test_provenance_is_in_no_identity(name: str) -> None:
+    fp = FINGERPRINTS[name]
+    if "cpu" not in fp:  # schema 1: nothing to leave out, the two digests agree
+        assert digest_of(fp) == json_digest(fp)
+        return
+    # where the same thread count came from does not change the environment ...
+    for source in ("OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", "1 cpus this process may use"):
+        assert digest_of({**fp, "cpu": {**fp["cpu"], "threads_from": source}}) == IDENTITY[name]
+    # ... and every value does, the compared ones and one this version does not know
+    for changed in ({"threads": 7}, {"isa": "sve"}, {"aten_cpu_capability": "avx2"}, {"x": 1}):
+        assert digest_of({**fp, "cpu": {**fp["cpu"], **changed}}) != IDENTITY[name]
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST_IDS))
@@ -140,17 +169,21 @@ def test_snapshot_ids_of_manifests_holding_them_are_pinned(name: str) -> None:
     made = Manifest(
         files=(entry,), fingerprint=FINGERPRINTS[name], devices=("cuda:0",), workload="drafter"
     )
-    assert (made.id, made.fingerprint_digest) == (MANIFEST_IDS[name], EXPECTED[name])
+    # the id and the manifest's key are unmoved; the environment is the identity
+    assert (made.id, made.fingerprint_digest) == (MANIFEST_IDS[name], IDENTITY[name])
+    assert json.loads(made.to_json())["fingerprint_digest"] == EXPECTED[name]
     parsed = Manifest.from_json(made.to_json())  # a stored manifest, read back
-    assert (parsed.id, parsed.fingerprint_digest) == (MANIFEST_IDS[name], EXPECTED[name])
+    assert (parsed.id, parsed.fingerprint_digest) == (MANIFEST_IDS[name], IDENTITY[name])
 
 
 def test_the_environments_the_tier_switches_make_are_pinned() -> None:
     # what the server ranks a tier job's snapshots under, and a job that leaves the tier
     on = remote_tier.with_key_switches(DEV_VM, remote_tier.site_switches(tier=True))
-    assert digest_of(on) == "f9cb8e7cf99c8de0950f7d66833f4655514c3a228b11849cf9c9cfdfdfe51e3c"
+    assert json_digest(on) == "f9cb8e7cf99c8de0950f7d66833f4655514c3a228b11849cf9c9cfdfdfe51e3c"
+    assert digest_of(on) == "f59ce7e8000f8b30b41b45da09a4bcdc261c639099bffd4f937b91a25ee00e01"
     off = remote_tier.with_key_switches(REMOTE_TIER, {})
-    assert digest_of(off) == "dfaaf194c185e5ea1442036314c045657bb1a1d29cc13b9e10bdf18b46d42e2b"
+    assert json_digest(off) == "dfaaf194c185e5ea1442036314c045657bb1a1d29cc13b9e10bdf18b46d42e2b"
+    assert digest_of(off) == "647fdd689c2d86c3ff2c7ad4fdf19ef47eed60fa0895c4c2511f143672c955a7"
     # what a job that exports the tier's switches records (on any machine)
     job = remote_tier.job_environ(remote_tier.site_switches(tier=True), url=remote_tier.OFF_URL)
     env = collect(environ=job)["env"]
@@ -159,11 +192,12 @@ def test_the_environments_the_tier_switches_make_are_pinned() -> None:
 
 def test_the_default_cache_dir_of_a_thread_count_variant_is_pinned() -> None:
     # node_cache's variants: this node as a job with OMP_NUM_THREADS=1 fingerprints it
+    # (before issue 31, /h/inductor/29337d237582925a: the digest covered threads_from)
     variant = {**DEV_VM, "cpu": cpu.with_threads(DEV_VM["cpu"], 1)}
     digest = digest_of(variant)
-    assert digest == "29337d237582925a9d7081f24fb018b22b4ea2dbd6c0e86a78e364202a17d51f"
+    assert digest == "3b57411de8984d86da2d4dc786c16e52e1d638adab0b1a2a24aa0a5e6928cd19"
     home = {"CACHEKEEPER_HOME": "/h"}
-    assert config.node_cache_dir(digest, home) == Path("/h/inductor/29337d237582925a")
+    assert config.node_cache_dir(digest, home) == Path("/h/inductor/3b57411de8984d86")
 
 
 def test_this_machines_fingerprint_keeps_its_digest_through_json() -> None:

@@ -162,6 +162,41 @@ def test_never_truncates_and_reports_conflicts(sample_archive: Path, tmp_path: P
     assert not is_restored(report.snapshot_id, dst)
 
 
+def _archive_of(files: dict[str, bytes], store: LocalStore, where: Path) -> Path:
+    src = where / "src"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    out = where / "snap.tar.zst"
+    write_archive(snapshot_dir(src, store=store, fingerprint=FP), store.blobs, out)
+    return out
+
+
+def test_a_path_another_restore_wrote_is_shared_not_a_conflict(
+    store: LocalStore, tmp_path: Path
+) -> None:
+    # Issue 31: two workloads' snapshots both hold one C++ kernel (same path: its source
+    # hash), compiled twice into other bytes. Restored into one per-environment dir, the
+    # second restore used to keep the first's file as a conflict, write no marker, and
+    # warn on every job start ("check who changed them") though nobody changed anything.
+    a = _archive_of({"th/kernel.so": b"built by a", "fxgraph/a/e": b"a"}, store, tmp_path / "a")
+    b = _archive_of({"th/kernel.so": b"built by b!", "fxgraph/b/e": b"b"}, store, tmp_path / "b")
+    dst = tmp_path / "dst"
+    first = restore_archive(a, dst)
+    second = restore_archive(b, dst)
+    assert second.conflicts == [] and second.shared == {"th/kernel.so": first.snapshot_id}
+    assert (dst / "th" / "kernel.so").read_bytes() == b"built by a"  # kept as it was
+    assert (dst / "fxgraph" / "b" / "e").read_bytes() == b"b"
+    assert is_restored(second.snapshot_id, dst) and is_restored(first.snapshot_id, dst)
+    assert json.loads(json.dumps(second.to_dict()))["shared"] == second.shared
+
+    # a change nobody cachekeeper-made explains is still a conflict, and still said
+    os.utime(dst / "th" / "kernel.so", ns=(1, 1))
+    third = restore_archive(b, dst)
+    assert third.conflicts == ["th/kernel.so"] and third.shared == {}
+    assert not is_restored(third.snapshot_id, dst)
+
+
 def test_dry_run_writes_nothing(sample_archive: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     report = restore_archive(sample_archive, dst, dry_run=True)

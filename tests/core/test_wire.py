@@ -59,7 +59,9 @@ def test_round_trip_keeps_every_field_in_order():
         "near_misses": [
             {
                 "snapshot": summary(),
-                "mismatches": [{"field": "torch", "node": "2.13.0", "snapshot": {"a": [1]}}],
+                "mismatches": [
+                    {"field": "torch", "node": "2.13.0", "snapshot": {"a": [1]}, "built_by": None}
+                ],
             }
         ],
         "reason": "no snapshot matches",

@@ -168,3 +168,22 @@ def test_a_snapshot_of_an_unregistered_workload_adds_no_row(api: httpx.Client) -
     assert api.get("/v1/status").json()["status"] == []
     register_workload(api)
     assert row(api)["status"] == "warm"
+
+
+def test_a_job_counts_in_the_row_of_the_snapshot_it_restored(api: httpx.Client) -> None:
+    # Issue 31: a node whose digest is not the snapshot's (a newer driver, which matching
+    # allows; a hook of before issue 31, whose digest held provenance) restored it: the
+    # job used to count in no row ("0 restored" beside "restores: 8" in the plot).
+    register_workload(api)
+    snapshot = publish(api)
+    node = digest_of({**FINGERPRINT, "driver": "590.1"})
+    for job in ("j1", "j2"):
+        job_report(api, node, phase="prejob", outcome="restored", snapshot_id=snapshot, job=job)
+    job_report(api, node, phase="postjob", outcome="clean", snapshot_id=snapshot, job="j1")
+    job_report(api, node, phase="prejob", outcome="cold", reason_code="no_match", job="j3")
+    rows = api.get("/v1/status").json()["status"]
+    assert [(r["fingerprint_digest"], r["status"]) for r in rows] == [(DIGEST, "warm")]
+    jobs = rows[0]["jobs"]
+    assert (jobs["restores"], jobs["postjobs"], jobs["cold"]) == (2, 1, 0)
+    # the cold start names no snapshot: it stays under the node's own digest, which no
+    # agent or snapshot vouches for, so it adds no row

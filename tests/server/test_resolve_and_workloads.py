@@ -51,7 +51,9 @@ def test_ranking_verified_exact_newest(client: httpx.Client) -> None:
     assert miss["snapshot"] is None
     nearest = miss["near_misses"][0]
     assert nearest["snapshot"]["id"] == ids["other-torch"]
-    assert nearest["mismatches"] == [{"field": "torch", "node": "2.99.0", "snapshot": "2.12.0+cpu"}]
+    assert nearest["mismatches"] == [
+        {"field": "torch", "node": "2.99.0", "snapshot": "2.12.0+cpu", "built_by": None}
+    ]
     # a node asking for a GPU index no snapshot covers misses on 'devices'
     miss = _resolve(client, FINGERPRINT, "rank", devices=["cuda:3"])
     assert miss["snapshot"] is None

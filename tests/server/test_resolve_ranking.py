@@ -123,7 +123,7 @@ def test_the_driver_policy_decides_which_drivers_match(
         assert answer["snapshot"] is None
         (near,) = answer["near_misses"]
         assert near["mismatches"] == [
-            {"field": "driver", "node": node_driver, "snapshot": "580.10"}
+            {"field": "driver", "node": node_driver, "snapshot": "580.10", "built_by": None}
         ]
 
 
@@ -138,7 +138,9 @@ def test_near_misses_are_the_three_with_fewest_mismatches_newest_first(api: http
     near = answer["near_misses"]
     assert [n["snapshot"]["id"] for n in near] == [one_new, one_old, two]
     assert three not in {n["snapshot"]["id"] for n in near}
-    assert near[0]["mismatches"] == [{"field": "python", "node": "3.11", "snapshot": "3.12"}]
+    assert near[0]["mismatches"] == [
+        {"field": "python", "node": "3.11", "snapshot": "3.12", "built_by": None}
+    ]
     assert [m["field"] for m in near[2]["mismatches"]] == ["torch", "triton"]
 
 
@@ -149,7 +151,12 @@ def test_a_node_must_find_every_device_it_uses_covered(api: httpx.Client) -> Non
     answer = resolve(api, node={"gpus": gpus}, devices=["cuda:0", "cuda:1"])
     assert answer["snapshot"] is None
     (mismatch,) = answer["near_misses"][0]["mismatches"]
-    assert mismatch == {"field": "devices", "node": ["cuda:0", "cuda:1"], "snapshot": ["cuda:0"]}
+    assert mismatch == {
+        "field": "devices",
+        "node": ["cuda:0", "cuda:1"],
+        "snapshot": ["cuda:0"],
+        "built_by": None,
+    }
     # other GPU models at indices the snapshot does not cover do not matter
     mixed = [gpus[0], {"index": 1, "name": "NVIDIA A100", "capability": "8.0"}]
     assert served(api, node={"gpus": mixed}, devices=["cuda:0"]) == built

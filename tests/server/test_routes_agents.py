@@ -58,7 +58,7 @@ def _status(c: httpx.Client, **params: str) -> dict[tuple[str, str], dict]:
     return {(row["workload"], row["fingerprint_digest"]): row for row in r.json()["status"]}
 
 
-def test_registration_is_idempotent_per_name_and_fingerprint(fresh_server) -> None:
+def test_registration_is_one_agent_per_name_whatever_its_environment(fresh_server) -> None:
     live = fresh_server()
     with httpx.Client(base_url=live.url) as c:
         first = _register(c)
@@ -67,18 +67,30 @@ def test_registration_is_idempotent_per_name_and_fingerprint(fresh_server) -> No
         assert again["id"] == first["id"] and len(first["id"]) == 16
         assert again["registered_at"] == first["registered_at"]
         assert again["last_seen_at"] > first["last_seen_at"]
-        upgraded = _register(c, fp=OTHER_FP)  # same host, new Triton: a new environment
-        other_host = _register(c, name="builder-2")
-        assert len({first["id"], upgraded["id"], other_host["id"]}) == 3
+        # Issue 31: same host, new Triton: the same agent in a new environment (it used to
+        # be a second agent of the same name, and the page listed both)
+        upgraded = _register(c, fp=OTHER_FP)
+        assert upgraded["id"] == first["id"] and not upgraded["created"]
         assert upgraded["fingerprint_digest"] == digest_of(OTHER_FP)
+        assert upgraded["fingerprint"] == OTHER_FP
+        assert upgraded["registered_at"] > first["registered_at"]  # its environment's start
+        # where the thread count came from is no environment: same digest, same agent
+        cpu = {"threads": 1, "isa": "avx2", "aten_cpu_capability": None}
+        by_hand = _register(c, fp=dict(OTHER_FP, cpu={**cpu, "threads_from": "OMP_NUM_THREADS=1"}))
+        same = _register(
+            c, fp=dict(OTHER_FP, cpu={**cpu, "threads_from": "1 cpus this process may use"})
+        )
+        assert same["fingerprint_digest"] == by_hand["fingerprint_digest"]
+        assert same["registered_at"] == by_hand["registered_at"] > upgraded["registered_at"]
+        other_host = _register(c, name="builder-2")
+        assert other_host["id"] != first["id"]
 
-        beat = c.post(f"/v1/agents/{first['id']}/heartbeat")
-        assert beat.status_code == 200 and beat.json()["last_seen_at"] > again["last_seen_at"]
+        beat = c.post(f"/v1/agents/{other_host['id']}/heartbeat")
+        assert beat.status_code == 200 and beat.json()["last_seen_at"] > same["last_seen_at"]
         agents = c.get("/v1/agents").json()["agents"]
-        assert agents[0]["id"] == first["id"]  # most recently seen first
-        assert {a["id"] for a in agents} == {first["id"], upgraded["id"], other_host["id"]}
-        assert agents[0]["gpus"] == FINGERPRINT["gpus"] and agents[0]["version"] == "0.1.0"
-        assert agents[0]["devices"] == ["cuda:0"]
+        assert [a["id"] for a in agents] == [other_host["id"], first["id"]]  # last seen first
+        assert agents[1]["gpus"] == FINGERPRINT["gpus"] and agents[1]["version"] == "0.1.0"
+        assert agents[1]["devices"] == ["cuda:0"]
 
 
 def test_bad_registrations_and_unknown_agents_are_refused(fresh_server) -> None:
@@ -146,19 +158,30 @@ def test_status_follows_the_newest_fact_per_workload_and_fingerprint(fresh_serve
         assert row["status"] == "broken" and row["last_event"]["traceback_tail"] == tail
         assert row["snapshot_id"] is None
 
-        # a report for another environment adds its own row; failed stays failed
-        upgraded = _register(c, fp=OTHER_FP)
-        _event(c, upgraded["id"], "alpha", "failed", digest=other, detail="Timeout")
-        rows = _status(c)
-        assert rows[("alpha", other)]["status"] == "failed"
-        assert rows[("beta", other)]["status"] == "missing"
-        assert rows[("alpha", digest)]["status"] == "warm"  # untouched by the other env
-
-        # a 'built' report whose snapshot was deleted since is no longer warm
-        assert c.delete(f"/v1/snapshots/{manifest.id}").status_code == 204
-        assert _status(c)[("alpha", digest)]["status"] == "missing"
         only = _status(c, workload="beta", fingerprint_digest=digest)
         assert list(only) == [("beta", digest)]
+
+        # the agent's environment changes (issue 31): its rows are the new environment's;
+        # the old one keeps the row its snapshot makes, and its broken row goes (the
+        # builder builds nothing there any more, so the old report says nothing now)
+        upgraded = _register(c, fp=OTHER_FP)
+        assert upgraded["id"] == agent["id"]
+        _event(c, upgraded["id"], "alpha", "failed", digest=other, detail="Timeout")
+        rows = _status(c)
+        assert {k: r["status"] for k, r in rows.items()} == {
+            ("alpha", other): "failed",
+            ("beta", other): "missing",
+            ("alpha", digest): "warm",  # untouched by the other env: its snapshot is there
+        }
+        assert rows[("alpha", digest)]["agents"] == []  # no agent builds that one now
+        assert rows[("beta", other)]["agents"] == ["builder-1"]
+
+        # a 'built' report whose snapshot was deleted since is no longer warm
+        _event(c, agent["id"], "alpha", "built", snapshot_id=manifest.id, digest=other)
+        assert _status(c)[("alpha", other)]["status"] == "warm"
+        assert c.delete(f"/v1/snapshots/{manifest.id}").status_code == 204
+        assert _status(c)[("alpha", other)]["status"] == "missing"
+        assert ("alpha", digest) not in _status(c)  # nothing left of the old environment
 
 
 def test_client_methods_and_scopes(fresh_server) -> None:

@@ -18,10 +18,13 @@ import httpx
 import pytest
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.fingerprint import digest_of
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ui_data import ADMIN, DIGEST, EXPECTED, TOKENS, seed
+from tests.server.conftest import make_snapshot, push
 
 CHROMIUM = "/usr/bin/chromium"
+TOML_ELSEWHERE = 'name = "elsewhere"\n[[entrypoint]]\ntarget = "p.m:f"\n'
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +219,52 @@ def test_two_environments_that_differ_only_in_cpu_threads_are_told_apart(
     assert len(headers) == 2 and headers[0].split("<br>", 1)[1] != headers[1].split("<br>", 1)[1]
     assert any("CPU 1 thread" in h and "CPU 2 threads" not in h for h in headers), headers
     assert any("CPU 2 threads" in h for h in headers), headers
+
+
+def test_two_environments_that_read_the_same_show_what_separates_them(tmp_path: Path) -> None:
+    """Issue 31: two columns read "torch 2.13.0+cpu · CPU 1 thread, avx2" and nothing told
+    them apart: the per-key tier's switch in torch's key (``env``) was the difference. A
+    workload with no row in a column is an empty cell there, not "missing"."""
+    from cachekeeper import cpu
+    from cachekeeper.fingerprint import collect
+
+    base = collect(environ={"OMP_NUM_THREADS": "1"})
+    plain = dict(base, env={})
+    tier = dict(base, env={"TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1"})
+    two = dict(base, env={}, cpu=cpu.with_threads(base["cpu"], 2))
+    with start_server(Settings(data_dir=tmp_path / "data")) as live:
+        for name, fingerprint in (("plain", plain), ("tier", tier)):
+            agent = {"name": name, "fingerprint": fingerprint, "devices": ["cpu"]}
+            httpx.post(f"{live.url}/v1/agents", json=agent).raise_for_status()
+        httpx.put(
+            f"{live.url}/v1/workloads/w", content='name = "w"\n[[entrypoint]]\ntarget = "p.m:f"\n'
+        ).raise_for_status()
+        manifest, blobs = make_snapshot(
+            {"a": b"a"}, workload="elsewhere", fingerprint=two, devices=("cpu",), verified=True
+        )
+        with httpx.Client(base_url=live.url) as c:
+            assert c.put("/v1/workloads/elsewhere", content=TOML_ELSEWHERE).is_success
+            assert push(c, manifest, blobs).status_code == 201
+        page = httpx.get(f"{live.url}/ui").text
+    headers = re.findall(r'<th class="env">(.*?)</th>', page, re.S)
+    assert len(headers) == 3
+    by_digest = {digest_of(fp)[:12]: fp for fp in (plain, tier, two)}
+    shown = {re.search(r">([0-9a-f]{12})<", h).group(1): h for h in headers}  # type: ignore[union-attr]
+    assert set(shown) == set(by_digest)
+    plain_h, tier_h = shown[digest_of(plain)[:12]], shown[digest_of(tier)[:12]]
+    assert "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE unset" in plain_h
+    assert "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE=1" in tier_h
+    assert 'class="distinct"' not in shown[digest_of(two)[:12]]  # its label is its own
+    # "w" has a row for each agent's environment (nothing built: missing, truly), none in
+    # the column only a snapshot of another workload makes: an empty cell, not "missing"
+    cells = {
+        d[:12]: state
+        for state, d in re.findall(
+            r'<td class="cell ([a-z_]+)" data-workload="w" data-digest="(\w+)"', page
+        )
+    }
+    assert cells == {
+        digest_of(plain)[:12]: "missing",
+        digest_of(tier)[:12]: "missing",
+        digest_of(two)[:12]: "none",
+    }, cells
