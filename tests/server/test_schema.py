@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,9 @@ BUILT: dict[str, Any] = {  # what the builder's torchrun ranks compiled under
 }
 # the same environment, its thread count set another way: the agent's shell, a node
 BY_AFFINITY = {**BUILT, "cpu": {**CPU, "threads_from": "1 cpus this process may use"}}
-LATER = "2026-02-01T00:00:00.000000+00:00"
+# Recent times: agents unseen for `agents_retention_s` (90 days) are removed at start.
+EARLIER = (datetime.now(UTC) - timedelta(days=2)).isoformat(timespec="microseconds")
+LATER = (datetime.now(UTC) - timedelta(days=1)).isoformat(timespec="microseconds")
 
 
 def _old_agent_id(name: str, digest: str) -> str:
@@ -86,7 +89,7 @@ def test_an_older_servers_digests_and_agents_are_migrated_once(tmp_path: Path) -
         first = _old_agent_id("builder", old_built)
         db.execute(
             "UPDATE agents SET id = ?, fingerprint_digest = ?, last_seen_at = ?",
-            [first, old_built, "2026-01-01T00:00:00.000000+00:00"],
+            [first, old_built, EARLIER],
         )
         db.execute("UPDATE agent_events SET agent_id = ?", [first])
         db.execute(
