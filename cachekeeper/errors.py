@@ -39,6 +39,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
   x LocalEnvironmentError          this machine: its dirs, settings, devices, drivers
     + CacheDirUnusable
     + LinkInCacheDir
+    + CacheDirChanged
     + RestoreConflict
     + ConfigInvalid
     + DeviceInvalid
@@ -79,6 +80,7 @@ __all__ = [
     "WorkloadNotFound",
     "NoMatchingSnapshot",
     "LinkInCacheDir",
+    "CacheDirChanged",
     "RestoreConflict",
     "CacheDirUnusable",
     "DeviceInvalid",
@@ -240,6 +242,14 @@ class LinkInCacheDir(LocalEnvironmentError):
 
     code = "link_in_cache_dir"
     http_status = 422
+
+
+class CacheDirChanged(LocalEnvironmentError):
+    """A file of a cache dir that changed between the scan and the read (rewritten,
+    replaced or gone): nothing of it is used."""
+
+    code = "cache_dir_changed"
+    http_status = 409
 
 
 class RestoreConflict(LocalEnvironmentError):

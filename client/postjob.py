@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
 from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
-from cachekeeper.scan import scan_dir
+from cachekeeper.scan import scan_files
 from cachekeeper.wire import JobReport
 
 from .calls import Deadline
@@ -109,7 +109,9 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     Raises OSError (and LinkInCacheDir) when the dir cannot be read.
     """
     root = Path(cache_dir)
-    present = {rel: path for rel, path, _mode in scan_dir(root)}
+    # Sizes as the scan saw them (cachekeeper.scan, through descriptors): nothing is
+    # reached by a path again, so a file swapped for a link meanwhile is never followed.
+    present = {f.rel: f.size_bytes for f in scan_files(root)}
     baseline: set[str] = set()
     snapshot_id = None
     for _mtime, marker_id, files in _markers(root):
@@ -123,10 +125,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     entries: dict[str, set[str]] = {k: set() for k in KINDS}
     kind_bytes = dict.fromkeys(KINDS, 0)
     for rel in sorted(present.keys() - baseline):
-        try:
-            size = present[rel].stat().st_size
-        except FileNotFoundError:
-            continue  # removed since the scan (a cache cleaning up its temp files)
+        size = present[rel]
         new.append((rel, size))
         kind = kind_of(rel)
         entries[kind].add(_entry_of(rel))
