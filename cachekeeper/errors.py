@@ -42,6 +42,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + CacheDirChanged
     + RestoreConflict
     + ConfigInvalid
+    + PlaintextRefused
     + DeviceInvalid
     + FingerprintUnavailable
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
@@ -104,6 +105,7 @@ __all__ = [
     "RangeNotSatisfiable",
     "RequestTimeout",
     "ConfigInvalid",
+    "PlaintextRefused",
     "FingerprintUnavailable",
     "error_for_code",
     "did_you_mean",
@@ -407,6 +409,15 @@ class ConfigInvalid(LocalEnvironmentError):
 
     code = "invalid_config"
     exit_code = 2
+
+
+class PlaintextRefused(LocalEnvironmentError):
+    """A bearer token (or a URL's password) that would travel over plain ``http://`` to a
+    host that is not loopback: use ``https://``, or ``--allow-plaintext`` to accept it."""
+
+    code = "plaintext_refused"
+    http_status = 400
+    exit_code = 2  # a usage error: the command line (or its variables) must change
 
 
 class FingerprintUnavailable(LocalEnvironmentError):

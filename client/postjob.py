@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachekeeper import config
-from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
+from cachekeeper.errors import CachekeeperError, FingerprintUnavailable, PlaintextRefused
 from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
 from cachekeeper.scan import scan_files
 from cachekeeper.wire import JobReport
 
-from .calls import Deadline
+from .calls import Deadline, plaintext_allowed, refuse_plaintext
 from .job_reports import job_id, node_name, report_answer, utc_now
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
@@ -297,30 +297,35 @@ def postjob(
             error=f"cannot read {target}: {detail}",
         )
     outcome = "compiled" if diff.compiled else "clean"
-    answer = report and report_answer(
-        server,
-        JobReport(
-            phase="postjob",
-            outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
-            workload=workload,
-            fingerprint_digest=digest,
-            snapshot_id=diff.snapshot_id,
-            node=node_name(),
-            devices=list(devices or []),
-            new_fxgraph=diff.entries["fxgraph"],
-            new_aotautograd=diff.entries["aotautograd"],
-            new_triton=diff.entries["triton"],
-            new_other=diff.entries["other"],
-            new_bytes=diff.new_bytes,
-            started_at=started_at,
-            finished_at=utc_now(),
-            job=job_id(target, environ=env, start=False),
-        ),
-        token=token,
-        timeout_s=deadline.remaining() or 0.0,
+    refused = _plaintext_refused(server, token=token, environ=env) if report else None
+    answer = (
+        report
+        and refused is None
+        and report_answer(
+            server,
+            JobReport(
+                phase="postjob",
+                outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
+                workload=workload,
+                fingerprint_digest=digest,
+                snapshot_id=diff.snapshot_id,
+                node=node_name(),
+                devices=list(devices or []),
+                new_fxgraph=diff.entries["fxgraph"],
+                new_aotautograd=diff.entries["aotautograd"],
+                new_triton=diff.entries["triton"],
+                new_other=diff.entries["other"],
+                new_bytes=diff.new_bytes,
+                started_at=started_at,
+                finished_at=utc_now(),
+                job=job_id(target, environ=env, start=False),
+            ),
+            token=token,
+            timeout_s=deadline.remaining() or 0.0,
+        )
     )
     reported = bool(answer)
-    warning = None
+    warning = None if refused is None else f"not reported: {refused}"
     pushed = None
     offered = True
     if push:
@@ -356,6 +361,17 @@ def postjob(
         pushed_offered=offered,
         unknown_workload=answer.warning if answer else None,
     )
+
+
+def _plaintext_refused(
+    server: str | None, *, token: str | None, environ: Mapping[str, str]
+) -> str | None:
+    """Why the report may not be sent (the token would go in clear text), else None."""
+    try:
+        refuse_plaintext(server or "", token=token, allow=plaintext_allowed(environ))
+    except PlaintextRefused as exc:
+        return exc.detail
+    return None
 
 
 def _harvest(
