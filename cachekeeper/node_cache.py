@@ -114,7 +114,11 @@ class PrunePlan:
                     continue  # a link, or another folder, since the plan
                 if _in_use(node_dir.path, _process_uses()) is not None:
                     continue  # a job started on it since the plan
-                shutil.rmtree(name, dir_fd=parent_fd)
+                try:
+                    shutil.rmtree(name, dir_fd=parent_fd)
+                except OSError as exc:  # its names are relative to the descriptor: name it
+                    where = node_dir.path.parent / os.fsdecode(exc.filename or name)
+                    raise OSError(exc.errno, exc.strerror, str(where)) from exc
             finally:
                 os.close(parent_fd)
             gone.append(node_dir)

@@ -140,6 +140,7 @@ class _Folders:
     """
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._refused: set[str] = set()
@@ -158,7 +159,10 @@ class _Folders:
         parent_fd = self.open(parent)
         if parent_fd is None:
             return None
-        fd = self._open_child(parent_fd, name)
+        try:
+            fd = self._open_child(parent_fd, name)
+        except OSError as exc:  # name the folder: a name relative to a descriptor says nothing
+            raise OSError(exc.errno, exc.strerror, str(self.root / rel_dir)) from exc
         if fd is None:
             self._refused.add(rel_dir)
             return None
@@ -444,6 +448,16 @@ class Writer:
             self.progress(batch_bytes)
 
     def _publish(self, tmp: Path, entry: FileEntry) -> None:
+        try:
+            self._publish_one(tmp, entry)
+        except OSError as exc:
+            if exc.filename is not None and os.path.isabs(os.fsdecode(exc.filename)):
+                if not os.fsdecode(exc.filename).startswith(str(self.staging)):
+                    raise
+            # a name relative to a folder's descriptor, or our staging file: name the path
+            raise OSError(exc.errno, exc.strerror, str(self.cache_dir / entry.path)) from exc
+
+    def _publish_one(self, tmp: Path, entry: FileEntry) -> None:
         folder, _, name = entry.path.rpartition("/")
         renamed: bool | None = None
         try:
