@@ -40,6 +40,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + CacheDirUnusable
     + LinkInCacheDir
     + CacheDirChanged
+    + EmptyCacheDir
     + RestoreConflict
     + ConfigInvalid
     + PlaintextRefused
@@ -82,6 +83,7 @@ __all__ = [
     "NoMatchingSnapshot",
     "LinkInCacheDir",
     "CacheDirChanged",
+    "EmptyCacheDir",
     "RestoreConflict",
     "CacheDirUnusable",
     "DeviceInvalid",
@@ -252,6 +254,14 @@ class CacheDirChanged(LocalEnvironmentError):
 
     code = "cache_dir_changed"
     http_status = 409
+
+
+class EmptyCacheDir(LocalEnvironmentError):
+    """A cache dir with no file a snapshot takes, given to push (``--allow-empty`` to
+    publish it anyway): most often the wrong dir."""
+
+    code = "empty_cache_dir"
+    http_status = 422
 
 
 class RestoreConflict(LocalEnvironmentError):

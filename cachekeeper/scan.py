@@ -84,11 +84,13 @@ class CacheTree:
                 ) from exc
             raise
         self._folders: OrderedDict[str, int] = OrderedDict()
+        self.excluded = 0  # entries the last scan left out (locks, temp files, dot-names)
 
     # -- the scan ---------------------------------------------------------------------------
     def scan(self) -> list[ScannedFile]:
         """Every file a snapshot takes, sorted by path. Raises LinkInCacheDir for a link."""
         found: list[ScannedFile] = []
+        self.excluded = 0
         self._scan_folder(self.fd, "", found)
         found.sort(key=lambda f: f.rel)
         return found
@@ -102,6 +104,7 @@ class CacheTree:
                 raise LinkInCacheDir(f"{rel} in {self.root} is a symbolic link; refusing to follow")
             is_dir = entry.is_dir(follow_symlinks=False)
             if is_excluded(entry.name, is_dir=is_dir):
+                self.excluded += 1
                 continue
             if is_dir:
                 child = self._open_folder(fd, entry.name, rel)

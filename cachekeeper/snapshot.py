@@ -28,6 +28,7 @@ import zstandard
 from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.errors import EmptyCacheDir
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.integrity import CHUNK_BYTES, digest_of, hash_file
 from cachekeeper.manifest import FileEntry, Manifest
@@ -95,6 +96,7 @@ def snapshot_dir(
     sign_key: str | os.PathLike[str] | None = None,
     only: Collection[str] | None = None,
     parent: str | None = None,
+    allow_empty: bool = True,
 ) -> Manifest:
     """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest.
 
@@ -103,6 +105,9 @@ def snapshot_dir(
 
     With ``sign_key`` (an Ed25519 ``PREFIX.key``), the manifest is signed before it is
     saved; the key is read first, so a bad key fails before any hashing.
+
+    Without ``allow_empty``, a dir holding no file a snapshot takes raises
+    ``EmptyCacheDir`` saying what was scanned, before anything is saved.
 
     With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
     ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``,
@@ -137,6 +142,8 @@ def snapshot_dir(
         if only is not None:
             wanted = set(only)
             files = [f for f in files if f.rel in wanted]
+        if not files and not allow_empty:
+            raise EmptyCacheDir(_nothing_in(root, excluded=tree.excluded, only=only))
         # Each file is read relative to the scan's descriptors and must be the one scanned
         # (cachekeeper.scan): a link swapped in after the scan is refused, never followed.
         entries = []
@@ -159,6 +166,25 @@ def snapshot_dir(
         manifest = sign_manifest(manifest, sign_key)
     store.save_manifest(manifest)
     return manifest
+
+
+def _nothing_in(root: Path, *, excluded: int, only: Collection[str] | None) -> str:
+    """The message of a scan that found nothing to take."""
+    if only is not None:
+        found = f"none of the {len(only)} path(s) asked for is a file there any more"
+    elif excluded:
+        found = (
+            f"its {excluded} entr{'y is' if excluded == 1 else 'ies are'} all left out"
+            " (locks, *.tmp/*.partial files, names starting with '.', cachekeeper's own"
+            " .cachekeeper/)"
+        )
+    else:
+        found = "it is empty"
+    return (
+        f"nothing to push in {root}: {found}, so no file a snapshot takes (Inductor's"
+        " fxgraph/, aotautograd/, triton/, ...); is it the job's TORCHINDUCTOR_CACHE_DIR?"
+        " (--allow-empty publishes it anyway)"
+    )
 
 
 def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:
