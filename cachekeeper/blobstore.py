@@ -146,11 +146,28 @@ class LocalBlobStore:
             return self.put(iter(lambda: fh.read(CHUNK_BYTES), b""), digest=digest)
 
     def delete(self, digest: str) -> bool:
+        """Remove a blob; False when it is not there. Its shard folders are opened from
+        the root's descriptor without following a link (GC deletes here): a shard swapped
+        for a link deletes nothing elsewhere, and its blob counts as not there."""
+        require_digest(digest)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
         try:
-            self.path_for(digest).unlink()
-            return True
+            fd = os.open(self.root, flags)
         except FileNotFoundError:
             return False
+        try:
+            for shard in (digest[:2], digest[2:4]):
+                child = os.open(shard, flags | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = child
+            os.unlink(f"{digest}.zst", dir_fd=fd)
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                return False
+            raise OSError(exc.errno, exc.strerror, str(self.path_for(digest))) from exc
+        finally:
+            os.close(fd)
 
     def digests(self) -> Iterator[str]:
         if not self.root.is_dir():

@@ -15,7 +15,13 @@ The evidence hook (``cachekeeper/_evidence_hook/sitecustomize.py``) makes every 
 process the command starts (torchrun's ranks included) write its rank, device, cache
 counters and ending to that folder at exit; docs/workloads.md says why this and not
 torch's structured trace. Output (stdout and stderr together) goes to
-``<work>/log-<mode>-<index>.log``; its last lines are kept in the result.
+``<work>/log-<mode>-<index>.log``; its last lines are kept in the result, and before them
+the first line that reads like an error when the tail no longer holds it (a launcher's
+traceback after a rank's ``error: unrecognized arguments`` pushes that line out of it).
+
+A cold run that exits non-zero having compiled nothing (no process loaded torch's compiler,
+none raised, nothing in its cache dir: a usage error, a missing data file) is
+``command_failed``, not ``cold_compile_broken``: it says nothing about the cold compile.
 
 A timeout sends SIGTERM to every process of the command's tree (torchrun starts each rank
 in its own session, so a process group is not enough), then SIGKILL after a grace period.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +49,10 @@ EVIDENCE_HOOK = Path(__file__).resolve().parent / "_evidence_hook"
 _LOG_TAIL_LINES = 40
 _LOG_TAIL_BYTES = 64 * 1024
 _TICK_S = 30.0  # a progress line this often while a command runs
+# A line that reads like an error (argparse's "prog: error: ...", "ValueError: ...",
+# "FATAL ..."); the first one is kept in the report even when the tail has scrolled past it.
+_ERROR_LINE = re.compile(r"(?i)(\berror\b|\bfatal\b|\w(Error|Exception)\b)")
+_ELIDED = "..."
 _TERM_GRACE_S = 10.0
 
 
@@ -71,8 +82,11 @@ def read_evidence(folder: Path) -> tuple[ProcessEvidence, ...]:
 
 
 def _log_tail(path: Path) -> tuple[str, ...]:
+    """The log's last lines; preceded by its first error line and ``...`` when the tail
+    does not hold that line (see the module docstring)."""
     try:
         with open(path, "rb") as log:
+            head = log.read(_LOG_TAIL_BYTES).decode("utf-8", "replace")
             log.seek(0, os.SEEK_END)
             size = log.tell()
             log.seek(max(0, size - _LOG_TAIL_BYTES))
@@ -82,7 +96,29 @@ def _log_tail(path: Path) -> tuple[str, ...]:
     lines = text.splitlines()
     if size > _LOG_TAIL_BYTES and lines:
         lines = lines[1:]  # the first one is cut
-    return tuple(line[:500] for line in lines[-_LOG_TAIL_LINES:])
+    tail = [line[:500] for line in lines[-_LOG_TAIL_LINES:]]
+    first = _first_error(head.splitlines()[:-1] if size > _LOG_TAIL_BYTES else lines)
+    if first is not None and first[:500] not in tail:
+        return (first[:500], _ELIDED, *tail[1:])
+    return tuple(tail)
+
+
+def _first_error(lines: list[str]) -> str | None:
+    """The first line that reads like an error (not a traceback's header), if any."""
+    return next(
+        (ln for ln in lines if _ERROR_LINE.search(ln) and not ln.startswith("Traceback")), None
+    )
+
+
+def _compiled_nothing(processes: tuple[ProcessEvidence, ...], cache_dir: Path) -> bool:
+    """No process looked anything up or raised after loading torch's compiler, and the
+    cache dir the command ran against holds no file: the run never reached a compile."""
+    if any(p.compiled or p.exit_status == "exception" for p in processes):
+        return False
+    for _folder, _dirs, files in os.walk(cache_dir):
+        if files:
+            return False
+    return True
 
 
 def _descendants(root: int) -> list[int]:
@@ -232,10 +268,17 @@ def run_command(
     code = proc.returncode
     if code != 0:
         why = f"exited with status {code}" if code > 0 else f"killed by signal {-code}"
-        raised = next((p for p in read_evidence(evidence) if p.exit_status == "exception"), None)
+        processes = read_evidence(evidence)
+        raised = next((p for p in processes if p.exit_status == "exception"), None)
         if raised is not None:
             why += f"; {raised.label} raised {raised.error}"
-        tail = _log_tail(log_path)[-20:]
+        output = _log_tail(log_path)
+        tail = output[-20:] if _ELIDED not in output[:2] else (*output[:2], *output[-18:])
+        if mode == "prewarm" and _compiled_nothing(processes, cache_dir):
+            first = _first_error(list(output))
+            why += " before compiling anything" + (f": {first}" if first else "")
+            error = ErrorInfo("CommandFailed", why, name, traceback_tail=tail)
+            return failed("command_failed", error, exit_code=code)
         error = ErrorInfo("CommandFailed", why, name, traceback_tail=tail)
         return failed("error", error, exit_code=code)
     return CommandRun(

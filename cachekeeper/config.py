@@ -16,6 +16,9 @@ variable                            meaning (default)
 ``CACHEKEEPER_TOKEN``               the bearer token those commands send
 ``CACHEKEEPER_CA_BUNDLE``           a PEM file of CAs to trust for ``https://`` servers,
                                     besides the default ones (``--ca-bundle``)
+``CACHEKEEPER_ALLOW_PLAINTEXT``     ``1`` (or ``true``, ``yes``, ``on``): send the token
+                                    over plain ``http://`` to a host that is not loopback
+                                    (``--allow-plaintext``; default: refused)
 ``CACHEKEEPER_TRUSTED_KEYS``        public key files to trust, ``os.pathsep``-separated
 ``CACHEKEEPER_DEBUG``               any value: a traceback instead of the one-line error
 ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` a JSON object merged into the fingerprint (tests)
@@ -51,6 +54,7 @@ __all__ = [
     "SERVER",
     "TOKEN",
     "CA_BUNDLE",
+    "ALLOW_PLAINTEXT",
     "TRUSTED_KEYS",
     "DEBUG",
     "FINGERPRINT_OVERRIDES",
@@ -63,6 +67,7 @@ __all__ = [
     "node_cache_dir",
     "trusted_key_paths",
     "ca_bundle",
+    "allow_plaintext",
     "debug",
     "fingerprint_overrides",
     "package_version",
@@ -72,6 +77,7 @@ HOME = "CACHEKEEPER_HOME"
 SERVER = "CACHEKEEPER_SERVER"
 TOKEN = "CACHEKEEPER_TOKEN"
 CA_BUNDLE = "CACHEKEEPER_CA_BUNDLE"
+ALLOW_PLAINTEXT = "CACHEKEEPER_ALLOW_PLAINTEXT"
 TRUSTED_KEYS = "CACHEKEEPER_TRUSTED_KEYS"
 DEBUG = "CACHEKEEPER_DEBUG"
 FINGERPRINT_OVERRIDES = "CACHEKEEPER_FINGERPRINT_OVERRIDES"
@@ -113,6 +119,12 @@ def trusted_key_paths(environ: Mapping[str, str]) -> list[str]:
 def ca_bundle(environ: Mapping[str, str]) -> str | None:
     """``$CACHEKEEPER_CA_BUNDLE``: extra CAs for ``https://`` servers (None when unset)."""
     return environ.get(CA_BUNDLE) or None
+
+
+def allow_plaintext(environ: Mapping[str, str]) -> bool:
+    """``$CACHEKEEPER_ALLOW_PLAINTEXT`` is ``1``/``true``/``yes``/``on``: a client may send
+    its token over plain ``http://`` to a host that is not loopback (anything else: no)."""
+    return environ.get(ALLOW_PLAINTEXT, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def debug(environ: Mapping[str, str]) -> bool:

@@ -40,8 +40,11 @@ as httpx's exception tree lets them catch a transport or a timeout error:
   x LocalEnvironmentError          this machine: its dirs, settings, devices, drivers
     + CacheDirUnusable
     + LinkInCacheDir
+    + CacheDirChanged
+    + EmptyCacheDir
     + RestoreConflict
     + ConfigInvalid
+    + PlaintextRefused
     + DeviceInvalid
     + FingerprintUnavailable
     + CatalogCorrupt
@@ -81,6 +84,8 @@ __all__ = [
     "WorkloadNotFound",
     "NoMatchingSnapshot",
     "LinkInCacheDir",
+    "CacheDirChanged",
+    "EmptyCacheDir",
     "RestoreConflict",
     "CacheDirUnusable",
     "DeviceInvalid",
@@ -104,6 +109,7 @@ __all__ = [
     "RangeNotSatisfiable",
     "RequestTimeout",
     "ConfigInvalid",
+    "PlaintextRefused",
     "FingerprintUnavailable",
     "RateLimited",
     "CatalogCorrupt",
@@ -243,6 +249,22 @@ class LinkInCacheDir(LocalEnvironmentError):
     """A symbolic link inside a cache dir being snapshotted."""
 
     code = "link_in_cache_dir"
+    http_status = 422
+
+
+class CacheDirChanged(LocalEnvironmentError):
+    """A file of a cache dir that changed between the scan and the read (rewritten,
+    replaced or gone): nothing of it is used."""
+
+    code = "cache_dir_changed"
+    http_status = 409
+
+
+class EmptyCacheDir(LocalEnvironmentError):
+    """A cache dir with no file a snapshot takes, given to push (``--allow-empty`` to
+    publish it anyway): most often the wrong dir."""
+
+    code = "empty_cache_dir"
     http_status = 422
 
 
@@ -401,6 +423,15 @@ class ConfigInvalid(LocalEnvironmentError):
 
     code = "invalid_config"
     exit_code = 2
+
+
+class PlaintextRefused(LocalEnvironmentError):
+    """A bearer token (or a URL's password) that would travel over plain ``http://`` to a
+    host that is not loopback: use ``https://``, or ``--allow-plaintext`` to accept it."""
+
+    code = "plaintext_refused"
+    http_status = 400
+    exit_code = 2  # a usage error: the command line (or its variables) must change
 
 
 class FingerprintUnavailable(LocalEnvironmentError):

@@ -8,6 +8,12 @@ Temp names are ``.<name>.<random>.tmp``: snapshots never include ``*.tmp`` files
 
 Writers that stream and verify as they go (the blob store, the restore writer) apply the
 same rule with their own temp folders; this module is for files written in one piece.
+
+**Secrets** (an env file holding a node's token, a key): ``atomic_write_secret`` creates
+the temp file ``0600`` in the ``open`` itself (``O_CREAT | O_EXCL | O_NOFOLLOW``), never
+readable by others for an instant: a ``chmod`` after the open would leave a window in
+which another local user opens the file and keeps reading it. The rename then replaces
+whatever was at the destination (a ``0644`` file, a link) rather than writing through it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import BinaryIO
 __all__ = [
     "atomic_writer",
     "atomic_write_bytes",
+    "atomic_write_secret",
     "atomic_write_text",
     "fsync_dir",
     "unwritable_dir",
@@ -79,13 +86,18 @@ def atomic_writer(path: Path, *, mode: int | None = None) -> Iterator[BinaryIO]:
     """A binary file that appears at ``path`` only when the ``with`` block succeeds.
 
     ``mode`` sets the permission bits (default: what ``open`` gives, i.e. 0o666 & ~umask).
+    The temp file is created with them (the umask can only take bits away), so a narrow
+    mode is never wider for an instant; bits the umask took are given back before a byte
+    is written.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        with open(tmp, "wb") as out:
-            if mode is not None:
-                os.fchmod(out.fileno(), mode)
+        fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "wb") as out:
+            if mode is not None and os.fstat(fd).st_mode & 0o7777 != mode:
+                os.fchmod(fd, mode)  # only ever adds bits the umask took: never a secret's
             yield out
             out.flush()
             os.fsync(out.fileno())
@@ -99,6 +111,12 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> N
     """Write ``data`` to ``path`` atomically and durably (see the module docstring)."""
     with atomic_writer(path, mode=mode) as out:
         out.write(data)
+
+
+def atomic_write_secret(path: Path, text: str, *, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically, readable by its owner only (``0600`` from the
+    moment the temp file exists: see the module docstring)."""
+    atomic_write_bytes(path, text.encode(encoding), mode=0o600)
 
 
 def atomic_write_text(path: Path, text: str, *, encoding: str = "utf-8") -> None:

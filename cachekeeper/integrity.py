@@ -70,11 +70,12 @@ def require_digest(value: object, *, what: str = "blob digest") -> str:
     return value
 
 
-def hash_file(path: Path) -> tuple[str, int]:
-    """(sha256 hex, size in bytes) of a file, read in ``CHUNK_BYTES`` chunks."""
+def hash_file(path: Path | int) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, read in ``CHUNK_BYTES`` chunks. An open
+    descriptor (an ``int``) is read from where it is, and left open."""
     hasher = hashlib.sha256()
     size = 0
-    with open(path, "rb", buffering=0) as fh:
+    with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as fh:
         while chunk := fh.read(CHUNK_BYTES):
             hasher.update(chunk)
             size += len(chunk)

@@ -60,6 +60,8 @@ class NodeDir:
     snapshot_id: str | None  # the snapshot the newest restore here left its marker for
     matches_node: bool  # this node's environment (at some thread count) uses it
     in_use: str | None  # why it is in use now (a process, the lock), else None
+    dev: int = 0  # the folder the scan saw (device, inode): a prune deletes only that one
+    ino: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,17 +88,41 @@ class PrunePlan:
         return sum(d.size_bytes for d in self.dirs)
 
     def execute(self) -> list[NodeDir]:
-        """Delete each planned dir that is still not in use; returns the ones deleted."""
+        """Delete each planned dir that is still the folder the scan saw and still not in
+        use; returns the ones deleted.
+
+        Deletion is relative to a descriptor of ``<home>/inductor``: the dir's name is
+        ``fstatat``-ed there without following a link and must be the scanned folder
+        (device and inode), and ``shutil.rmtree`` runs from that descriptor (it opens
+        every level with ``O_NOFOLLOW``), so a dir swapped for a link after the plan
+        deletes nothing outside it.
+        """
         gone = []
         for node_dir in self.dirs:
-            if _in_use(node_dir.path, _process_uses()) is not None:
-                continue  # a job started on it since the plan
             try:
-                if stat.S_ISLNK(os.lstat(node_dir.path).st_mode):
-                    continue
-            except FileNotFoundError:
+                parent_fd = os.open(node_dir.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
                 continue
-            shutil.rmtree(node_dir.path)
+            try:
+                name = node_dir.path.name
+                try:
+                    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (
+                    node_dir.dev,
+                    node_dir.ino,
+                ):
+                    continue  # a link, or another folder, since the plan
+                if _in_use(node_dir.path, _process_uses()) is not None:
+                    continue  # a job started on it since the plan
+                try:
+                    shutil.rmtree(name, dir_fd=parent_fd)
+                except OSError as exc:  # its names are relative to the descriptor: name it
+                    where = node_dir.path.parent / os.fsdecode(exc.filename or name)
+                    raise OSError(exc.errno, exc.strerror, str(where)) from exc
+            finally:
+                os.close(parent_fd)
             gone.append(node_dir)
         return gone
 
@@ -141,10 +167,11 @@ def scan_node_dirs(environ: Mapping[str, str] | None = None) -> list[NodeDir]:
     for name in names:
         path = root / name
         try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                continue  # a link or a file: not a dir the hook made
+            st = os.lstat(path)
         except OSError:
             continue
+        if not stat.S_ISDIR(st.st_mode):
+            continue  # a link or a file: not a dir the hook made
         size, count, newest = _walk(path)
         rows.append(
             NodeDir(
@@ -156,6 +183,8 @@ def scan_node_dirs(environ: Mapping[str, str] | None = None) -> list[NodeDir]:
                 snapshot_id=_restored_snapshot(path),
                 matches_node=name in ours,
                 in_use=_in_use(path, uses),
+                dev=st.st_dev,
+                ino=st.st_ino,
             )
         )
     epoch = datetime.fromtimestamp(0, UTC)
@@ -216,8 +245,10 @@ def _walk(path: Path) -> tuple[int, int, float]:
 
 
 def _process_uses() -> list[tuple[int, set[str]]]:
-    """(pid, paths it uses: TORCHINDUCTOR_CACHE_DIR, cwd, open files) of every process this
-    user may inspect in /proc (others' are not visible: they cannot be told apart)."""
+    """(pid, real paths it uses: TORCHINDUCTOR_CACHE_DIR, cwd, open files) of every
+    process this user may inspect in /proc (others' are not visible: they cannot be told
+    apart). Every path is a real path (links resolved), as ``_in_use`` compares them: a
+    job that names its dir through a link (a home that is a link) uses the same dir."""
     out: list[tuple[int, set[str]]] = []
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -228,11 +259,14 @@ def _process_uses() -> list[tuple[int, set[str]]]:
             continue
         paths: set[str] = set()
         try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            paths.add(cwd)
             raw = Path(f"/proc/{pid}/environ").read_bytes()
             for item in raw.split(b"\0"):
                 if item.startswith(b"TORCHINDUCTOR_CACHE_DIR="):
-                    paths.add(os.path.abspath(os.fsdecode(item.split(b"=", 1)[1])))
-            paths.add(os.readlink(f"/proc/{pid}/cwd"))
+                    value = os.fsdecode(item.split(b"=", 1)[1])
+                    if value:  # relative to the process's own working dir, not ours
+                        paths.add(os.path.realpath(os.path.join(cwd, value)))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
                     paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
@@ -245,7 +279,7 @@ def _process_uses() -> list[tuple[int, set[str]]]:
 
 
 def _in_use(path: Path, uses: list[tuple[int, set[str]]]) -> str | None:
-    where = os.path.realpath(path)
+    where = os.path.realpath(path)  # /proc's links and _process_uses' paths are real paths
     for pid, paths in uses:
         for used in paths:
             if used == where or used.startswith(where + os.sep):

@@ -11,7 +11,8 @@
    every Python process it starts reports its counters.
 3. If any child's workload raised, or a command exited non-zero, the cold compile is
    broken: the report says ``cold_compile_broken`` with the exception (or the command's
-   last output lines), and nothing is merged. Any other failure (crash, timeout, an import
+   last output lines), and nothing is merged; a command that exited non-zero having
+   compiled nothing is ``command_failed`` instead (``cachekeeper.commands``). Any other failure (crash, timeout, an import
    path that does not resolve, a command that cannot start) is ``failed``; nothing is
    merged either.
 4. Otherwise every staging dir is merged into ``cache_dir`` with the restore rules
@@ -32,10 +33,11 @@ from typing import Any
 
 from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.commands import run_command
-from cachekeeper.errors import CachekeeperError
+from cachekeeper.errors import CacheDirUnusable, CachekeeperError
 from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import merge_tree
+from cachekeeper.restore.marker import unusable_reason
 from cachekeeper.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.verify import verify
 from cachekeeper.workload import Workload
@@ -55,11 +57,17 @@ def prewarm(
     then verify.
 
     Never raises for what the workload does (see ``PrewarmReport.status``); raises
-    PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
+    CacheDirUnusable, before anything is compiled, when ``cache_dir`` cannot be filled
+    (``marker.unusable_reason``: a file created, written and renamed in it and in its
+    ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
     and each command run. ``devices`` are where ``[[attention]]`` and ``[[entrypoint]]``
     run; a command's ranks choose their own.
     """
     cache_dir = Path(cache_dir).absolute()
+    # Before minutes of compiling: a dir the merge could not fill fails now, naming it.
+    problem = unusable_reason(cache_dir)
+    if problem is not None:
+        raise CacheDirUnusable(f"cannot prewarm into {cache_dir}: {problem}; nothing was compiled")
     started = time.monotonic()
     in_children = bool(workload.regimes or workload.entrypoints)
     child_devices = list(devices) if in_children else []

@@ -13,10 +13,18 @@ Nothing is deleted: the old files stay, as they were, in::
 A link, a folder or anything else at a snapshot path is left where it is (a restore never
 writes through what it did not create), and stays a conflict. Scan -> plan -> execute, as
 the stores do: ``plan_set_aside`` touches nothing, ``SetAside.execute`` moves.
+
+Between the plan and the move, the dir may change under our feet (another local user who
+can write there swaps a folder for a link, hoping the move takes a file from elsewhere).
+So ``execute`` moves relative to descriptors: each folder from the cache dir down is
+opened with ``O_NOFOLLOW | O_DIRECTORY``, the file is ``fstatat``-ed in its folder without
+following a link, and only the very file the plan saw (device and inode) is renamed, from
+that folder's descriptor into the set-aside folder's. Anything else stays where it is.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -29,6 +37,8 @@ from cachekeeper.restore.writer import links_above
 
 __all__ = ["SetAside", "plan_set_aside"]
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 @dataclass(frozen=True)
 class SetAside:
@@ -38,42 +48,107 @@ class SetAside:
     folder: Path  # cache_dir/.cachekeeper/set-aside/<UTC time>
     paths: tuple[str, ...]  # regular files that differ from the snapshot: moved
     kept: tuple[str, ...]  # links, folders, files below a link: left as they are
+    identities: tuple[tuple[int, int], ...] = ()  # (device, inode) of each of ``paths``
 
     def execute(self) -> list[str]:
         """Move each file aside (a rename on the same filesystem); returns those moved.
 
-        A file gone since the plan is skipped; one that cannot be moved raises OSError
-        naming it, with the files moved so far already aside (a rerun plans again).
+        A file gone since the plan, or no longer the one it saw (another file, a link, a
+        link or a file above it), is left where it is; one that cannot be moved raises
+        OSError naming it, with the files moved so far already aside (a rerun plans again).
         """
         moved = []
         aside = self.folder.relative_to(self.cache_dir / STATE_DIR).as_posix()
-        # Every folder on the way is opened from a descriptor without following a link
-        # (marker.StateDir): a link planted in .cachekeeper/ cannot send a file elsewhere.
-        with state_dir(self.cache_dir, create=True) as state:
+        identities = dict(zip(self.paths, self.identities, strict=True))
+        # Every folder on the way is opened from a descriptor without following a link,
+        # on both sides: the cache dir's (_Walk) and .cachekeeper's (marker.StateDir).
+        with state_dir(self.cache_dir, create=True) as state, _Walk(self.cache_dir) as walk:
             for rel in self.paths:
-                folder, _, name = f"{aside}/{rel}".rpartition("/")
+                source = walk.folder_of(rel)
+                if source is None:
+                    continue  # a link or a file above it now: not what the plan saw
+                src_fd, name = source
                 try:
-                    os.rename(self.cache_dir / rel, name, dst_dir_fd=state.folders(folder))
+                    st = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != identities[rel]:
+                    continue  # replaced since the plan: the restore reports it, as it is
+                folder, _, aside_name = f"{aside}/{rel}".rpartition("/")
+                try:
+                    os.rename(name, aside_name, src_dir_fd=src_fd, dst_dir_fd=state.folders(folder))
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise OSError(exc.errno, exc.strerror, str(self.cache_dir / rel)) from exc
                 moved.append(rel)
         return moved
+
+
+class _Walk:
+    """Folders of a cache dir, each opened from its parent's descriptor without following
+    a link (one walk per folder, kept open until ``close``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._fds: dict[str, int | None] = {"": self.root_fd}
+
+    def folder_of(self, rel: str) -> tuple[int, str] | None:
+        """(descriptor of the folder holding ``rel``, its name), or None past a link."""
+        folder, _, name = rel.rpartition("/")
+        fd = self._open(folder)
+        return None if fd is None else (fd, name)
+
+    def _open(self, rel_dir: str) -> int | None:
+        if rel_dir in self._fds:
+            return self._fds[rel_dir]
+        parent, _, name = rel_dir.rpartition("/")
+        parent_fd = self._open(parent)
+        fd = None
+        if parent_fd is not None:
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    raise OSError(exc.errno, exc.strerror, str(self.root / rel_dir)) from exc
+        self._fds[rel_dir] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> _Walk:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def plan_set_aside(cache_dir: Path, conflicts: Iterable[str]) -> SetAside:
     """Plan moving the regular files at ``conflicts`` (a restore's) out of the way."""
     root = Path(cache_dir)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
-    movable, kept = [], []
+    movable, kept, identities = [], [], []
     verdicts: dict[str, bool] = {}
     for rel in sorted(set(conflicts)):
         try:
-            regular = stat.S_ISREG(os.lstat(root / rel).st_mode)
+            st = os.lstat(root / rel)
         except OSError:
-            regular = False
-        if regular and not links_above(root, rel, verdicts):
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode) and not links_above(root, rel, verdicts):
             movable.append(rel)
+            identities.append((st.st_dev, st.st_ino))
         else:
             kept.append(rel)
     folder = root / STATE_DIR / "set-aside" / stamp
-    return SetAside(cache_dir=root, folder=folder, paths=tuple(movable), kept=tuple(kept))
+    return SetAside(
+        cache_dir=root,
+        folder=folder,
+        paths=tuple(movable),
+        kept=tuple(kept),
+        identities=tuple(identities),
+    )

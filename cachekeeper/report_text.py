@@ -111,6 +111,11 @@ def format_prewarm(report: PrewarmReport) -> str:
         lines.append(f"  {report.error.type}: {report.error.message}")
     if report.status == "cold_compile_broken":
         lines.append("  nothing was merged into the cache dir")
+    if report.status == "command_failed":
+        lines.append(
+            "  nothing was merged into the cache dir: the command failed before compiling"
+            " anything (its first error line is above); fix the command and prewarm again"
+        )
     if report.verify is not None:
         lines.append(format_verify(report.verify))
     return "\n".join(lines)

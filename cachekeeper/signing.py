@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, SignatureInvalid
+from cachekeeper.fsutil import atomic_write_bytes
 from cachekeeper.manifest import Manifest
 
 __all__ = [
@@ -84,9 +86,17 @@ def generate_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, str]:
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     key_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key_pem)
+    # The private key appears whole or not at all, 0600 from its creation, and never over
+    # an existing file: a 0600 temp file (fsutil's rule), then a hard link to its name
+    # (which fails if the name exists, a link included), then the temp name goes.
+    tmp = key_path.with_name(f".{key_path.name}.{uuid.uuid4().hex}.tmp")
+    atomic_write_bytes(tmp, key_pem, mode=0o600)
+    try:
+        os.link(tmp, key_path, follow_symlinks=False)
+    except FileExistsError as exc:
+        raise CachekeeperError(f"{key_path} already exists; refusing to overwrite a key") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
     pub_path.write_bytes(pub_pem)
     return key_path, pub_path, _key_id(_raw_public(private.public_key()))
 

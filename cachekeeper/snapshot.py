@@ -28,11 +28,12 @@ import zstandard
 from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.errors import EmptyCacheDir
 from cachekeeper.fsutil import atomic_writer
-from cachekeeper.integrity import digest_of, hash_file
+from cachekeeper.integrity import CHUNK_BYTES, digest_of, hash_file
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu, recorded_workloads
-from cachekeeper.scan import is_excluded, scan_dir
+from cachekeeper.scan import CacheTree, ScannedFile, is_excluded, scan_dir
 from cachekeeper.signing import load_signing_key, sign_manifest
 from cachekeeper.store import LocalStore
 
@@ -65,18 +66,21 @@ def devices_of(root: Path, fingerprint: fingerprint_mod.Fingerprint) -> list[str
     return [f"cuda:{g['index']}" for g in gpus]
 
 
-def _store_file(blobs: LocalBlobStore, path: Path) -> tuple[str, int]:
-    """Hash ``path`` and put it in ``blobs`` unless present; reads small files once."""
-    size = path.stat().st_size
-    if size <= _SMALL_FILE_BYTES:
-        data = path.read_bytes()
-        digest = digest_of(data)
+def _store_file(blobs: LocalBlobStore, tree: CacheTree, scanned: ScannedFile) -> tuple[str, int]:
+    """Hash the file the scan saw and put it in ``blobs`` unless present; reads it once
+    (twice when large and new: hash, then store, which checks the hash again). Read
+    through ``tree``: a link or another file in its place since the scan is refused."""
+    with tree.reading(scanned) as fh:
+        if scanned.size_bytes <= _SMALL_FILE_BYTES:
+            data = fh.read()
+            digest = digest_of(data)
+            if not blobs.has(digest):
+                blobs.put([data], digest=digest, size_bytes=len(data))
+            return digest, len(data)
+        digest, size = hash_file(fh.fileno())
         if not blobs.has(digest):
-            blobs.put([data], digest=digest, size_bytes=len(data))
-        return digest, len(data)
-    digest, size = hash_file(path)
-    if not blobs.has(digest):
-        blobs.put_file(path, digest=digest)
+            fh.seek(0)
+            blobs.put(iter(lambda: fh.read(CHUNK_BYTES), b""), digest=digest, size_bytes=size)
     return digest, size
 
 
@@ -92,6 +96,7 @@ def snapshot_dir(
     sign_key: str | os.PathLike[str] | None = None,
     only: Collection[str] | None = None,
     parent: str | None = None,
+    allow_empty: bool = True,
 ) -> Manifest:
     """Hash every file of ``root``, put new blobs in ``store``, save and return the manifest.
 
@@ -100,6 +105,9 @@ def snapshot_dir(
 
     With ``sign_key`` (an Ed25519 ``PREFIX.key``), the manifest is signed before it is
     saved; the key is read first, so a bad key fails before any hashing.
+
+    Without ``allow_empty``, a dir holding no file a snapshot takes raises
+    ``EmptyCacheDir`` saying what was scanned, before anything is saved.
 
     With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
     ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``,
@@ -123,20 +131,27 @@ def snapshot_dir(
             stats = record.get("stats")
             workload_digest = workload_digest or record.get("workload_digest")
             devices = devices if devices is not None else record.get("devices")
-    files = scan_dir(root)
-    if only is not None:
-        wanted = set(only)
-        files = [f for f in files if f[0] in wanted]
     fp = fingerprint if fingerprint is not None else fingerprint_mod.collect()
     compiled_under = recorded_cpu(record)
     if compiled_under is not None:
         # What the prewarm's children compiled under, whoever asks: a fingerprint passed in
         # (the agent's, a push's) says where the caller runs, not what built the caches.
         fp = fingerprint_mod.with_cpu(fp, compiled_under)
-    entries = []
-    for rel, path, mode in files:
-        digest, size = _store_file(store.blobs, path)
-        entries.append(FileEntry(path=rel, digest=digest, size_bytes=size, mode=mode))
+    with CacheTree(root) as tree:
+        files = tree.scan()
+        if only is not None:
+            wanted = set(only)
+            files = [f for f in files if f.rel in wanted]
+        if not files and not allow_empty:
+            raise EmptyCacheDir(_nothing_in(root, excluded=tree.excluded, only=only))
+        # Each file is read relative to the scan's descriptors and must be the one scanned
+        # (cachekeeper.scan): a link swapped in after the scan is refused, never followed.
+        entries = []
+        for scanned in files:
+            digest, size = _store_file(store.blobs, tree, scanned)
+            entries.append(
+                FileEntry(path=scanned.rel, digest=digest, size_bytes=size, mode=scanned.mode)
+            )
     manifest = Manifest(
         files=tuple(entries),
         fingerprint=fp,
@@ -151,6 +166,25 @@ def snapshot_dir(
         manifest = sign_manifest(manifest, sign_key)
     store.save_manifest(manifest)
     return manifest
+
+
+def _nothing_in(root: Path, *, excluded: int, only: Collection[str] | None) -> str:
+    """The message of a scan that found nothing to take."""
+    if only is not None:
+        found = f"none of the {len(only)} path(s) asked for is a file there any more"
+    elif excluded:
+        found = (
+            f"its {excluded} entr{'y is' if excluded == 1 else 'ies are'} all left out"
+            " (locks, *.tmp/*.partial files, names starting with '.', cachekeeper's own"
+            " .cachekeeper/)"
+        )
+    else:
+        found = "it is empty"
+    return (
+        f"nothing to push in {root}: {found}, so no file a snapshot takes (Inductor's"
+        " fxgraph/, aotautograd/, triton/, ...); is it the job's TORCHINDUCTOR_CACHE_DIR?"
+        " (--allow-empty publishes it anyway)"
+    )
 
 
 def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:

@@ -38,14 +38,18 @@ __all__ = [
 ]
 
 DeviceStatus = Literal["ok", "error", "invalid", "crashed", "timeout"]
-# A command: "ok" exit 0, "error" exit non-zero, "invalid" could not start, "timeout" killed.
-CommandStatus = Literal["ok", "error", "invalid", "timeout"]
+# A command: "ok" exit 0, "error" exit non-zero, "invalid" could not start, "timeout" killed,
+# "command_failed" a cold run that exited non-zero having compiled nothing (a usage error).
+CommandStatus = Literal["ok", "error", "invalid", "timeout", "command_failed"]
 VerifyStatus = Literal["verified", "not_effective", "failed"]
-PrewarmStatus = Literal["verified", "not_effective", "cold_compile_broken", "failed"]
+PrewarmStatus = Literal[
+    "verified", "not_effective", "cold_compile_broken", "command_failed", "failed"
+]
 _EXIT_CODES = {
     "verified": 0,
     "not_effective": 1,
     "failed": PrewarmFailed.exit_code,
+    "command_failed": PrewarmFailed.exit_code,  # an error of the command, not of a compile
     "cold_compile_broken": ColdCompileBroken.exit_code,
 }
 
@@ -477,6 +481,8 @@ class PrewarmReport:
         runs: tuple[DeviceRun | CommandRun, ...] = (*self.devices, *self.commands)
         if any(run.status == "error" for run in runs):
             return "cold_compile_broken"
+        if any(run.status == "command_failed" for run in self.commands):
+            return "command_failed"  # exited non-zero before compiling anything
         if self.error is not None or any(run.status != "ok" for run in runs):
             return "failed"
         if self.verify is None:

@@ -93,6 +93,8 @@ class CacheClient:
 
     ``transport`` replaces httpx's network transport (tests pass ``httpx.MockTransport``).
     ``deadline_s`` bounds every call of the client together, retries included.
+    A ``token`` for an ``http://`` server that is not loopback raises ``PlaintextRefused``
+    unless ``allow_plaintext`` (None: ``--allow-plaintext`` / its setting).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class CacheClient:
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
         deadline_s: float | None = None,
+        allow_plaintext: bool | None = None,
     ) -> None:
         # One deadline for every call of this client (an operator command's --timeout);
         # a call's own ``deadline`` replaces it.
@@ -117,8 +120,14 @@ class CacheClient:
         self._has_token = bool(token)
         self.timeout_s = timeout_s
         self.backoff = Backoff(retries=retries, base_s=backoff_s)
+        # A token for a plain-http server that is not loopback is PlaintextRefused here
+        # (calls.refuse_plaintext; allow_plaintext None: --allow-plaintext's setting).
         self._http = http_client(
-            base_url=root, token=token, timeout_s=timeout_s, transport=transport
+            base_url=root,
+            token=token,
+            timeout_s=timeout_s,
+            transport=transport,
+            allow_plaintext=allow_plaintext,
         )
 
     def close(self) -> None:

@@ -25,6 +25,18 @@ A server URL may carry a user name and password (``http://user:pw@cache:8750``, 
 in front of the server); ``redact_url`` is the form every message, log line and job report
 shows, so the password is never echoed on stderr or stored on the server.
 
+- ``refuse_plaintext(url, token=..., allow=...)`` is the one plaintext rule of every client
+  path that sends a credential (``CacheClient``'s httpx client, the hook's ``post_json``,
+  the per-key tier's URL): a bearer token, or a password in the URL, never travels over
+  plain ``http://`` to a host that is not loopback (``localhost``, 127.0.0.0/8, ``::1``)
+  unless ``allow`` (``--allow-plaintext``, ``$CACHEKEEPER_ALLOW_PLAINTEXT``:
+  ``plaintext_allowed``). Anyone on the path would read it, and with it write cache bytes
+  every node then runs. Presigned object-store URLs carry no token and are exempt.
+- ``tls_hint(url, text)`` is the advice a failed request's message ends with when the
+  failure says TLS is wrong: ``http://`` to a server that speaks TLS ("use https://"),
+  ``https://`` to one that does not ("use http://"), a certificate no trusted CA signed
+  ("--ca-bundle"). ``speaks_tls`` asks the port itself, once, on the error path only.
+
 Stdlib only: the pre-job hook uses them before it knows whether it needs the HTTP client
 (``cachekeeper.client.api``, which re-exports ``Deadline`` and ``server_root``).
 """
@@ -40,7 +52,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from cachekeeper import config
-from cachekeeper.errors import ConfigInvalid, ServerUnavailable
+from cachekeeper.errors import ConfigInvalid, PlaintextRefused, ServerUnavailable
 
 if TYPE_CHECKING:
     import ssl
@@ -54,11 +66,16 @@ __all__ = [
     "Backoff",
     "Deadline",
     "endpoint",
+    "is_loopback_host",
+    "plaintext_allowed",
     "read_within",
     "redact_url",
+    "refuse_plaintext",
     "request_headers",
     "server_root",
+    "speaks_tls",
     "tls_context",
+    "tls_hint",
 ]
 
 USER_AGENT = "cachekeeper-client"
@@ -233,3 +250,91 @@ def read_within(
         if total > limit:
             raise over()
     return b"".join(parts)  # one copy: at most twice the limit is ever held
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ``::1``), as written:
+    a host name is never resolved (it may resolve anywhere, and resolving costs time)."""
+    import ipaddress  # only when a credential would travel over http: the hook's budget
+
+    name = host.strip().strip("[]").rstrip(".").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def plaintext_allowed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``--allow-plaintext`` / ``$CACHEKEEPER_ALLOW_PLAINTEXT`` is given."""
+    return config.allow_plaintext(os.environ if environ is None else environ)
+
+
+def refuse_plaintext(url: str, *, token: str | None, allow: bool) -> None:
+    """Raise ``PlaintextRefused`` when a request to ``url`` would send ``token`` (or the
+    URL's own password) in clear text to a host that is not loopback, unless ``allow``
+    (see the module docstring). Any other URL passes."""
+    if allow:
+        return
+    try:
+        parts = urlsplit(url.strip())
+        host, password = parts.hostname or "", parts.password
+    except ValueError:
+        return  # not a URL: the request itself says so
+    if parts.scheme.lower() != "http" or not (token or password):
+        return
+    if is_loopback_host(host):
+        return
+    what = "the bearer token" if token else "the password in the URL"
+    raise PlaintextRefused(
+        f"refusing to send {what} to {redact_url(url)} in clear text ({host} is not a"
+        f" loopback address): use https:// or --allow-plaintext"
+        f" ({config.ALLOW_PLAINTEXT}=1)",
+        extra={"host": host},
+    )
+
+
+def speaks_tls(host: str, port: int, *, timeout_s: float = 2.0) -> bool:
+    """True when ``host:port`` completes a TLS handshake (certificate not checked: only
+    whether the port speaks TLS). Asked once, after a plain-http request failed."""
+    import socket
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            with context.wrap_socket(sock, server_hostname=host or None):
+                return True
+    except (OSError, ValueError):
+        return False
+
+
+def tls_hint(url: str, text: str, *, timeout_s: float = 2.0) -> str:
+    """The advice for a request to ``url`` that failed with ``text`` (its error), or ``""``
+    (see the module docstring). A plain-http request that the server cut off (not one that
+    timed out or was refused) asks the port whether it speaks TLS, within ``timeout_s``."""
+    try:
+        parts = urlsplit(url)
+        scheme, host = parts.scheme.lower(), parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        return ""
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (
+            f"; the certificate of {host} is not signed by a CA this client trusts: pass"
+            f" --ca-bundle PEM (or set {config.CA_BUNDLE}) with the CA that signed it"
+        )
+    if scheme == "https" and ("WRONG_VERSION_NUMBER" in text or "record layer" in text):
+        return f"; {host}:{port} does not speak TLS: use http:// instead of https://"
+    cut_off = not any(word in text.lower() for word in ("timed out", "timeout", "refused"))
+    if (
+        scheme == "http"
+        and cut_off
+        and timeout_s > 0
+        and speaks_tls(host, port, timeout_s=timeout_s)
+    ):
+        return f"; {host}:{port} speaks TLS: use https://{parts.netloc.rpartition('@')[2]}"
+    return ""

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachekeeper import config
-from cachekeeper.errors import CachekeeperError, FingerprintUnavailable
+from cachekeeper.errors import CachekeeperError, FingerprintUnavailable, PlaintextRefused
 from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
-from cachekeeper.scan import scan_dir
+from cachekeeper.scan import scan_files
 from cachekeeper.wire import JobReport
 
-from .calls import Deadline
+from .calls import Deadline, plaintext_allowed, refuse_plaintext
 from .job_reports import job_id, node_name, report_answer, utc_now
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
@@ -122,7 +122,9 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     Raises OSError (and LinkInCacheDir) when the dir cannot be read.
     """
     root = Path(cache_dir)
-    present = {rel: path for rel, path, _mode in scan_dir(root)}
+    # Sizes as the scan saw them (cachekeeper.scan, through descriptors): nothing is
+    # reached by a path again, so a file swapped for a link meanwhile is never followed.
+    present = {f.rel: f.size_bytes for f in scan_files(root)}
     baseline: set[str] = set()
     snapshot_id = None
     for _mtime, marker_id, files in _markers(root):
@@ -136,10 +138,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     entries: dict[str, set[str]] = {k: set() for k in KINDS}
     kind_bytes = dict.fromkeys(KINDS, 0)
     for rel in sorted(present.keys() - baseline):
-        try:
-            size = present[rel].stat().st_size
-        except FileNotFoundError:
-            continue  # removed since the scan (a cache cleaning up its temp files)
+        size = present[rel]
         new.append((rel, size))
         kind = kind_of(rel)
         entries[kind].add(_entry_of(rel))
@@ -339,30 +338,35 @@ def postjob(
             error=f"cannot read {target}: {detail}",
         )
     outcome = "compiled" if diff.compiled else "clean"
-    answer = report and report_answer(
-        server,
-        JobReport(
-            phase="postjob",
-            outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
-            workload=workload,
-            fingerprint_digest=digest,
-            snapshot_id=diff.snapshot_id,
-            node=node_name(),
-            devices=list(devices or []),
-            new_fxgraph=diff.entries["fxgraph"],
-            new_aotautograd=diff.entries["aotautograd"],
-            new_triton=diff.entries["triton"],
-            new_other=diff.entries["other"],
-            new_bytes=diff.new_bytes,
-            started_at=started_at,
-            finished_at=utc_now(),
-            job=job_id(target, environ=env, start=False),
-        ),
-        token=token,
-        timeout_s=deadline.remaining() or 0.0,
+    refused = _plaintext_refused(server, token=token, environ=env) if report else None
+    answer = (
+        report
+        and refused is None
+        and report_answer(
+            server,
+            JobReport(
+                phase="postjob",
+                outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
+                workload=workload,
+                fingerprint_digest=digest,
+                snapshot_id=diff.snapshot_id,
+                node=node_name(),
+                devices=list(devices or []),
+                new_fxgraph=diff.entries["fxgraph"],
+                new_aotautograd=diff.entries["aotautograd"],
+                new_triton=diff.entries["triton"],
+                new_other=diff.entries["other"],
+                new_bytes=diff.new_bytes,
+                started_at=started_at,
+                finished_at=utc_now(),
+                job=job_id(target, environ=env, start=False),
+            ),
+            token=token,
+            timeout_s=deadline.remaining() or 0.0,
+        )
     )
     reported = bool(answer)
-    warning = None
+    warning = None if refused is None else f"not reported: {refused}"
     pushed = None
     offered = True
     if push:
@@ -399,6 +403,17 @@ def postjob(
         pushed_offered=offered,
         unknown_workload=answer.warning if answer else None,
     )
+
+
+def _plaintext_refused(
+    server: str | None, *, token: str | None, environ: Mapping[str, str]
+) -> str | None:
+    """Why the report may not be sent (the token would go in clear text), else None."""
+    try:
+        refuse_plaintext(server or "", token=token, allow=plaintext_allowed(environ))
+    except PlaintextRefused as exc:
+        return exc.detail
+    return None
 
 
 def _harvest(

@@ -71,7 +71,7 @@ from cachekeeper.errors import (
     Unauthorized,
 )
 from cachekeeper.fingerprint import GPU_TIMEOUT_S, Fingerprint, collect, digest_of
-from cachekeeper.fsutil import atomic_write_text, unwritable_dir
+from cachekeeper.fsutil import atomic_write_secret, unwritable_dir
 from cachekeeper.restore.marker import held_snapshot, is_restored
 from cachekeeper.signing import load_trusted_keys
 from cachekeeper.wire import (
@@ -168,10 +168,11 @@ def export_lines(exports: Mapping[str, str]) -> str:
 
 def write_env_file(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically and durably (``cachekeeper.fsutil``'s rule),
-    creating its folder."""
+    creating its folder. The file is ``0600`` from its creation (``atomic_write_secret``):
+    its exports may carry the node's token (the per-key tier's URL)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, text)
+    atomic_write_secret(path, text)
 
 
 def cold_line(reason: str, *, held_snapshot_id: str | None = None) -> str:

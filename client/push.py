@@ -179,8 +179,12 @@ def push(
     parent: str | None = None,
     publish_timeout_s: float | None = None,
     on_publish: PublishStart | None = None,
+    allow_empty: bool = False,
 ) -> PushReport:
     """Snapshot ``cache_dir`` into the local store, upload what the server lacks, publish.
+
+    A dir with no file a snapshot takes is ``EmptyCacheDir`` (saying what was scanned)
+    before anything is saved or uploaded, unless ``allow_empty``.
 
     The publish waits ``publish_timeout_s`` (default: ``publish_timeout_for`` the
     snapshot); ``on_publish`` is told what the server checks, and for how long the push
@@ -216,6 +220,7 @@ def push(
             parent=parent,
             publish_timeout_s=publish_timeout_s,
             on_publish=on_publish,
+            allow_empty=allow_empty,
         )
     except (Unauthorized, Forbidden) as exc:
         if exc.extra.get("scope") == "write":
@@ -271,6 +276,7 @@ def _push(
     parent: str | None = None,
     publish_timeout_s: float | None = None,
     on_publish: PublishStart | None = None,
+    allow_empty: bool = False,
 ) -> PushReport:
     if require_registered:
         check_registered(client, workload)
@@ -289,6 +295,7 @@ def _push(
         sign_key=sign_key,
         only=only,
         parent=parent,
+        allow_empty=allow_empty,
     )
     done = upload_missing(manifest, client=client, store=store, workers=workers, progress=progress)
     sizes = {f.digest: f.size_bytes for f in manifest.files}

@@ -48,10 +48,13 @@ from .calls import (
     Backoff,
     Deadline,
     endpoint,
+    plaintext_allowed,
     read_within,
     redact_url,
+    refuse_plaintext,
     request_headers,
     tls_context,
+    tls_hint,
 )
 
 if TYPE_CHECKING:
@@ -93,9 +96,17 @@ def http_client(
     token: str | None = None,
     transport: httpx.BaseTransport | None = None,
     max_connections: int | None = None,
+    allow_plaintext: bool | None = None,
 ) -> httpx.Client:
     """An httpx client under the rules: ``base_url`` is the one server it talks to (with
-    ``token``); None, presigned URLs on any host. ``transport`` is the test seam."""
+    ``token``); None, presigned URLs on any host. ``transport`` is the test seam.
+
+    A token for an ``http://`` server that is not loopback is ``PlaintextRefused`` here,
+    before any request (``calls.refuse_plaintext``; ``allow_plaintext`` None: the setting).
+    """
+    if base_url is not None:
+        allow = plaintext_allowed() if allow_plaintext is None else allow_plaintext
+        refuse_plaintext(base_url, token=token, allow=allow)
     httpx = import_httpx()
     # A client for one plain-http server needs no TLS context; building one loads the CA
     # bundle (~100 ms). Presigned URLs may be https whatever the server is.
@@ -170,7 +181,11 @@ def send(
             if backoff.wait(retry, deadline):
                 retry += 1
                 continue
-            raise unavailable(f"{what} failed: {describe(exc)}") from exc
+            text = describe(exc)
+            hint = tls_hint(
+                str(http.base_url.join(url)), text, timeout_s=min(2.0, deadline.remaining() or 2.0)
+            )
+            raise unavailable(f"{what} failed: {text}{hint}") from exc
         finally:
             if body is not None and hasattr(body, "close"):
                 body.close()
@@ -254,13 +269,28 @@ def describe(exc: Exception) -> str:
 
 
 def post_json(
-    server: str | None, path: str, body: dict[str, Any], *, token: str | None, timeout_s: float
+    server: str | None,
+    path: str,
+    body: dict[str, Any],
+    *,
+    token: str | None,
+    timeout_s: float,
+    allow_plaintext: bool | None = None,
 ) -> tuple[int, bytes] | None:
     """POST ``body`` as JSON to route ``path`` of ``server`` (``calls.endpoint``): (status,
     body), or None on any trouble, including not being done within ``timeout_s`` in all (see
     the module docstring). No retry: the hook's budget has no room for one, and the callers
-    fall back (prejob to ``CacheClient``, which retries; a report is best-effort)."""
+    fall back (prejob to ``CacheClient``, which retries; a report is best-effort).
+
+    A token that would go in clear text to a host that is not loopback is never sent
+    (``calls.refuse_plaintext``; ``allow_plaintext`` None: the setting): None, nothing sent.
+    """
     if not server or timeout_s <= 0:
+        return None
+    allow = plaintext_allowed() if allow_plaintext is None else allow_plaintext
+    try:
+        refuse_plaintext(server, token=token, allow=allow)
+    except CachekeeperError:
         return None
     found: list[tuple[int, bytes] | None] = [None]
     cut = threading.Event()

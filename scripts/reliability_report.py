@@ -148,6 +148,19 @@ EXISTING = {
         "blob row whose file is gone: reported missing, re-uploaded by the next push",
         "recovered",
     ),
+    "tests/client/test_plaintext_and_tls.py::test_no_client_path_sends_the_token_in_clear_to_another_host": (
+        "configuration",
+        "a bearer token over plain http:// to this host's non-loopback address (push, an"
+        " operator command, the Python client, the hook's POST, prejob, postjob): refused"
+        " in one line, 0 connections made; sent only with --allow-plaintext",
+        "refused",
+    ),
+    "tests/cli/test_serve.py::test_the_start_line_names_the_url_and_no_token": (
+        "configuration",
+        "serve with tokens from a flag, the environment and a config file: the start line"
+        " is the URL, no token in any line it logs",
+        "kept",
+    ),
     "tests/server/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (
         "server killed",
         "client connection cut mid-upload (no blob stored)",

@@ -411,6 +411,7 @@ class Settings(BaseSettings):
         snapshots must be signed, unless the operator opted in)."""
         return not self.trusted_keys or self.remote_cache_unsigned_writes
 
+    @property
     def scheme(self) -> str:
         """``https`` when the server itself serves TLS, else ``http``."""
         return "https" if self.tls_cert is not None else "http"

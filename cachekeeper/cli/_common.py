@@ -30,6 +30,7 @@ __all__ = [
     "device_option",
     "server_option",
     "ca_bundle_option",
+    "allow_plaintext_option",
     "timeout_option",
     "token_option",
     "mb",
@@ -104,9 +105,29 @@ ca_bundle_option = click.option(
 )
 
 
+def _allow_plaintext(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """Allow the token over plain http for every request of this process: the variable is
+    what ``cachekeeper.client.calls.plaintext_allowed`` reads (every client path)."""
+    if value:
+        os.environ[config.ALLOW_PLAINTEXT] = "1"
+
+
+allow_plaintext_option = click.option(
+    "--allow-plaintext",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_allow_plaintext,
+    help="Send the token over plain http:// to a server that is not on loopback (anyone on"
+    " the path can read it; default: refused, use https://; also"
+    f" ${config.ALLOW_PLAINTEXT}=1).",
+)
+
+
 def server_option(fn: F) -> F:
-    """``--server URL`` (``/v1`` and a trailing ``/`` dropped) and ``--ca-bundle PEM``."""
-    return _server_url_option(ca_bundle_option(fn))
+    """``--server URL`` (``/v1`` and a trailing ``/`` dropped), ``--ca-bundle PEM`` and
+    ``--allow-plaintext``."""
+    return _server_url_option(ca_bundle_option(allow_plaintext_option(fn)))
 
 
 OPERATOR_TIMEOUT_S = 10.0

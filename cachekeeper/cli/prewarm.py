@@ -1,7 +1,8 @@
 """``cachekeeper prewarm``: a thin adapter over cachekeeper.prewarm.
 
 Exit codes: 0 verified effective, 1 not effective, 2 error (bad workload, bad device,
-a child that crashed or timed out), 3 cold compile broken.
+a cache dir it cannot fill, found before compiling; a child that crashed or timed out; a
+command that failed before compiling anything), 3 cold compile broken.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cachekeeper.cli._common import (
     json_option,
 )
 from cachekeeper.devices import select_devices
+from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.prewarm import prewarm
 from cachekeeper.report_text import format_prewarm
 from cachekeeper.workload import load_workload
@@ -60,17 +62,25 @@ def prewarm_cmd(
     reported with its traceback, nothing is merged, and the exit code is 3. Each
     [[command]] runs once as it is (its launcher picks its own devices: --device does not
     apply to it), then again in a fresh copy of the cache dir, where every rank must hit;
-    a command that exits non-zero on the cold run is cold_compile_broken (exit 3). Progress goes
+    a command that exits non-zero on the cold run is cold_compile_broken (exit 3), or
+    command_failed (exit 2) when it compiled nothing (a usage error: its first error line
+    is in the report). A cache
+    dir it could not fill (read-only, immutable, not ours) is found before anything is
+    compiled: one line naming it, exit 2. Progress goes
     to stderr (also with --json, whose report is all stdout holds). Exit 0 when the merged cache verifies effective, 1 when it does not.
     """
     parsed = load_workload(workload)
-    report = prewarm(
-        parsed,
-        cache_dir,
-        devices=select_devices(device),
-        progress=progress_to_stderr,  # stderr even with --json: stdout is the report
-        timeout_s=timeout_s,
-    )
+    try:
+        report = prewarm(
+            parsed,
+            cache_dir,
+            devices=select_devices(device),
+            progress=progress_to_stderr,  # stderr even with --json: stdout is the report
+            timeout_s=timeout_s,
+        )
+    except CacheDirUnusable as exc:  # exit 2, an error: prewarm's 1 means "not effective"
+        echo_err(f"error: {exc.detail} [{exc.code}]")
+        sys.exit(2)
     if as_json:
         emit_json(report.to_dict())
     else:

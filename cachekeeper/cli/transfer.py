@@ -95,6 +95,12 @@ def _require_server(server: str | None) -> str:
     help="How long to wait for the server to check and pack the snapshot at publish "
     "(default: 30 s plus 1 s per 2 MiB and 20 ms per blob).",
 )
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="Publish even when CACHE_DIR holds no file a snapshot takes (default: refused,"
+    " naming what was scanned: an empty dir is most often the wrong one).",
+)
 @sign_key_option
 @json_option
 @handle_errors
@@ -106,6 +112,7 @@ def push_cmd(
     workers: int,
     allow_unregistered: bool,
     publish_timeout_s: float | None,
+    allow_empty: bool,
     sign_key: Path | None,
     as_json: bool,
 ) -> None:
@@ -117,7 +124,8 @@ def push_cmd(
     NAME must be registered on the server (PUT /v1/workloads/NAME), unless
     --allow-unregistered. The snapshot is verified only when a `cachekeeper prewarm` of
     that same workload verified CACHE_DIR; otherwise it is published unverified, and a
-    warning on stderr says why.
+    warning on stderr says why. A CACHE_DIR with no file a snapshot takes is refused
+    (one line saying what was scanned), unless --allow-empty.
 
     A server whose blobs are in an object store checks every blob and packs the
     snapshot's archive before it answers the publish; for a large snapshot a line on
@@ -139,6 +147,7 @@ def push_cmd(
                 require_registered=not allow_unregistered,
                 publish_timeout_s=publish_timeout_s,
                 on_publish=publishing.start,
+                allow_empty=allow_empty,
             )
     publishing.done()
     if report.unverified_reason is not None:

@@ -112,8 +112,8 @@ from cachekeeper.restore.sources import (
     TarSource,
 )
 from cachekeeper.restore.writer import Progress, Writer, is_present, links_above
+from cachekeeper.scan import CacheTree, ScannedFile
 from cachekeeper.signing import TrustedKey, verify_manifest
-from cachekeeper.snapshot import scan_dir
 
 # The package (cachekeeper.restore) is the public import path: it adds is_restored,
 # STATE_DIR (restore/marker.py) and the source protocols (restore/sources.py).
@@ -484,11 +484,17 @@ def restore_archive(
 
 def merge_tree(src_dir: Path, dst_dir: Path) -> RestoreReport:
     """Merge ``src_dir`` into ``dst_dir`` under exactly the restore rules."""
-    by_digest: dict[str, Path] = {}
-    entries = []
-    for rel, path, mode in scan_dir(Path(src_dir)):
-        digest, size = hash_file(path)
-        by_digest.setdefault(digest, path)
-        entries.append(FileEntry(path=rel, digest=digest, size_bytes=size, mode=mode))
-    manifest = Manifest(files=tuple(entries), fingerprint={})
-    return restore(manifest, DirSource(by_digest), dst_dir)
+    # Read relative to the scan's descriptors (cachekeeper.scan): a file of ``src_dir``
+    # swapped for a link, or rewritten, after it was hashed is refused, never followed.
+    with CacheTree(Path(src_dir)) as tree:
+        by_digest: dict[str, ScannedFile] = {}
+        entries = []
+        for scanned in tree.scan():
+            with tree.reading(scanned) as fh:
+                digest, size = hash_file(fh.fileno())
+            by_digest.setdefault(digest, scanned)
+            entries.append(
+                FileEntry(path=scanned.rel, digest=digest, size_bytes=size, mode=scanned.mode)
+            )
+        manifest = Manifest(files=tuple(entries), fingerprint={})
+        return restore(manifest, DirSource(tree, by_digest), dst_dir)

@@ -51,6 +51,7 @@ Stdlib only and light on purpose: the hook imports this module, not the restore 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -70,6 +71,7 @@ __all__ = [
     "FILE_MODE",
     "StateDir",
     "state_dir",
+    "unusable_reason",
     "write_marker",
     "is_restored",
     "read_markers",
@@ -114,11 +116,18 @@ class StateDir:
                     os.mkdir(name, FOLDER_MODE, dir_fd=parent_fd)
                 except FileExistsError:
                     pass  # made meanwhile: the open decides what it is
+                except OSError as exc:
+                    raise self._named(exc, shown) from exc
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise self._refused(shown) from exc
-                raise
+                raise self._named(exc, shown) from exc
         raise self._refused(shown)
+
+    def _named(self, exc: OSError, shown: str) -> OSError:
+        """``exc`` naming the full path (a name relative to a descriptor says nothing: the
+        CLI's line would read ``.cachekeeper: Operation not permitted``)."""
+        return OSError(exc.errno, exc.strerror, str(self.cache_dir / shown))
 
     def _refused(self, shown: str, *, what: str = "a link or not a folder") -> CacheDirUnusable:
         where = self.cache_dir / shown
@@ -160,7 +169,7 @@ class StateDir:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise self._refused(f"{STATE_DIR}/{rel}", what="a link") from exc
-            raise
+            raise self._named(exc, f"{STATE_DIR}/{rel}") from exc
 
     def read_file(self, rel: str) -> bytes | None:
         """The bytes of ``rel``, or None when it is missing, a link or not a file."""
@@ -181,12 +190,15 @@ class StateDir:
         never followed): a temp file made with O_EXCL in the same folder, fsync, rename."""
         dir_fd, name = self._split(rel)
         tmp = f".{name}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            FILE_MODE,
-            dir_fd=dir_fd,
-        )
+        try:
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                FILE_MODE,
+                dir_fd=dir_fd,
+            )
+        except OSError as exc:
+            raise self._named(exc, f"{STATE_DIR}/{rel}") from exc
         try:
             try:
                 view = memoryview(data)
@@ -196,11 +208,13 @@ class StateDir:
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
+            if isinstance(exc, OSError):
+                raise self._named(exc, f"{STATE_DIR}/{rel}") from exc
             raise
         try:
             os.fsync(dir_fd)
@@ -214,6 +228,8 @@ class StateDir:
             os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            raise self._named(exc, f"{STATE_DIR}/{rel}") from exc
         return True
 
     def names(self, folder: str) -> list[str]:
@@ -250,6 +266,85 @@ def state_dir(cache_dir: Path, *, create: bool) -> Iterator[StateDir]:
         yield state
     finally:
         state.close()
+
+
+def unusable_reason(cache_dir: Path) -> str | None:
+    """Why ``cache_dir`` cannot be filled, naming the full path; None when it can.
+
+    Proved by doing what a prewarm's merge and record do, once each, with probes removed at
+    once: make the dir (when missing), create, write and rename a file in it, and the same
+    in its ``.cachekeeper/`` (opened as ``StateDir`` does). Permission bits alone would say
+    yes to root on an immutable folder or a read-only mount. Leaves nothing behind: the
+    folders it made (the dir, its ``.cachekeeper/``) are removed again, and only those. A
+    few system calls: a prewarm runs it before it compiles for minutes.
+    """
+    root = Path(cache_dir)
+    made = [p for p in (root, *root.parents) if not os.path.lexists(p)]  # deepest first
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _remove_made(made)
+        return f"cannot create {os.fsdecode(exc.filename or root)}: {exc.strerror or exc}"
+    state_made = not os.path.lexists(root / STATE_DIR)
+    try:
+        return _probe(root)
+    finally:
+        if state_made:
+            _remove_made([root / STATE_DIR])
+        _remove_made(made)
+
+
+def _probe(root: Path) -> str | None:
+    probe = f".cachekeeper-probe.{uuid.uuid4().hex}"
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"cannot open {root}: {exc.strerror or exc}"
+    try:
+        step = "create a file in"
+        made = os.open(
+            f"{probe}.tmp",
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=fd,
+        )
+        try:
+            step = "write a file in"
+            os.write(made, b"probe")
+        finally:
+            os.close(made)
+        step = "rename a file in"
+        try:
+            os.rename(f"{probe}.tmp", f"{probe}.done", src_dir_fd=fd, dst_dir_fd=fd)
+        finally:
+            for name in (f"{probe}.tmp", f"{probe}.done"):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)
+    except OSError as exc:
+        return f"cannot {step} {root}: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    try:
+        with state_dir(root, create=True) as state:
+            state.write_file(f"{probe}.tmp", b"probe")  # a temp file, written, renamed
+            state.remove_file(f"{probe}.tmp")
+    except CacheDirUnusable as exc:
+        return exc.detail
+    except OSError as exc:  # the folder, not the probe's own name
+        return f"cannot write in {root / STATE_DIR}: {exc.strerror or exc}"
+    return None
+
+
+def _remove_made(folders: list[Path]) -> None:
+    """``rmdir`` each folder (deepest first) that the probe made; one that is not empty
+    (someone else's files arrived meanwhile) stays, and so do the folders above it."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
 
 
 def write_marker(

@@ -29,12 +29,14 @@ from cachekeeper.archive import (
 )
 from cachekeeper.errors import (
     BlobMissing,
+    CacheDirChanged,
     DigestMismatch,
     InvalidManifest,
     UnsafePath,
 )
 from cachekeeper.integrity import refuse_oversize
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.scan import CacheTree, ScannedFile
 from cachekeeper.snapshot import read_archive_manifest
 
 __all__ = [
@@ -191,13 +193,15 @@ class ArchiveFileSource:
 
 
 class DirSource:
-    """Blobs read from files of a folder, by digest (``merge_tree``'s source)."""
+    """Blobs read from files of a scanned folder, by digest (``merge_tree``'s source),
+    each opened through ``tree`` as the file the scan saw (``cachekeeper.scan``)."""
 
-    def __init__(self, by_digest: dict[str, Path]) -> None:
+    def __init__(self, tree: CacheTree, by_digest: dict[str, ScannedFile]) -> None:
+        self.tree = tree
         self.by_digest = by_digest
 
     def open(self, digest: str) -> BinaryIO:
         try:
-            return open(self.by_digest[digest], "rb")
-        except (KeyError, FileNotFoundError) as exc:
+            return self.tree.open_scanned(self.by_digest[digest])
+        except (KeyError, CacheDirChanged) as exc:
             raise BlobMissing(f"blob {digest} is gone from the source dir") from exc

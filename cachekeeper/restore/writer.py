@@ -46,6 +46,7 @@ from cachekeeper.integrity import CHUNK_BYTES, BlobCheck, hash_file, refuse_over
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore.marker import FOLDER_MODE, STATE_DIR, StateDir
 from cachekeeper.restore.triton_groups import is_group_path, looks_rewritten, rewrite_group
+from cachekeeper.scan import open_nofollow
 
 __all__ = ["SAFE_MODE_MASK", "Writer", "is_present", "links_above"]
 
@@ -66,25 +67,40 @@ def is_present(
 ) -> bool | None:
     """True: same file there; False: a different thing there (conflict); None: absent.
 
+    ``final`` is ``root / entry.path``; what is there is read through descriptors
+    (``scan.open_nofollow``): a folder above it or the file itself swapped for a link
+    after the ``lstat`` is a conflict, never a read of what the link points at.
+
     A Triton group file counts as present when a restore into ``root`` rewrote it
     (``looks_rewritten``) — unless ``exact`` (a trusted restore): then only the bytes
     this restore writes count, which are known once its blob is verified, so such a
     file is None here (fetch it) and ``Writer`` compares it at publish time.
     """
     try:
-        st = final.lstat()
+        final.lstat()  # the common case, nothing there, costs one system call
     except FileNotFoundError:
         return None
     except NotADirectoryError:
         return False
-    if not stat.S_ISREG(st.st_mode):
-        return False
-    if st.st_size == entry.size_bytes and hash_file(final)[0] == entry.digest:
-        return True
-    if is_group_path(entry.path) and st.st_size < (16 << 20):
-        if exact:
-            return None
-        return looks_rewritten(final.read_bytes(), paths=paths, root=root)
+    try:
+        fd = open_nofollow(root, entry.path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return False  # a link, or a file where a folder goes
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if st.st_size == entry.size_bytes and hash_file(fd)[0] == entry.digest:
+            return True
+        if is_group_path(entry.path) and st.st_size < (16 << 20):
+            if exact:
+                return None
+            fh.seek(0)
+            return looks_rewritten(fh.read(), paths=paths, root=root)
     return False
 
 
@@ -124,6 +140,7 @@ class _Folders:
     """
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._refused: set[str] = set()
@@ -142,7 +159,10 @@ class _Folders:
         parent_fd = self.open(parent)
         if parent_fd is None:
             return None
-        fd = self._open_child(parent_fd, name)
+        try:
+            fd = self._open_child(parent_fd, name)
+        except OSError as exc:  # name the folder: a name relative to a descriptor says nothing
+            raise OSError(exc.errno, exc.strerror, str(self.root / rel_dir)) from exc
         if fd is None:
             self._refused.add(rel_dir)
             return None
@@ -428,6 +448,16 @@ class Writer:
             self.progress(batch_bytes)
 
     def _publish(self, tmp: Path, entry: FileEntry) -> None:
+        try:
+            self._publish_one(tmp, entry)
+        except OSError as exc:
+            if exc.filename is not None and os.path.isabs(os.fsdecode(exc.filename)):
+                if not os.fsdecode(exc.filename).startswith(str(self.staging)):
+                    raise
+            # a name relative to a folder's descriptor, or our staging file: name the path
+            raise OSError(exc.errno, exc.strerror, str(self.cache_dir / entry.path)) from exc
+
+    def _publish_one(self, tmp: Path, entry: FileEntry) -> None:
         folder, _, name = entry.path.rpartition("/")
         renamed: bool | None = None
         try:
@@ -474,7 +504,8 @@ class Writer:
         """Someone's file is where ``entry`` goes: the same (skipped) or not (conflict)."""
         final = self.cache_dir / entry.path
         if self.exact and is_group_path(entry.path):
-            present = _same_bytes(final, tmp)  # only what this restore verified counts
+            # only what this restore verified counts
+            present = _same_bytes(self.cache_dir, entry.path, tmp)
         else:
             present = bool(is_present(entry, final, self.paths, self.cache_dir))
         if present:
@@ -494,12 +525,18 @@ class Writer:
         self._state.close()
 
 
-def _same_bytes(final: Path, tmp: Path) -> bool:
-    """True when ``final`` is a regular file with exactly ``tmp``'s bytes."""
+def _same_bytes(root: Path, rel: str, tmp: Path) -> bool:
+    """True when ``root/rel`` (reached without following a link) is a regular file with
+    exactly ``tmp``'s bytes."""
     try:
-        st = final.lstat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size != tmp.stat().st_size:
-            return False
-        return final.read_bytes() == tmp.read_bytes()
+        fd = open_nofollow(root, rel)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != tmp.stat().st_size:
+                return False
+            return fh.read() == tmp.read_bytes()
     except OSError:
         return False

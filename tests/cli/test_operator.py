@@ -27,7 +27,7 @@ from tests.helpers.live_server import LiveServer, start_server
 from tests.server.conftest import make_snapshot, push
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC_URL = "http://cache:8750"
+DOC_URL = "https://cache:8750"  # the docs say https: a token never goes over plain http
 TOKENS = {"builder-secret": "write", "node-secret": "read", "ops-secret": "admin"}
 # the steps that need neither docker (1) nor a builder that compiles (3)
 RUNNABLE = re.compile(r"cachekeeper (workload|prejob|status|snapshots|gc)\b")

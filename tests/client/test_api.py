@@ -22,7 +22,7 @@ from cachekeeper.errors import (
 from cachekeeper.fingerprint import describe_mismatch
 from tests.helpers.bodies import summary_body
 
-SERVER = "http://cache.test"
+SERVER = "http://127.0.0.1:8750"  # loopback: a token may go over http (calls.refuse_plaintext)
 FP = {"torch": "2.13.0+cpu"}
 SNAP_ID = "a" * 64
 

@@ -17,8 +17,9 @@ import pytest
 
 from cachekeeper import remote_tier
 from cachekeeper.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
-from cachekeeper.report_text import format_verify
-from cachekeeper.verdicts import CommandRun, ProcessEvidence, VerifyReport
+from cachekeeper.errors import PrewarmFailed
+from cachekeeper.report_text import format_prewarm, format_verify
+from cachekeeper.verdicts import CommandRun, PrewarmReport, ProcessEvidence, VerifyReport
 from cachekeeper.workload import Command
 
 PY = sys.executable
@@ -101,9 +102,61 @@ def test_the_sites_own_sitecustomize_still_runs(tmp_path: Path) -> None:
 
 def test_a_failing_command_keeps_its_output_tail(tmp_path: Path) -> None:
     run = _run(tmp_path, PY, "-c", "import sys\nfor i in range(100): print('line', i)\nsys.exit(7)")
-    assert run.status == "error" and run.exit_code == 7
+    assert run.status == "command_failed" and run.exit_code == 7  # it compiled nothing
     assert run.log_tail[-1] == "line 99" and len(run.log_tail) == 40
-    assert run.error is not None and run.error.message == "exited with status 7"
+    assert run.error is not None
+    assert run.error.message == "exited with status 7 before compiling anything"
+
+
+# What a torchrun job prints when a rank's argparse refuses its arguments: the rank's usage
+# and error line, then torchrun's ChildFailedError traceback, longer than the kept tail.
+LAUNCHER = """
+import subprocess, sys
+train = "import argparse; p = argparse.ArgumentParser(prog='train.py'); p.add_argument('--steps'); p.parse_args()"
+code = subprocess.run([sys.executable, "-c", train, *sys.argv[1:]]).returncode
+print("Traceback (most recent call last):", file=sys.stderr)
+for i in range(45):
+    print(f'  File "/opt/venv/torch/distributed/run.py", line {i}, in main', file=sys.stderr)
+print("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_a_usage_error_before_any_compile_is_command_failed_with_its_error_line(
+    tmp_path: Path,
+) -> None:
+    """Issue 31: ``--stepz`` was reported cold_compile_broken and the line saying what is
+    wrong was cut from the 40-line tail."""
+    run = _run(tmp_path, PY, "-c", LAUNCHER, "--stepz", "2")
+    assert run.status == "command_failed" and run.exit_code == 1
+    error_line = "train.py: error: unrecognized arguments: --stepz 2"
+    assert run.log_tail[0] == error_line and run.log_tail[1] == "..."
+    assert run.log_tail[-1].startswith("torch.distributed.elastic") and len(run.log_tail) == 41
+    assert run.error is not None
+    assert run.error.message == f"exited with status 1 before compiling anything: {error_line}"
+    assert run.error.traceback_tail[0] == error_line
+    report = PrewarmReport(
+        workload="w", workload_digest="d", cache_dir="c", devices=(), seconds=1.0, commands=(run,)
+    )
+    assert report.status == "command_failed" and report.exit_code == 2
+    text = format_prewarm(report)
+    assert error_line in text and "failed before compiling anything" in text
+    with pytest.raises(PrewarmFailed, match="unrecognized arguments"):
+        report.raise_for_status()
+
+
+def test_a_failure_after_the_compile_started_is_still_cold_compile_broken(
+    tmp_path: Path,
+) -> None:
+    """The same exit with something in the cache dir (a compile wrote it) is the canary."""
+    (tmp_path / "cache" / "fxgraph").mkdir(parents=True)
+    (tmp_path / "cache" / "fxgraph" / "entry").write_bytes(b"compiled before the crash")
+    run = _run(tmp_path, PY, "-c", "import sys; sys.exit(1)")
+    assert run.status == "error"
+    report = PrewarmReport(
+        workload="w", workload_digest="d", cache_dir="c", devices=(), seconds=1.0, commands=(run,)
+    )
+    assert report.status == "cold_compile_broken" and report.exit_code == 3
 
 
 def test_a_command_that_cannot_start_names_the_field(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ On one real server, in order:
    harvests it and says the server keeps it back; the next agent round promotes it, and
    a second fresh node hits on the longer sequence too;
 5. a command that crashes only cold is ``cold_compile_broken`` with the rank's exception;
+   one that fails on a usage error before compiling is ``command_failed`` with that line;
 6. a rank that compiles another shape fails verify, and the verdict names the rank.
 
 About 3 minutes of compiles on two cores (each cold run compiles once per rank in
@@ -240,6 +241,25 @@ def test_a_command_that_crashes_only_cold_is_caught(tmp_path: Path) -> None:
     assert cold["status"] == "error" and cold["exit_code"] != 0
     assert "symbolically trace a dynamo-optimized function" in cold["error"]["message"]
     assert cold["error"]["message"].startswith("exited with status 1; rank ")
+    assert not (tmp_path / "c").exists()  # nothing merged
+
+
+def test_a_usage_error_is_command_failed_with_the_line_that_says_so(tmp_path: Path) -> None:
+    """Issue 31: a typo in the command's arguments (``--stepz``) was reported
+    cold_compile_broken (exit 3), and torchrun's traceback pushed the rank's argparse line
+    out of the 40-line tail. It compiled nothing: ``command_failed``, exit 2, that line kept."""
+    workload = tmp_path / "typo.toml"
+    workload.write_text(_toml("typo", "--stepz", "2"))
+    proc = _ck("prewarm", str(workload), "--cache-dir", str(tmp_path / "c"), "--json",
+               home=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["status"] == "command_failed"
+    (cold,) = report["commands"]
+    assert cold["status"] == "command_failed" and cold["exit_code"] != 0
+    assert "unrecognized arguments: --stepz 2" in cold["error"]["message"]
+    assert "before compiling anything" in cold["error"]["message"]
+    assert any("unrecognized arguments: --stepz" in line for line in cold["log_tail"])
     assert not (tmp_path / "c").exists()  # nothing merged
 
 

@@ -30,7 +30,7 @@ from cachekeeper.server.settings import Settings
 
 __all__ = ["InProcessServer", "InProcessTransport", "URL", "in_process"]
 
-URL = "http://cachekeeper.in-process"  # any host: nothing resolves it
+URL = "http://localhost:8750"  # nothing resolves it; loopback, so a token may go over http
 
 
 class InProcessTransport(httpx.BaseTransport):

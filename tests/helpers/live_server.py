@@ -61,6 +61,8 @@ def start_server(settings: Settings, *, timeout_s: float = 15.0) -> LiveServer:
         access_log=False,
         lifespan="off",
         timeout_keep_alive=30,
+        ssl_certfile=settings.tls_cert,  # https when the settings serve TLS, as `serve` does
+        ssl_keyfile=settings.tls_key,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="cachekeeper-live-server", daemon=True)
@@ -74,7 +76,7 @@ def start_server(settings: Settings, *, timeout_s: float = 15.0) -> LiveServer:
     port = server.servers[0].sockets[0].getsockname()[1]
     resp_port = None if app.state.resp is None else app.state.resp.start()
     return LiveServer(
-        url=f"http://127.0.0.1:{port}",
+        url=f"{settings.scheme}://127.0.0.1:{port}",
         port=port,
         app=app,
         settings=settings,

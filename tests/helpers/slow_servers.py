@@ -197,13 +197,15 @@ def ranges(data: bytes, *, fast_until: int, every_s: float = 1.0) -> Route:
 
 
 class FakeServer:
-    """A threaded TCP server answering each connection's first request by its route."""
+    """A threaded TCP server answering each connection's first request by its route
+    (``host``: the address it binds, loopback unless a test needs another)."""
 
-    def __init__(self, routes: dict[str, Route]) -> None:
+    def __init__(self, routes: dict[str, Route], *, host: str = "127.0.0.1") -> None:
         self.routes = routes
         self.stop = threading.Event()
         self.requests: list[Request] = []
-        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.connections = 0  # accepted, whether or not a request followed
+        self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.2)
         self.port = self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -221,6 +223,7 @@ class FakeServer:
                 continue
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
