@@ -568,6 +568,9 @@ def describe_mismatch(mismatch: Mismatch) -> str:
         return coverage_advice(covered=mismatch.snapshot, wanted=mismatch.node)
     if mismatch.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
         return "cpu: " + "; ".join(cpu.differences(mismatch.node, mismatch.snapshot))
+    if mismatch.field == "signature":  # node: the key ids it trusts; snapshot: why not (server)
+        keys = ", ".join(str(k) for k in mismatch.node or []) or "none"
+        return f"signature: {_short(mismatch.snapshot)} (this node trusts key(s) {keys})"
     return f"{mismatch.field} {_short(mismatch.node)} != {_short(mismatch.snapshot)}"
 
 
