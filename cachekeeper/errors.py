@@ -43,6 +43,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + ConfigInvalid
     + DeviceInvalid
     + FingerprintUnavailable
+    + NotOwnBytes
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -103,6 +104,7 @@ __all__ = [
     "RequestTimeout",
     "ConfigInvalid",
     "FingerprintUnavailable",
+    "NotOwnBytes",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -403,6 +405,13 @@ class FingerprintUnavailable(LocalEnvironmentError):
     """This machine's fingerprint could not be collected in time (a hung NVML or nvidia-smi)."""
 
     code = "fingerprint_unavailable"
+
+
+class NotOwnBytes(LocalEnvironmentError):
+    """A signature asked for bytes this machine did not compile: a cache dir holding what a
+    restore put there (a signature vouches that the signer compiled what it signs)."""
+
+    code = "not_own_bytes"
 
 
 class InvalidDigest(InvalidRequest):
