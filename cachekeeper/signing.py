@@ -29,7 +29,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ __all__ = [
     "public_key_of",
     "sign_manifest",
     "signature_problem",
+    "signature_problem_of",
     "verify_manifest",
     "load_public_key",
     "load_trusted_keys",
@@ -202,22 +203,30 @@ def signature_problem(manifest: Manifest, trusted: Iterable[TrustedKey]) -> str 
     against that key's bytes over ``manifest.signing_bytes()``, so a claimed id with a
     signature the key did not make is "does not match", never trusted.
     """
+    return signature_problem_of(manifest.signature, manifest.signing_bytes, trusted)
+
+
+def signature_problem_of(
+    signature: Any, signed_bytes: Callable[[], bytes], trusted: Iterable[TrustedKey]
+) -> str | None:
+    """``signature_problem`` for a signature block and the bytes it must cover, made only
+    when a trusted key is named (the server's resolve checks stored manifests this way,
+    without building a ``Manifest``)."""
     keys = {k.key_id: k for k in trusted}
-    sig = manifest.signature
-    if not sig:
+    if not signature or not isinstance(signature, dict):
         return "unsigned"
-    if sig.get("algorithm") != ALGORITHM:
-        return f"signed with {str(sig.get('algorithm'))[:40]!r}, not {ALGORITHM}"
-    key = keys.get(str(sig.get("key_id")))
+    if signature.get("algorithm") != ALGORITHM:
+        return f"signed with {str(signature.get('algorithm'))[:40]!r}, not {ALGORITHM}"
+    key = keys.get(str(signature.get("key_id")))
     if key is None:
-        return f"signed by key {str(sig.get('key_id'))[:40]!r}, which is not trusted"
+        return f"signed by key {str(signature.get('key_id'))[:40]!r}, which is not trusted"
     # Here, not at the top: the hook's no-op path reads key ids without cryptography (~90 ms).
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     try:
-        signature = base64.b64decode(str(sig.get("signature", "")), validate=True)
-        Ed25519PublicKey.from_public_bytes(key.raw).verify(signature, manifest.signing_bytes())
+        raw = base64.b64decode(str(signature.get("signature", "")), validate=True)
+        Ed25519PublicKey.from_public_bytes(key.raw).verify(raw, signed_bytes())
     except (InvalidSignature, ValueError):
         return f"signature by key {key.key_id} does not match the manifest (tampered or corrupted)"
     return None

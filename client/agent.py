@@ -505,8 +505,11 @@ class _Builder:
             self.say(f"{name}: harvested deltas not judged: {self.options.allow.explain(refused)}")
             return None
         self.memory.judged_harvests.add(key)
-        # Their manifests only (JSON, validated): no blob of a harvest reaches this machine.
-        manifests = [self.client.get_manifest(d.id) for d in deltas]
+        try:  # their manifests only (JSON, validated): no blob of a harvest reaches us
+            manifests = [self.client.get_manifest(d.id) for d in deltas]
+        except CachekeeperError as exc:
+            self.say(f"{name}: harvested deltas not judged: {exc.detail}")
+            return None
         self._send_event(name, status="building")
         self.say(
             f"{name}: {len(deltas)} harvested delta(s) of {warm.id[:12]}: building the"

@@ -4,29 +4,35 @@ A node with a trust list sends the public keys it trusts with its resolve
 (``ResolveRequest.trusted_keys``: the keys themselves, not their ids). For each snapshot
 resolve considers, ``NodeTrust.problem`` reads the stored manifest and checks its
 signature against the node's key that the manifest's ``key_id`` names
-(``cachekeeper.signing.signature_problem``): a claimed key id earns nothing by itself, the
-catalog's ``signed`` column (set from what the publisher sent) is never read, and since the
-signature covers the manifest's ``stats`` and ``source``, a snapshot's ``verified`` is the
-key's claim too (a signed manifest whose verify statistics were changed no longer matches
-its signature). A stored manifest that no longer has its snapshot's id (changed on the
-server's disk) is refused for that.
+(``cachekeeper.signing.signature_problem_of``): a claimed key id earns nothing by itself,
+and since the signature covers the manifest's ``stats`` and ``source``, a snapshot's
+``verified`` is the key's claim too (a signed manifest whose verify statistics were
+changed no longer matches its signature). The catalog's ``signed`` column is read only to
+refuse at once a snapshot published without a signature; a stored manifest that no longer
+has its snapshot's id (changed on the server's disk) is refused for that. The check
+parses the stored JSON and makes its canonical form only when a trusted key is named (a
+few milliseconds for thousands of files), not a full ``Manifest``: the bytes were
+validated at publish, and their sha256 must still be the id.
 
 Verdicts are kept in a bounded memory shared by every request (``Verdicts``), keyed by
-the stored manifest's sha256 (with the row's id and verified flag) and the node's keys: the
-same bytes and the same keys always get the same verdict, so a kept verdict never goes stale, and a fleet asking with the same
-keys pays one Ed25519 check per snapshot.
+the snapshot's row (id, publication time, verified flag) and the node's keys: a signed
+snapshot's stored manifest never changes (the catalog only ever adds a signature to an
+unsigned one, and an unsigned one is refused without a look; one deleted and published
+again is a new row), so a kept verdict never goes stale, and a fleet
+asking with the same keys pays one check per snapshot; later requests read no manifest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from cachekeeper.errors import InvalidManifest
-from cachekeeper.manifest import Manifest
-from cachekeeper.signing import TrustedKey, signature_problem, trusted_key_from_wire
+from cachekeeper.fingerprint import canonical_json
+from cachekeeper.manifest import claims_verified
+from cachekeeper.signing import TrustedKey, signature_problem_of, trusted_key_from_wire
 from cachekeeper.wire import Summary
 
 __all__ = ["NodeTrust", "Verdict", "Verdicts", "parse_trusted_keys"]
@@ -89,31 +95,48 @@ class NodeTrust:
         return self.verdict(summary).problem
 
     def verdict(self, summary: Summary) -> Verdict:
-        text = self._manifest_text(summary.id)
-        if text is None:
-            return Verdict(problem="its manifest is not on the server")
-        raw = text.encode()
-        row = f"{summary.id}:{int(summary.verified)}".encode()
-        memo = (hashlib.sha256(raw).digest() + row, self._keys_memo)
+        if not summary.signed:  # the server set it from the manifest it took: no signature
+            return Verdict(problem="unsigned")
+        # A snapshot's stored manifest changes only from unsigned to signed (the one
+        # update the catalog makes, Transaction.sign_snapshot), and one deleted and
+        # published again is a new row (its created_at): the row names its bytes, so a
+        # verdict kept under it never goes stale.
+        row = f"{summary.id}:{summary.created_at}:{int(summary.verified)}"
+        memo = (row.encode(), self._keys_memo)
         known = self._verdicts.get(memo)
         if known is None:
-            known = self._judge(summary, raw)
+            text = self._manifest_text(summary.id)
+            if text is None:
+                return Verdict(problem="its manifest is not on the server")
+            known = self._judge(summary, text.encode())
             self._verdicts.put(memo, known)
         return known
 
     def _judge(self, summary: Summary, raw: bytes) -> Verdict:
+        """The stored manifest's signature against the node's keys. It was validated at
+        publish; what is signed is its canonical JSON without the signature, the bytes whose
+        sha256 is the snapshot's id, so checking that id proves these are those bytes."""
         try:
-            manifest = Manifest.from_json(raw)
-        except InvalidManifest as exc:
-            return Verdict(problem=f"its stored manifest is invalid: {exc.detail}")
-        if manifest.id != summary.id:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return Verdict(problem="its stored manifest is not a JSON object")
+        signature = body.pop("signature", None)
+        signed: list[bytes] = []
+
+        def signed_bytes() -> bytes:  # made only when a trusted key is named
+            signed.append(canonical_json(body).encode())
+            return signed[0]
+
+        problem = signature_problem_of(signature, signed_bytes, self.keys)
+        if signed and hashlib.sha256(signed[0]).hexdigest() != summary.id:
             return Verdict(
                 problem="its stored manifest no longer has its id (changed on the server)"
             )
-        problem = signature_problem(manifest, self.keys)
         if problem is not None:
             return Verdict(problem=problem)
-        if manifest.verified != summary.verified:
+        verified = claims_verified(source=body.get("source"), stats=body.get("stats"))
+        if verified != summary.verified:
             return Verdict(problem="the catalog's verified flag is not the one its key signed")
-        key_id = str((manifest.signature or {}).get("key_id"))
-        return Verdict(problem=None, key_id=key_id, verified=manifest.verified)
+        return Verdict(problem=None, key_id=str(signature.get("key_id")), verified=verified)

@@ -196,6 +196,7 @@ def test_a_fresh_nodes_torchrun_job_hits_on_every_rank(
         assert counters["fxgraph_cache_hit"] >= 1, rank
 
 
+@pytest.mark.timeout(1500)  # the module's build and node job, then a cold rebuild on 2 ranks
 def test_a_harvest_the_workload_does_not_reach_is_kept_back_by_the_agent(
     live: LiveServer,
     built: dict[str, Any],

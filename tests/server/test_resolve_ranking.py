@@ -327,3 +327,18 @@ def test_a_trusting_node_is_offered_only_the_deltas_its_keys_signed(
         deltas.append(delta.id)
     assert [d["id"] for d in resolve(api)["deltas"]] == deltas
     assert [d["id"] for d in trusting(api, builder)["deltas"]] == [deltas[1]]
+
+
+def test_a_kept_verdict_does_not_outlive_its_row(api: httpx.Client, keys: dict[str, Any]) -> None:
+    """The server keeps its verdicts per row: the same snapshot deleted and published again
+    with another signature block is checked again, not served on the old verdict."""
+    builder_key, builder = keys["builder"]
+    genuine = publish_signed(api, builder_key)
+    assert trusting(api, builder)["signed_by"] == builder.key_id  # checked, and kept
+    body = json.loads(api.get(f"/v1/snapshots/{genuine}").text)
+    assert api.delete(f"/v1/snapshots/{genuine}").status_code == 204
+    body["signature"] = {**body["signature"], "signature": "A" * 86 + "=="}
+    assert api.post("/v1/snapshots", content=json.dumps(body)).status_code == 201
+    answer = trusting(api, builder)
+    assert answer["snapshot"] is None, answer
+    assert "does not match" in answer["near_misses"][0]["mismatches"][0]["snapshot"]
