@@ -48,6 +48,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + DeviceInvalid
     + FingerprintUnavailable
     + CatalogCorrupt
+    + NotOwnBytes
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -113,6 +114,7 @@ __all__ = [
     "FingerprintUnavailable",
     "RateLimited",
     "CatalogCorrupt",
+    "NotOwnBytes",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -438,6 +440,13 @@ class FingerprintUnavailable(LocalEnvironmentError):
     """This machine's fingerprint could not be collected in time (a hung NVML or nvidia-smi)."""
 
     code = "fingerprint_unavailable"
+
+
+class NotOwnBytes(LocalEnvironmentError):
+    """A signature asked for bytes this machine did not compile: a cache dir holding what a
+    restore put there (a signature vouches that the signer compiled what it signs)."""
+
+    code = "not_own_bytes"
 
 
 class InvalidDigest(InvalidRequest):

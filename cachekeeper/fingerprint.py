@@ -609,6 +609,9 @@ def describe_mismatch(mismatch: Mismatch) -> str:
     if mismatch.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
         found = cpu.differences(mismatch.node, mismatch.snapshot, built_by=mismatch.built_by)
         return "cpu: " + "; ".join(found)
+    if mismatch.field == "signature":  # node: the key ids it trusts; snapshot: why not (server)
+        keys = ", ".join(str(k) for k in mismatch.node or []) or "none"
+        return f"signature: {_short(mismatch.snapshot)} (this node trusts key(s) {keys})"
     return f"{mismatch.field} {_short(mismatch.node)} != {_short(mismatch.snapshot)}"
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "Manifest",
     "built_by",
     "check_relpath",
+    "claims_verified",
 ]
 
 FORMAT = 1
@@ -209,10 +210,7 @@ class Manifest:
 
     @property
     def verified(self) -> bool:
-        if self.source == "harvest":  # what a job compiled: nothing proved it effective
-            return False
-        verify = (self.stats or {}).get("verify") or {}
-        return bool(verify.get("effective"))
+        return claims_verified(source=self.source, stats=self.stats)
 
     def with_signature(self, signature: dict[str, Any] | None) -> Manifest:
         return replace(self, signature=signature)
@@ -281,6 +279,16 @@ class Manifest:
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidManifest(f"manifest is not valid JSON: {exc}") from exc
         return cls.from_dict(raw, max_files=max_files)
+
+
+def claims_verified(*, source: Any, stats: Any) -> bool:
+    """What "verified" is, from a manifest's ``source`` and ``stats`` (both inside the signed
+    bytes, so a signature covers the claim): a verify run found the cache effective, and
+    it is not a harvest (what a job compiled: nothing proved it effective)."""
+    if source == "harvest":
+        return False
+    verify = (stats.get("verify") if isinstance(stats, dict) else None) or {}
+    return isinstance(verify, dict) and bool(verify.get("effective"))
 
 
 def _check_tree(files: tuple[FileEntry, ...]) -> None:

@@ -42,7 +42,7 @@ from cachekeeper.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport
 from cachekeeper.verify import verify
 from cachekeeper.workload import Workload
 
-__all__ = ["prewarm", "promote", "compiled_cpu_state"]
+__all__ = ["prewarm", "compiled_cpu_state"]
 
 
 def prewarm(
@@ -133,41 +133,6 @@ def prewarm(
     )
     done = report(devices=tuple(runs), commands=tuple(cold), merged=merged, verify=verify_report)
     _record(workload, cache_dir, done, commands=tuple(cold))
-    return done
-
-
-def promote(
-    workload: Workload,
-    cache_dir: Path,
-    *,
-    devices: list[str],
-    progress: Progress | None = None,
-    timeout_s: float | None = None,
-) -> PrewarmReport:
-    """Prove a cache dir restored from a snapshot and its harvested deltas: verify it (each
-    command again in a fresh copy) and, when effective, record it as a prewarm would, so
-    that a push publishes it verified. Nothing is compiled cold; the report has no cold
-    runs, and its status is the verify's."""
-    cache_dir = Path(cache_dir).absolute()
-    started = time.monotonic()
-    in_children = bool(workload.regimes or workload.entrypoints)
-    checked = verify(
-        workload,
-        cache_dir,
-        devices=list(devices) if in_children else [],
-        timeout_s=timeout_s,
-        progress=progress,
-    )
-    done = PrewarmReport(
-        workload=workload.name,
-        workload_digest=workload.digest,
-        cache_dir=str(cache_dir),
-        devices=(),
-        seconds=round(time.monotonic() - started, 3),
-        verify=checked,
-    )
-    if done.status == "verified":
-        _record(workload, cache_dir, done, commands=checked.commands)
     return done
 
 

@@ -28,9 +28,10 @@ Who calls what:
   torch takes as "no remote cache"), so it hits the snapshots built with them;
 - the agent: ``set_builder_switches(os.environ, switches)``, so its children and its
   fingerprint run as nodes do;
-- prewarm and verify children (``cachekeeper.children.child_environ``):
-  ``isolated(environ)``, the builder's switches with every URL replaced by ``OFF_URL``, so
-  verify proves the local dir alone and prewarm compiles what it lists.
+- prewarm and verify children (``cachekeeper.children.child_environ``) and a workload's
+  commands: ``isolated(environ)``, the builder's switches with every URL replaced by
+  ``OFF_URL`` (whether a switch is on or not), so verify proves the local dir alone,
+  prewarm compiles what it lists, and no tier value reaches what a builder signs.
 """
 
 from __future__ import annotations
@@ -130,10 +131,10 @@ def job_environ(switches: Mapping[str, str], *, url: str | None) -> dict[str, st
 
 def isolated(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` for a prewarm or verify child: its switches as they are, but with no way
-    to the tier (``OFF_URL`` replaces any URL, host or port) when one is on, so that verify
-    proves the local dir alone and prewarm compiles everything it lists."""
-    if not uses_remote(environ):
-        return dict(environ)
+    to the tier (``OFF_URL`` replaces any URL, host or port), so that verify proves the
+    local dir alone and prewarm compiles everything it lists. Also with no switch on: a
+    builder's code that turns a remote cache on by itself must not load tier values (any
+    write token's bytes) in a process whose output the builder signs (issue 32)."""
     env = {k: v for k, v in environ.items() if k not in CONNECTION_VARS}
     env[URL] = OFF_URL
     return env

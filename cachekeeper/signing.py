@@ -14,7 +14,14 @@ Key files (``cachekeeper keygen --out PREFIX``)::
 
 A key's id is the first 16 hex digits of the sha256 of its raw 32-byte public key.
 Trusted keys come from ``--trust FILE.pub`` (repeatable) or ``CACHEKEEPER_TRUSTED_KEYS``
-(paths separated by ``os.pathsep``).
+(paths separated by ``os.pathsep``). On the wire (resolve's ``trusted_keys``) a public key
+is its 32 raw bytes in base64 (``TrustedKey.wire``): the server checks signatures against
+the keys a node sends, never against a key id a manifest claims (``signature_problem``).
+
+What a signature vouches for: every field of the manifest but the signature itself, the
+verify statistics (``stats``, so ``verified``) and ``source`` included. A builder signs
+only what it compiled itself in that round (``cachekeeper.harvest``); ``snapshot_dir``
+refuses to sign a dir holding bytes a restore put there.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import base64
 import hashlib
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +45,14 @@ __all__ = [
     "TrustedKey",
     "generate_keypair",
     "load_signing_key",
+    "public_key_of",
     "sign_manifest",
+    "signature_problem",
+    "signature_problem_of",
     "verify_manifest",
     "load_public_key",
     "load_trusted_keys",
+    "trusted_key_from_wire",
     "trusted_keys_from_env",
 ]
 
@@ -53,6 +64,22 @@ class TrustedKey:
     key_id: str
     raw: bytes  # the 32-byte Ed25519 public key
     source: str
+
+    @property
+    def wire(self) -> str:
+        """The key as resolve's ``trusted_keys`` carries it: base64 of the raw 32 bytes."""
+        return base64.b64encode(self.raw).decode("ascii")
+
+
+def trusted_key_from_wire(text: str) -> TrustedKey:
+    """A key a node sent (``TrustedKey.wire``); ValueError when it is not 32 bytes."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise ValueError(f"trusted key {text[:60]!r} is not base64") from exc
+    if len(raw) != 32:
+        raise ValueError(f"trusted key {text[:60]!r} is not 32 bytes (an Ed25519 public key)")
+    return TrustedKey(key_id=_key_id(raw), raw=raw, source="resolve request")
 
 
 def _key_id(raw_public: bytes) -> str:
@@ -115,6 +142,12 @@ def load_signing_key(key_path: str | os.PathLike[str]) -> Any:
     return private
 
 
+def public_key_of(key_path: str | os.PathLike[str]) -> TrustedKey:
+    """The public half of the signing key at ``key_path``: what a signing agent trusts."""
+    raw = _raw_public(load_signing_key(key_path).public_key())
+    return TrustedKey(key_id=_key_id(raw), raw=raw, source=str(key_path))
+
+
 def sign_manifest(manifest: Manifest, key_path: str | os.PathLike[str]) -> Manifest:
     """The same manifest (same id) with an Ed25519 signature by the key at ``key_path``."""
     private = load_signing_key(key_path)
@@ -173,35 +206,52 @@ def trusted_keys_from_env(environ: Mapping[str, str] | None = None) -> list[Trus
     return load_trusted_keys(config.trusted_key_paths(os.environ if environ is None else environ))
 
 
+def signature_problem(manifest: Manifest, trusted: Iterable[TrustedKey]) -> str | None:
+    """Why ``manifest`` is not validly signed by one of ``trusted`` (a short phrase), or None.
+
+    The manifest's ``key_id`` only picks which trusted key to try: the signature is checked
+    against that key's bytes over ``manifest.signing_bytes()``, so a claimed id with a
+    signature the key did not make is "does not match", never trusted.
+    """
+    return signature_problem_of(manifest.signature, manifest.signing_bytes, trusted)
+
+
+def signature_problem_of(
+    signature: Any, signed_bytes: Callable[[], bytes], trusted: Iterable[TrustedKey]
+) -> str | None:
+    """``signature_problem`` for a signature block and the bytes it must cover, made only
+    when a trusted key is named (the server's resolve checks stored manifests this way,
+    without building a ``Manifest``)."""
+    keys = {k.key_id: k for k in trusted}
+    if not signature or not isinstance(signature, dict):
+        return "unsigned"
+    if signature.get("algorithm") != ALGORITHM:
+        return f"signed with {str(signature.get('algorithm'))[:40]!r}, not {ALGORITHM}"
+    key = keys.get(str(signature.get("key_id")))
+    if key is None:
+        return f"signed by key {str(signature.get('key_id'))[:40]!r}, which is not trusted"
+    # Here, not at the top: the hook's no-op path reads key ids without cryptography (~90 ms).
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        raw = base64.b64decode(str(signature.get("signature", "")), validate=True)
+        Ed25519PublicKey.from_public_bytes(key.raw).verify(raw, signed_bytes())
+    except (InvalidSignature, ValueError):
+        return f"signature by key {key.key_id} does not match the manifest (tampered or corrupted)"
+    return None
+
+
 def verify_manifest(manifest: Manifest, trusted: Iterable[TrustedKey]) -> str:
     """Return the signing key's id, or raise ``SignatureInvalid`` saying why.
 
     Call only when a trust list is configured: with one, an unsigned manifest, a key not
     in the list, or a signature that does not match the manifest's bytes is refused.
     """
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    keys = {k.key_id: k for k in trusted}
-    sig = manifest.signature
+    problem = signature_problem(manifest, trusted)
     snapshot = manifest.id[:12]
-    if not sig:
+    if problem == "unsigned":
         raise SignatureInvalid(f"snapshot {snapshot} is unsigned and a trust list is configured")
-    if sig.get("algorithm") != ALGORITHM:
-        raise SignatureInvalid(
-            f"snapshot {snapshot} is signed with {sig.get('algorithm')!r}, not {ALGORITHM}"
-        )
-    key = keys.get(str(sig.get("key_id")))
-    if key is None:
-        raise SignatureInvalid(
-            f"snapshot {snapshot} is signed by key {sig.get('key_id')!r}, which is not trusted"
-        )
-    try:
-        signature = base64.b64decode(str(sig.get("signature", "")), validate=True)
-        Ed25519PublicKey.from_public_bytes(key.raw).verify(signature, manifest.signing_bytes())
-    except (InvalidSignature, ValueError) as exc:
-        raise SignatureInvalid(
-            f"snapshot {snapshot}: signature by key {key.key_id} does not match the manifest "
-            "(tampered or corrupted)"
-        ) from exc
-    return key.key_id
+    if problem is not None:
+        raise SignatureInvalid(f"snapshot {snapshot}: {problem}")
+    return str((manifest.signature or {}).get("key_id"))

@@ -28,11 +28,12 @@ import zstandard
 from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import LocalBlobStore
-from cachekeeper.errors import EmptyCacheDir
+from cachekeeper.errors import EmptyCacheDir, NotOwnBytes
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.integrity import CHUNK_BYTES, digest_of, hash_file
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu, recorded_workloads
+from cachekeeper.restore.marker import read_markers
 from cachekeeper.scan import CacheTree, ScannedFile, is_excluded, scan_dir
 from cachekeeper.signing import load_signing_key, sign_manifest
 from cachekeeper.store import LocalStore
@@ -104,7 +105,11 @@ def snapshot_dir(
     just those files, ``source="harvest"``, parented on ``parent`` (never verified).
 
     With ``sign_key`` (an Ed25519 ``PREFIX.key``), the manifest is signed before it is
-    saved; the key is read first, so a bad key fails before any hashing.
+    saved; the key is read first, so a bad key fails before any hashing. A signature says
+    the signer compiled what it signs, so a whole dir that holds files a restore put
+    there (its restore markers) is refused (``NotOwnBytes``): bytes from a server, a
+    harvest among them, never get this key's signature by way of a node's dir. (A harvest,
+    ``parent``, holds only what the job compiled; its signer is the node's key.)
 
     Without ``allow_empty``, a dir holding no file a snapshot takes raises
     ``EmptyCacheDir`` saying what was scanned, before anything is saved.
@@ -119,6 +124,8 @@ def snapshot_dir(
     root = Path(root)
     if sign_key is not None:
         load_signing_key(sign_key)  # fail early on a missing or wrong key
+        if parent is None:
+            _refuse_restored(root)
     if parent is not None:
         stats = {"harvest": {"parent": parent}}  # not the prewarm's stats: nothing verified it
     if workload is None and stats is None:
@@ -185,6 +192,21 @@ def _nothing_in(root: Path, *, excluded: int, only: Collection[str] | None) -> s
         " fxgraph/, aotautograd/, triton/, ...); is it the job's TORCHINDUCTOR_CACHE_DIR?"
         " (--allow-empty publishes it anyway)"
     )
+
+
+def _refuse_restored(root: Path) -> None:
+    """NotOwnBytes when ``root`` holds files a restore of a snapshot wrote (its markers say
+    so; prewarm's merges of its own staging dirs are marked ``merged``)."""
+    restored = [
+        str(body.get("id", "?")) for _mtime, body in read_markers(root) if not body.get("merged")
+    ]
+    if restored:
+        raise NotOwnBytes(
+            f"refusing to sign {root}: it holds files restored from snapshot"
+            f" {restored[-1][:12]} (.cachekeeper/restored/), bytes this machine did not"
+            " compile; a signature vouches that the signer compiled what it signs: prewarm"
+            " into a fresh, empty dir and sign that (docs/security.md)"
+        )
 
 
 def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:

@@ -9,7 +9,10 @@ One round (``run_round``):
    for the fingerprint its build compiles under (the agent's, with the CPU state of the
    workload's ``[process] omp_num_threads``: what the snapshot carries and the workload's
    events name) and these devices. A *verified* snapshot built from the same
-   workload text counts as warm: report ``skipped`` and compile nothing. Otherwise build:
+   workload text counts as warm: report ``skipped`` and compile nothing. A signing agent
+   (``--sign-key``) asks with its own public key as the node's trust (resolve's
+   ``trusted_keys``) and checks the answer's signature itself: a snapshot its own key did
+   not sign, or whose "verified" its key did not sign, is not warm. Otherwise build:
    report ``building``, prewarm on every selected device (one fresh process per device,
    cold, then a verify run; each ``[[command]]`` once cold, then again in a fresh copy),
    push only when verified, and report ``built``, ``cold_compile_broken`` (with the
@@ -17,11 +20,15 @@ One round (``run_round``):
 3. Code runs only when this builder's operator allowed it (``cachekeeper.allowlist``,
    ``agent --allow``): a workload whose command or import path no pattern admits is
    reported ``refused`` with what to allow, and nothing of it runs.
-4. Promotion: a warm workload with a ``[[command]]`` whose snapshot has harvested deltas
-   (``postjob --push`` from training nodes, same fingerprint digest) is restored with
-   them into a fresh dir, its commands are run again there (``cachekeeper.prewarm.promote``),
-   and the union is pushed as a verified snapshot when every process hit with 0 misses.
-   A set of deltas that failed is not tried again by this agent process.
+4. Promotion, under the rule that **a builder signs only bytes it compiled itself in
+   that round; a harvest is at most a hint of what to compile** (``cachekeeper.harvest``):
+   a warm workload with a ``[[command]]`` whose snapshot has harvested deltas
+   (``postjob --push`` from training nodes, same fingerprint digest) is built again, cold,
+   in a fresh empty dir, like any build; no delta is ever restored or loaded here, only
+   their manifests are read. When its own run compiled harvested entries the snapshot
+   lacks, its own build is pushed (signed, verified) and reported ``built`` saying how
+   many; the rest are kept back with why, and nothing is published when none was
+   compiled here (``skipped``). A set of deltas is judged once per agent process.
 
 Each build happens in a folder this agent creates and always removes, so the work dir
 never fills the disk::
@@ -67,13 +74,16 @@ from cachekeeper.children import child_cpu_state
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, with_cpu
-from cachekeeper.prewarm import prewarm, promote
+from cachekeeper.harvest import HarvestJudgement, judge
+from cachekeeper.manifest import Manifest
+from cachekeeper.prewarm import prewarm
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu
+from cachekeeper.scan import scan_dir
+from cachekeeper.signing import TrustedKey, public_key_of, signature_problem
 from cachekeeper.store import LocalStore
 from cachekeeper.verdicts import CommandRun, DeviceRun
 from cachekeeper.workload import Workload, parse_workload
 
-from .pull import pull
 from .push import push
 
 if TYPE_CHECKING:
@@ -186,10 +196,10 @@ class AgentOptions:
 
 @dataclass
 class AgentMemory:
-    """What an agent process remembers between rounds: promotions that failed (the warm
-    snapshot's id and its deltas' ids), so that each is tried once."""
+    """What an agent process remembers between rounds: the harvests it judged (the warm
+    snapshot's id and its deltas' ids), so that each set costs one build."""
 
-    failed_promotions: set[tuple[str, frozenset[str]]] = field(default_factory=set)
+    judged_harvests: set[tuple[str, frozenset[str]]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -316,6 +326,8 @@ def run_round(
         f" {','.join(options.devices)}{note}"
     )
     workloads = sorted(client.list_workloads(), key=lambda w: w.name)
+    # A signing agent trusts its own key only: what it did not sign is not warm for it.
+    own_key = None if options.sign_key is None else public_key_of(options.sign_key)
     builder = _Builder(
         options=options,
         client=client,
@@ -325,6 +337,7 @@ def run_round(
         fingerprint=fingerprint,
         digest=digest,
         memory=memory or AgentMemory(),
+        own_key=own_key,
     )
     outcomes: list[WorkloadOutcome] = []
     for entry in workloads:
@@ -361,8 +374,10 @@ class _Builder:
         fingerprint: Fingerprint,
         digest: str,
         memory: AgentMemory,
+        own_key: TrustedKey | None = None,
     ) -> None:
         self.options = options
+        self.own_key = own_key
         self.memory = memory
         self.client = client
         self.stop = stop
@@ -409,14 +424,11 @@ class _Builder:
         self._built_with(workload)
         warm = self._warm_snapshot(workload)
         if warm is not None:
-            assert warm.snapshot_id is not None
             promoted = self._promote_harvests(workload, warm, started)
             if promoted is not None:
                 return promoted
-            self.say(f"{name}: warm (snapshot {warm.snapshot_id[:12]}), nothing to compile")
-            return self._outcome(
-                name, "skipped", started, prewarm_ran=False, snapshot_id=warm.snapshot_id
-            )
+            self.say(f"{name}: warm (snapshot {warm.id[:12]}), nothing to compile")
+            return self._outcome(name, "skipped", started, prewarm_ran=False, snapshot_id=warm.id)
         refused = self.options.allow.refused(workload)
         if refused:
             detail = self.options.allow.explain(refused)
@@ -428,9 +440,19 @@ class _Builder:
         self.say(f"{name}: building on {' and '.join(x for x in (where, commands) if x)}")
         return self._build(workload, started)
 
-    def _warm_snapshot(self, workload: Workload) -> Resolution | None:
-        """The resolve answer naming a verified snapshot of this very workload text for
-        us, or None.
+    def _resolve(self, name: str) -> Resolution:
+        """The server's answer for this build's fingerprint; a signing agent's own key is
+        its trust, so the server ranks only what that key signed."""
+        return self.client.resolve(
+            self.fingerprint,
+            workload=name,
+            devices=list(self.options.devices),
+            trusted_keys=None if self.own_key is None else [self.own_key],
+        )
+
+    def _warm_snapshot(self, workload: Workload) -> Manifest | None:
+        """The manifest of a verified snapshot of this very workload text for us (signed by
+        our own key, for a signing agent), or None.
 
         A command's processes compile under the CPU state their launcher gives them
         (torchrun: one thread per rank), which the agent cannot know before it ran them:
@@ -438,9 +460,7 @@ class _Builder:
         taken (it was built here, by this workload's command) and asked again.
         """
         name = workload.name
-        found = self.client.resolve(
-            self.fingerprint, workload=name, devices=list(self.options.devices)
-        )
+        found = self._resolve(name)
         if workload.commands and (found.snapshot_id is None or not found.verified):
             near = next(
                 (
@@ -453,61 +473,68 @@ class _Builder:
             if near is not None and isinstance(near.mismatches[0].snapshot, dict):
                 # the cpu field of a manifest the server took (fingerprint.parse checked it)
                 self._built_with(workload, cast(CpuState, near.mismatches[0].snapshot))
-                found = self.client.resolve(
-                    self.fingerprint, workload=name, devices=list(self.options.devices)
-                )
+                found = self._resolve(name)
         if found.snapshot_id is None or not found.verified:
             return None
         manifest = self.client.get_manifest(found.snapshot_id)
+        if self.own_key is not None:
+            # The server checked it; so do we: a server that ignores trusted_keys (older
+            # than issue 32) or lies must not make us skip a build.
+            problem = signature_problem(manifest, [self.own_key])
+            if problem is not None or not manifest.verified:
+                why = problem or "its verified claim is not one our key signed"
+                self.say(f"{name}: snapshot {found.snapshot_id[:12]} is not ours ({why})")
+                return None
         if manifest.workload_digest not in (None, workload.digest):
             self.say(f"{name}: the workload changed since snapshot {found.snapshot_id[:12]}")
             return None
-        return found
+        return manifest
 
     def _promote_harvests(
-        self, workload: Workload, warm: Resolution, started: float
+        self, workload: Workload, warm: Manifest, started: float
     ) -> WorkloadOutcome | None:
-        """Promote the warm snapshot's harvested deltas (module docstring, 4); None when
-        there is nothing to promote (or it failed: the warm snapshot still serves)."""
-        snapshot = warm.snapshot
-        if not workload.commands or snapshot is None:
+        """Build the workload again when its warm snapshot has harvested deltas (module
+        docstring, 4): the harvest is a hint, never bytes we load. None when there is
+        nothing to judge (the warm snapshot serves)."""
+        if not workload.commands:
             return None
         name = workload.name
         deltas = tuple(
             s
             for s in self.client.list_snapshots(
-                workload=name, fingerprint_digest=snapshot.fingerprint_digest, verified=False
+                workload=name, fingerprint_digest=warm.fingerprint_digest, verified=False
             )
-            if s.source == "harvest" and s.parent == snapshot.id
+            if s.source == "harvest" and s.parent == warm.id
         )
-        key = (snapshot.id, frozenset(d.id for d in deltas))
-        if not deltas or key in self.memory.failed_promotions:
+        key = (warm.id, frozenset(d.id for d in deltas))
+        if not deltas or key in self.memory.judged_harvests:
             return None
         refused = self.options.allow.refused(workload)
         if refused:
-            self.say(
-                f"{name}: harvested deltas not promoted: {self.options.allow.explain(refused)}"
-            )
+            self.say(f"{name}: harvested deltas not judged: {self.options.allow.explain(refused)}")
+            return None
+        self.memory.judged_harvests.add(key)
+        try:  # their manifests only (JSON, validated): no blob of a harvest reaches us
+            manifests = [self.client.get_manifest(d.id) for d in deltas]
+        except CachekeeperError as exc:
+            self.say(f"{name}: harvested deltas not judged: {exc.detail}")
             return None
         self._send_event(name, status="building")
-        self.say(f"{name}: promoting {len(deltas)} harvested delta(s) of {snapshot.id[:12]}")
-        outcome = self._build(
-            workload,
-            started,
-            base=replace(warm, deltas=deltas),
-            what=f"promoted {len(deltas)} harvested delta(s) of snapshot {snapshot.id[:12]}",
+        self.say(
+            f"{name}: {len(deltas)} harvested delta(s) of {warm.id[:12]}: building the"
+            " workload again in a fresh dir (a harvest is a hint: its bytes are never loaded)"
         )
-        if outcome.status == "built":
+        outcome = self._build(workload, started, harvest=(warm, manifests))
+        if outcome.status in ("built", "skipped"):
             return outcome
-        self.memory.failed_promotions.add(key)
-        self.say(f"{name}: promotion failed ({outcome.detail}); the snapshot still serves")
+        self.say(f"{name}: the build failed ({outcome.detail}); the snapshot still serves")
         return self._outcome(
             name,
             "skipped",
             started,
             prewarm_ran=True,
-            snapshot_id=snapshot.id,
-            detail=f"harvested deltas not promoted: {outcome.detail}",
+            snapshot_id=warm.id,
+            detail=f"harvested deltas not judged: the build failed: {outcome.detail}",
             prewarm=outcome.prewarm,
         )
 
@@ -516,29 +543,25 @@ class _Builder:
         workload: Workload,
         started: float,
         *,
-        base: Resolution | None = None,
-        what: str = "",
+        harvest: tuple[Manifest, list[Manifest]] | None = None,
     ) -> WorkloadOutcome:
-        """Prewarm ``workload`` in a fresh build dir and push it when verified; with
-        ``base`` (a resolve answer with deltas), restore that instead and promote it."""
+        """Prewarm ``workload`` in a fresh, empty build dir and push it when verified.
+
+        With ``harvest`` (the warm snapshot and its deltas' manifests), the build is pushed
+        only when it compiled harvested entries the snapshot lacks (``harvest.judge``);
+        otherwise the outcome is ``skipped`` with what was kept back and why. Nothing but
+        this build's own compile ever enters the dir.
+        """
         name = workload.name
         work_dir = self.options.work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         build_dir = Path(tempfile.mkdtemp(prefix=f"build-{name}-", dir=work_dir))
+        judged: HarvestJudgement | None = None
         try:
             (build_dir / MARKER).write_text(str(os.getpid()), encoding="utf-8")
             cache_dir = build_dir / "inductor"
             with self._heartbeats(), self.stop.abandonable():
-                if base is not None:
-                    pull(
-                        client=self.client,
-                        workload=name,
-                        cache_dir=cache_dir,
-                        fingerprint=self.fingerprint,
-                        resolution=base,
-                    )
-                build = prewarm if base is None else promote
-                report = build(
+                report = prewarm(
                     workload,
                     cache_dir,
                     devices=list(self.options.devices),
@@ -547,6 +570,21 @@ class _Builder:
                 )
                 if report.status != "verified":
                     return self._unbuilt(name, report, started)
+                if harvest is not None:
+                    warm, deltas = harvest
+                    built = [rel for rel, _path, _mode in scan_dir(cache_dir)]
+                    judged = judge(warm=warm, deltas=deltas, built=built)
+                    if not judged.publishes:
+                        self.say(f"{name}: {judged.describe()}")
+                        return self._outcome(
+                            name,
+                            "skipped",
+                            started,
+                            prewarm_ran=True,
+                            snapshot_id=warm.id,
+                            detail=judged.describe(),
+                            prewarm=report.to_dict(),
+                        )
                 if workload.commands:  # its processes' CPU state: the snapshot's, the events'
                     compiled_under = recorded_cpu(load_prewarm_record(cache_dir, name))
                     if compiled_under is not None:
@@ -574,7 +612,7 @@ class _Builder:
             started,
             prewarm_ran=True,
             snapshot_id=pushed.snapshot_id,
-            detail=what,
+            detail="" if judged is None else judged.describe(),
             prewarm=report.to_dict(),
         )
 

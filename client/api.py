@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 from urllib.parse import urlencode
 
@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     import httpx
 
     from cachekeeper.fingerprint import Fingerprint
+    from cachekeeper.signing import TrustedKey
 
 __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 
@@ -154,13 +155,19 @@ class CacheClient:
         driver_policy: str = "newer",
         devices: list[str] | None = None,
         deadline: Deadline | None = None,
+        trusted_keys: Sequence[TrustedKey] | None = None,
     ) -> Resolution:
-        """The best snapshot of ``workload`` for ``fingerprint`` (a miss is a value)."""
+        """The best snapshot of ``workload`` for ``fingerprint`` (a miss is a value).
+
+        With ``trusted_keys`` (non-empty), the server ranks only snapshots whose signature
+        it checked against one of them (an old server ignores them: whoever restores checks
+        the signature again in any case)."""
         body = ResolveRequest(
             fingerprint=dict(fingerprint),
             workload=workload,
             driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
             devices=None if devices is None else list(devices),
+            trusted_keys=[k.wire for k in trusted_keys] if trusted_keys else None,
         )
         response = self._send(
             "POST",

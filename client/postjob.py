@@ -245,8 +245,9 @@ def summary_line(report: PostjobReport) -> str:
         if not report.pushed_offered:
             line += (
                 " (kept back: this server does not offer harvested snapshots to nodes"
-                " unless it runs with --serve-harvested; an agent promotes the harvest of a"
-                " workload with a [[command]] into a verified snapshot; others' reach no node)"
+                " unless it runs with --serve-harvested; an agent never signs harvested"
+                " bytes: it rebuilds a workload with a [[command]] itself and publishes the"
+                " entries its own run compiles; add the job's shapes to the workload)"
             )
     if report.snapshot_id:
         line += (

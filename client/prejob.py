@@ -11,9 +11,11 @@
 
    (not ``/tmp``, which many hosts wipe on reboot; one dir per fingerprint, so a new torch
    build never writes into another build's cache).
-2. Resolve the workload with the fingerprint. If the dir already holds that snapshot
-   (the restore's own check, ``cachekeeper.restore.marker.is_restored``: a marker and a stat),
-   stop: this is the common, fast path. It asks with one plain ``http.client`` request,
+2. Resolve the workload with the fingerprint (and, with a trust list, the public keys it
+   trusts: the server then answers only a snapshot whose signature it checked against
+   them, so an unsigned publish cannot shadow the signed one). If the dir already holds
+   that snapshot (the restore's own check, ``cachekeeper.restore.marker.is_restored``: a
+   marker and a stat), stop: this is the common, fast path. It asks with one plain ``http.client`` request,
    because importing httpx alone costs about 130 ms of the 300 ms budget, and it loads
    neither the HTTP client nor the restore stack.
 3. Otherwise ``cachekeeper.client.pull.pull`` with that answer (a miss, or a restore
@@ -230,6 +232,8 @@ def _work(
                 driver_policy=cast(Any, driver_policy),  # the server refuses an unknown policy
                 devices=devices,
                 remote_cache=cast(Any, remote_cache),  # "auto", "on" or "off"
+                # ranked by the server only among snapshots these keys signed (none: all)
+                trusted_keys=[k.wire for k in trusted_keys] if trusted_keys else None,
             ),
             timeout_s=deadline.bound(timeout_s) / 2,  # leave the full client time to retry
         )

@@ -68,14 +68,17 @@ def resolve_snapshot(
     driver_policy: str = "newer",
     devices: list[str] | None = None,
     deadline: Deadline | None = None,
+    trusted_keys: Sequence[TrustedKey] | None = None,
 ) -> Resolution:
-    """The server's best snapshot for this node; raises NoMatchingSnapshot naming the diff."""
+    """The server's best snapshot for this node (signed by one of ``trusted_keys`` when
+    given); raises NoMatchingSnapshot naming the diff."""
     resolution = client.resolve(
         fingerprint,
         workload=workload,
         driver_policy=driver_policy,
         devices=devices,
         deadline=deadline,
+        trusted_keys=trusted_keys,
     )
     return require_snapshot(resolution, workload=workload)
 
@@ -219,9 +222,10 @@ def pull(
 
     Only what the dir lacks is fetched. A file of the snapshot that exists with other
     content is kept (a conflict, reported); the rest is still restored. With
-    ``trusted_keys`` (non-empty), only a snapshot signed by one of them is restored: the
-    signature is checked before anything is downloaded or written (``SignatureInvalid``
-    otherwise), and the restore is all-or-nothing. ``on_resolved`` is told the snapshot
+    ``trusted_keys`` (non-empty), the server is asked for a snapshot signed by one of them
+    and only such a snapshot is restored: the signature is checked again here before
+    anything is downloaded or written (``SignatureInvalid`` otherwise), and the restore is
+    all-or-nothing. ``on_resolved`` is told the snapshot
     id as soon as it is known (the hook reports it even when the restore then fails).
     When the server offers a presigned archive URL, the bytes come from the object store
     through ``objects`` (one is made when not given; the test seam), else from the server.
@@ -238,6 +242,7 @@ def pull(
             driver_policy=driver_policy,
             devices=devices,
             deadline=deadline,
+            trusted_keys=trusted_keys,
         )
     snapshot_id = resolution.snapshot_id
     assert snapshot_id is not None

@@ -41,8 +41,9 @@ training nodes' devices, the ones it does not cover (``uncovered``) and a ``note
 
 ``harvested`` counts the pair's harvested deltas (``postjob --push``), and ``harvest_note``
 says plainly whether nodes get them: a server run with ``serve_harvested`` offers them
-after the snapshot; otherwise no node does, and only an agent's promotion (a workload with
-a ``[[command]]``: restore, rerun, verify) turns them into a snapshot nodes get.
+after the snapshot; otherwise no node does, and only an agent's own rebuild (a workload
+with a ``[[command]]``, whose run compiles the same entries: ``cachekeeper.harvest``)
+turns them into a snapshot nodes get, with the builder's bytes.
 
 ``jobs`` adds up what training jobs reported for the pair (``POST /v1/reports``; a pair a
 report names is a row when its workload is registered and its fingerprint digest is one
@@ -197,8 +198,9 @@ def harvest_note(count: int, *, serve_harvested: bool) -> str | None:
         return f"{what} (postjob --push): offered to nodes after the snapshot"
     return (
         f"{what} (postjob --push) kept back: this server does not offer harvested deltas to"
-        " nodes (serve --serve-harvested); an agent promotes them into a verified snapshot"
-        " only for a workload with a [[command]]"
+        " nodes (serve --serve-harvested); an agent never signs harvested bytes: it rebuilds"
+        " a workload with a [[command]] itself and publishes what its own run compiles; add"
+        " the jobs' shapes to the workload"
     )
 
 

@@ -7,11 +7,18 @@ would otherwise prefer an older snapshot. Near misses are the incompatible snaps
 workload with the fewest mismatching fields (newest first among equals), each with its
 field-by-field mismatches so the node can say why it missed. A miss is a value
 (``snapshot`` None), never an error, with a ``reason`` (``miss_reason``).
+
+With a node's trust (``vouch``: ``server/trust.py``'s check of the signature against the
+keys the node sent), a compatible snapshot ranks only when its signature checks out;
+the compatible ones ranked above it that do not (unsigned, signed by another key, changed
+after signing) are near misses with one ``signature`` mismatch that says why, and so are
+the near misses of other environments that the node's keys do not vouch for. Without
+trust, signatures are not looked at (the ranking before issue 32).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from cachekeeper.errors import did_you_mean
 from cachekeeper.fingerprint import DriverPolicy, Fingerprint, compare
@@ -19,9 +26,11 @@ from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
 
 from .records import Candidate
 
-__all__ = ["NEAR_MISSES", "miss_reason", "rank", "unknown_workload"]
+__all__ = ["NEAR_MISSES", "Vouch", "miss_reason", "rank", "unknown_workload"]
 
 NEAR_MISSES = 3
+# Why the node's keys do not vouch for a snapshot (a short phrase), or None when they do.
+Vouch = Callable[[Summary], str | None]
 
 
 def rank(
@@ -30,8 +39,13 @@ def rank(
     fingerprint: Fingerprint,
     driver_policy: DriverPolicy = "newer",
     devices: list[str] | None = None,
+    vouch: Vouch | None = None,
+    trusted_key_ids: Sequence[str] = (),
 ) -> ResolveAnswer:
     """The resolution of ``fingerprint`` among ``candidates`` (see the module docstring).
+
+    ``vouch``: the node's trust (None: signatures are not looked at); ``trusted_key_ids``
+    name its keys in a ``signature`` mismatch.
 
     Raises TypeError, ValueError or AttributeError when a stored fingerprint cannot be
     compared (a row an older server took, checked then only as a JSON object).
@@ -52,22 +66,48 @@ def rank(
             same_driver = fingerprint.get("driver") == candidate.fingerprint.get("driver")
             hits.append(((int(summary.verified), int(same_driver), candidate.seq), summary))
         else:
-            key = (len(mismatches), candidate.seq)
-            misses.append((key, summary, mismatches))
+            misses.append(((len(mismatches), candidate.seq), summary, mismatches))
+    best: tuple[tuple[int, int, int], Summary] | None = None
+    for ranked, summary in sorted(hits, key=lambda h: h[0], reverse=True):
+        problem = None if vouch is None else vouch(summary)
+        if problem is None:
+            best = (ranked, summary)
+            break
+        misses.append(((1, ranked[2]), summary, [_signature(problem, trusted_key_ids)]))
     near = sorted(misses, key=lambda m: (m[0][0], -m[0][1]))[:NEAR_MISSES]
+    if vouch is not None:  # other environments' snapshots: say whether the keys vouch too
+        for _key, summary, mismatches in near:
+            if all(m.field != "signature" for m in mismatches):
+                problem = vouch(summary)
+                if problem is not None:
+                    mismatches.append(_signature(problem, trusted_key_ids))
+        near.sort(key=lambda m: (len(m[2]), -m[0][1]))
     near_out = tuple(NearMiss(snapshot=s, mismatches=tuple(mm)) for _k, s, mm in near)
-    if not hits:
+    if best is None:
         return ResolveAnswer(snapshot=None, verified=False, exact=False, near_misses=near_out)
-    (verified, exact, _seq), best = max(hits, key=lambda h: h[0])
+    (verified, exact, _seq), found = best
     return ResolveAnswer(
-        snapshot=best, verified=bool(verified), exact=bool(exact), near_misses=near_out
+        snapshot=found, verified=bool(verified), exact=bool(exact), near_misses=near_out
     )
 
 
-def miss_reason(workload: str | None, *, has_snapshots: bool, unknown: str | None) -> str:
+def _signature(problem: str, trusted_key_ids: Sequence[str]) -> Mismatch:
+    """The ``signature`` mismatch: the keys the node trusts, and what the snapshot has."""
+    return Mismatch(field="signature", node=list(trusted_key_ids), snapshot=problem)
+
+
+def miss_reason(
+    workload: str | None, *, has_snapshots: bool, unknown: str | None, untrusted: bool = False
+) -> str:
     """Why nothing was found: the workload is unknown (``unknown``, ``unknown_workload``'s
-    sentence), has no snapshot, or none matches."""
+    sentence), has no snapshot, none matches, or some match (``untrusted``) but the node's
+    keys vouch for none of them."""
     name = "no workload name" if workload is None else f"workload {workload!r}"
+    if untrusted:
+        return (
+            f"no snapshot of {name} that matches this node is signed by a key it trusts"
+            " (those that match are unsigned, signed by another key, or changed after signing)"
+        )
     if has_snapshots:
         return f"no snapshot of {name} matches this node"
     return unknown or f"{name} has no snapshot yet"

@@ -39,6 +39,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.fingerprint import DriverPolicy, Fingerprint
 from cachekeeper.manifest import Manifest
+from cachekeeper.signing import TrustedKey
 from cachekeeper.wire import (
     AgentInfo,
     EventOut,
@@ -61,6 +62,7 @@ from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
 from .records import Counts
 from .resolver import miss_reason, rank, unknown_workload
 from .settings import Settings
+from .trust import NodeTrust, Verdicts
 
 __all__ = ["CheckReport", "Storage", "StoredBlob", "limit_size"]
 
@@ -105,6 +107,7 @@ class Storage:
         self._publishing = SnapshotLocks()  # one publish of a snapshot at a time (packing.py)
         self.budgets = Budgets(settings)  # the client-written tables' bounds and retention
         self._gc = Collector(catalog=catalog, blobs=blobs, direct=self.direct, settings=settings)
+        self._verdicts = Verdicts()  # signature checks for nodes' trusted keys (server/trust.py)
 
     # -- blobs ------------------------------------------------------------------------
     def missing_blobs(self, digests: Iterable[str]) -> list[str]:
@@ -226,6 +229,10 @@ class Storage:
             on_blob=on_blob,
         )
 
+    def node_trust(self, keys: list[TrustedKey]) -> NodeTrust:
+        """A node's trust (the public keys it sent), checked against stored manifests."""
+        return NodeTrust(keys, manifest_text=self.catalog.manifest_text, verdicts=self._verdicts)
+
     def resolve(
         self,
         *,
@@ -233,25 +240,44 @@ class Storage:
         workload: str | None,
         driver_policy: DriverPolicy = "newer",
         devices: list[str] | None = None,
+        trust: NodeTrust | None = None,
     ) -> ResolveAnswer:
-        """The best snapshot for a node (see ``server.resolver``); marks the hit used."""
+        """The best snapshot for a node (see ``server.resolver``); marks the hit used.
+
+        With ``trust`` (the node's keys), only a snapshot whose signature the server
+        checked against one of them ranks, and only such deltas are offered after it.
+        """
         candidates = self.catalog.candidates(workload)
         found = rank(
-            candidates, fingerprint=fingerprint, driver_policy=driver_policy, devices=devices
+            candidates,
+            fingerprint=fingerprint,
+            driver_policy=driver_policy,
+            devices=devices,
+            vouch=None if trust is None else trust.problem,
+            trusted_key_ids=() if trust is None else trust.key_ids,
         )
         if found.snapshot is None:
             unknown = None if candidates or workload is None else self.unknown_workload(workload)
-            reason = miss_reason(workload, has_snapshots=bool(candidates), unknown=unknown)
+            untrusted = any(
+                [m.field for m in near.mismatches] == ["signature"] for near in found.near_misses
+            )
+            reason = miss_reason(
+                workload, has_snapshots=bool(candidates), unknown=unknown, untrusted=untrusted
+            )
             return replace(found, reason=reason)
         with self.catalog.writing() as tx:
             tx.touch_snapshot(found.snapshot.id)
         hit = found.snapshot
+        if trust is not None:
+            found = replace(found, signed_by=trust.verdict(hit).key_id)
         url = self.archive_url(hit.id)
         if url is not None:
             found = replace(found, archive_url=url)
         if not self.settings.serve_harvested:
             return found
         deltas = self.catalog.harvested_deltas(hit.id, fingerprint_digest=hit.fingerprint_digest)
+        if trust is not None:  # offered to a trusting node only when its keys signed them
+            deltas = [d for d in deltas if trust.problem(d) is None]
         return replace(found, deltas=tuple(deltas))
 
     def resolve_for_job(
@@ -262,6 +288,7 @@ class Storage:
         workload: str | None,
         driver_policy: DriverPolicy = "newer",
         devices: list[str] | None = None,
+        trust: NodeTrust | None = None,
     ) -> tuple[ResolveAnswer, dict[str, str]]:
         """``resolve`` for a job that will export the per-key tier's ``switches``: ranked
         for the environment the job runs in (``remote_tier.with_key_switches``). A snapshot
@@ -273,6 +300,7 @@ class Storage:
             workload=workload,
             driver_policy=driver_policy,
             devices=devices,
+            trust=trust,
         )
         if answer.snapshot is not None or not keyed:
             return answer, dict(switches)
@@ -281,6 +309,7 @@ class Storage:
             workload=workload,
             driver_policy=driver_policy,
             devices=devices,
+            trust=trust,
         )
         if older.snapshot is None:
             return answer, dict(switches)

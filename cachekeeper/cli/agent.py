@@ -119,9 +119,12 @@ def agent_cmd(
     (see GET /v1/status). Workloads that are already warm compile nothing. A workload that
     crashes, hangs past --build-timeout or whose cold compile raises is reported and the
     agent carries on. A workload whose code (a command, an entrypoint, a mask or score
-    factory) no --allow pattern admits runs nothing and is reported 'refused'. A warm
-    command workload's harvested deltas (postjob --push) are promoted: restored, run
-    again, and pushed as a verified snapshot when every rank hits. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
+    factory) no --allow pattern admits runs nothing and is reported 'refused'. With
+    --sign-key, only a verified snapshot this key signed counts as warm. A warm command
+    workload's harvested deltas (postjob --push) are a hint, never loaded or signed here:
+    the agent builds the workload again in a fresh dir and publishes its own build when
+    that compiled harvested entries the snapshot lacks; the rest are reported kept back.
+    SIGTERM abandons the current build (nothing half-pushed) and exits 0.
     Progress goes to stderr, each line stamped with the UTC time; --json prints each
     round's report on stdout.
     """

@@ -59,7 +59,8 @@ __all__ = ["postjob_cmd"]
     is_flag=True,
     help="Also upload what the job compiled as a harvested delta of the restored snapshot "
     "(write scope; unverified; served only by a server run with --serve-harvested, or once an"
-    " agent promotes it, which it does for a workload with a [[command]]; the line says which).",
+    " agent's own rebuild of a workload with a [[command]] compiles the same entries; the line"
+    " says which).",
 )
 @sign_key_option
 @json_option

@@ -266,9 +266,13 @@ def restore_snapshot(
     reuse_marker: bool = False,
     dry_run: bool = False,
     progress: Progress | None = None,
+    merged: bool = False,
 ) -> RestoreReport:
     """Make ``cache_dir`` hold the snapshot ``source`` supplies: lock -> already restored?
     -> verify -> write -> marker, the only place this sequence lives.
+
+    ``merged``: ``merge_tree``'s own use (a local dir of this machine's compile, not a
+    snapshot), recorded in the marker so that signing can tell the two apart.
 
     With ``trusted_keys`` (non-empty), the manifest's signature is checked before the
     target is touched at all, and the restore is all-or-nothing. With ``reuse_marker``,
@@ -301,7 +305,7 @@ def restore_snapshot(
         if not plan.todo:
             record_conflicts(manifest, cache_dir, plan.conflicts)  # what verify names
             if not plan.conflicts:
-                write_marker(manifest, cache_dir, key_id=key_id, held=plan.shared)
+                write_marker(manifest, cache_dir, key_id=key_id, held=plan.shared, merged=merged)
             return _report(manifest, plan, None, dry_run=False)
         # Signed: all-or-nothing (nothing appears until every blob verified), and only the
         # bytes this restore verified count as present.
@@ -321,7 +325,7 @@ def restore_snapshot(
         report = _report(manifest, plan, writer, dry_run=False)
         record_conflicts(manifest, cache_dir, report.conflicts)  # what verify names
         if not report.conflicts:
-            write_marker(manifest, cache_dir, key_id=key_id, held=plan.shared)
+            write_marker(manifest, cache_dir, key_id=key_id, held=plan.shared, merged=merged)
         return report
 
 
@@ -497,4 +501,6 @@ def merge_tree(src_dir: Path, dst_dir: Path) -> RestoreReport:
                 FileEntry(path=scanned.rel, digest=digest, size_bytes=size, mode=scanned.mode)
             )
         manifest = Manifest(files=tuple(entries), fingerprint={})
-        return restore(manifest, DirSource(tree, by_digest), dst_dir)
+        return restore_snapshot(
+            StoreSource(manifest, DirSource(tree, by_digest)), dst_dir, merged=True
+        )

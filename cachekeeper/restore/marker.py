@@ -21,7 +21,10 @@ there, which replaces a link rather than following it. What is ours is made with
 ``0o755`` / ``0o644`` (the umask can only take bits away: never group or other write).
 
 ``write_marker`` is the restore's last step (``cachekeeper.restore``), after every file of
-the snapshot is in place and verified. ``is_restored`` is the fast already-restored check
+the snapshot is in place and verified. A marker of ``merge_tree`` (prewarm merging its own
+staging dirs, verify copying a dir, under the restore rules) says ``"merged": true``, so
+that signing can tell bytes compiled here from bytes a restore brought
+(``cachekeeper.snapshot``). ``is_restored`` is the fast already-restored check
 that the pre-job hook runs before every job: it reads the marker and ``lstat``-s each path,
 checking that it is still a regular file with the size and the modification time the
 marker recorded (existence and mtime only for Triton group files, which a restore
@@ -353,10 +356,12 @@ def write_marker(
     *,
     key_id: str | None,
     held: Collection[str] = (),
+    merged: bool = False,
 ) -> None:
     """Record that ``cache_dir`` holds all of ``manifest`` (signed by ``key_id``, if given),
     with each file's size and modification time as it is now. ``held``: paths another
-    restore wrote with other bytes (``held_by_restores``), recorded with their own size."""
+    restore wrote with other bytes (``held_by_restores``), recorded with their own size.
+    ``merged``: a local dir ``merge_tree`` merged, not a snapshot."""
     # Imported here: only a restore writes a marker, and the hook's no-op path, which
     # imports this module, then loads nothing of the restore package but this module.
     from cachekeeper.restore.triton_groups import is_group_path
@@ -369,7 +374,9 @@ def write_marker(
         if entry.path in held:
             size = st.st_size
         files.append([entry.path, size, st.st_mtime_ns])
-    body = {"id": manifest.id, "files": files, "key_id": key_id}
+    body: dict[str, object] = {"id": manifest.id, "files": files, "key_id": key_id}
+    if merged:
+        body["merged"] = True
     with state_dir(cache_dir, create=True) as state:
         state.write_file(f"restored/{manifest.id}", json.dumps(body).encode())
 

@@ -10,6 +10,9 @@ from ._core import Check, Digest, DriverPolicy, to_dict
 # A node's wish for the per-key tier: "auto" = the server's default (remote_cache_default).
 RemoteCacheWish = Literal["auto", "on", "off"]
 BuiltBy = Literal["command", "workload"]
+# A public key a node trusts: its 32 raw Ed25519 bytes in base64 (signing.TrustedKey.wire).
+TrustedKeyText = Annotated[str, Check(pattern=r"^[A-Za-z0-9+/]{43}=$")]
+MAX_TRUSTED_KEYS = 64
 
 # -- resolve ----------------------------------------------------------------------------------
 
@@ -61,6 +64,11 @@ class ResolveRequest:
     # server then ranks snapshots for the environment the job will run in, switches
     # included, and answers ``remote_cache``. None (older hooks): ranked as sent.
     remote_cache: RemoteCacheWish | None = None
+    # The public keys this node trusts (``--trust`` / CACHEKEEPER_TRUSTED_KEYS): the server
+    # then ranks only snapshots whose signature it checked against one of them; the rest
+    # are near misses with a ``signature`` mismatch. None or absent: signatures are not
+    # looked at (older hooks, nodes without a trust list). An empty list trusts nothing.
+    trusted_keys: Annotated[list[TrustedKeyText], Check(max_length=MAX_TRUSTED_KEYS)] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +115,10 @@ class ResolveAnswer:
     # The per-key tier, for a request that sent ``remote_cache``; None from a server that
     # serves none (and from old servers).
     remote_cache: RemoteCacheOffer | None = None
+    # For a request with ``trusted_keys``: the id of the trusted key whose signature over
+    # ``snapshot`` the server checked. None otherwise (and from old servers, which ignore
+    # ``trusted_keys``: the node's restore checks the signature again either way).
+    signed_by: str | None = None
 
     @property
     def snapshot_id(self) -> str | None:

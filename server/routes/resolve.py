@@ -3,7 +3,8 @@
 
 The ranking is ``server/resolver.py``'s. A miss is a value (200 with ``"snapshot": null``),
 never an error; its ``reason`` says which miss it is: no snapshot matches, the workload
-has no snapshot yet, or no workload of that name is registered.
+has no snapshot yet, no workload of that name is registered, or (for a node that sent
+``trusted_keys``) none that matches is signed by one of its keys (``server/trust.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from cachekeeper.server.auth import ReadScope
 from cachekeeper.server.deps import StorageDep, metrics_of
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.tier import offer_for
+from cachekeeper.server.trust import parse_trusted_keys
 from fastapi import APIRouter, Request
 
-from cachekeeper.errors import InvalidManifest, NotFound
+from cachekeeper.errors import InvalidManifest, InvalidRequest, NotFound
 from cachekeeper.fingerprint import parse
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
@@ -34,9 +36,17 @@ def resolve_route(
 
     A hook that sends ``remote_cache`` gets the per-key tier's offer, and its snapshots are
     ranked for the environment its job runs in (the tier's switches are in torch's keys).
+    A node that sends ``trusted_keys`` gets only a snapshot whose signature the server
+    checked against one of those keys.
     """
     devices = None if body.devices is None else list(body.devices)
     fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
+    trust = None
+    if body.trusted_keys is not None:
+        try:
+            trust = storage.node_trust(parse_trusted_keys(body.trusted_keys))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
     try:
         offer = None
         if body.remote_cache is not None:
@@ -47,6 +57,7 @@ def resolve_route(
                 workload=body.workload,
                 driver_policy=body.driver_policy,
                 devices=devices,
+                trust=trust,
             )
         else:
             answer, switches = storage.resolve_for_job(
@@ -55,6 +66,7 @@ def resolve_route(
                 workload=body.workload,
                 driver_policy=body.driver_policy,
                 devices=devices,
+                trust=trust,
             )
             answer = replace(answer, remote_cache=replace(offer, switches=switches))
     except (TypeError, ValueError, AttributeError) as exc:

@@ -251,8 +251,9 @@ def test_postjob_without_a_server_counts_and_remembers(tmp_path: Path) -> None:
 
 def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Path) -> None:
     """postjob --push publishes a delta that resolve never picks as the snapshot; only a
-    --serve-harvested server offers it, and a trust list refuses an unsigned one while the
-    signed snapshot under it is still restored."""
+    --serve-harvested server offers it, and a node with a trust list is not offered an
+    unsigned one (the server checks; issue 32) while the signed snapshot under it is still
+    restored."""
     key, pub, _ = generate_keypair(tmp_path / "builder")
     fingerprint = collect()
     src = tmp_path / "src"
@@ -288,14 +289,14 @@ def test_harvested_deltas_are_layered_only_where_served_and_trusted(tmp_path: Pa
             assert harvested is serve_harvested
             assert got.deltas == ((done.pushed_snapshot_id,) if serve_harvested else ())
 
-            # A trust list covers the delta too: unsigned, it is not restored.
+            # A trust list covers the delta too: unsigned, it is not even offered.
             node_c = tmp_path / f"c-{serve_harvested}"
             trusted = prejob(
                 workload="wl", server=live.url, token="read-token", cache_dir=node_c, trust=[pub]
             )
             assert trusted.outcome == "restored", trusted
             assert not (node_c / "fxgraph" / "zz" / "key-h").exists()
-            assert trusted.deltas == () and len(trusted.delta_problems) == int(serve_harvested)
+            assert trusted.deltas == () and trusted.delta_problems == ()
 
 
 def test_a_report_with_an_impossible_count_is_refused(authed_server: LiveServer) -> None:

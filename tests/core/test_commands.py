@@ -45,7 +45,14 @@ def test_the_environment_is_the_builders_plus_what_the_workload_says(tmp_path: P
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c"),
         "CACHEKEEPER_EVIDENCE_DIR": str(tmp_path / "e"),
         "PYTHONPATH": f"{EVIDENCE_HOOK}{os.pathsep}/site",  # the hook first, the site's kept
+        "TORCHINDUCTOR_REDIS_URL": remote_tier.OFF_URL,  # no way to the tier (issue 32)
     }
+    # A workload that names a tier with no switch on (its code could turn one on) is cut
+    # off too: no tier value reaches what a builder signs.
+    sneaky = Command(argv=("x",), env={"TORCHINDUCTOR_REDIS_HOST": "cache", "X": "1"})
+    env = command_environ(sneaky, cache_dir=tmp_path / "c", evidence=tmp_path / "e", base=base)
+    assert "TORCHINDUCTOR_REDIS_HOST" not in env and env["X"] == "1"
+    assert env["TORCHINDUCTOR_REDIS_URL"] == remote_tier.OFF_URL
     # the per-key tier's switches stay (they are in torch's keys), the tier is never reached
     tiered = Command(argv=("x",), env={"TORCHINDUCTOR_REDIS_URL": "redis://cache:6379"})
     env = command_environ(

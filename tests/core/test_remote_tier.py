@@ -30,8 +30,9 @@ def test_children_keep_the_switches_but_lose_every_way_to_the_tier() -> None:
     env = {**ON, rt.URL: "redis://:tok@h:1/0", "TORCHINDUCTOR_REDIS_HOST": "h", "PATH": "/bin"}
     child = rt.isolated(env)
     assert child == {**ON, rt.URL: rt.OFF_URL, "PATH": "/bin"}
+    # No switch on: still no way to the tier, in case the builder's code turns one on itself.
     plain = {"PATH": "/bin", "TORCHINDUCTOR_REDIS_HOST": "h"}
-    assert rt.isolated(plain) == plain  # no switch on: untouched
+    assert rt.isolated(plain) == {"PATH": "/bin", rt.URL: rt.OFF_URL}
 
 
 def test_the_agent_carries_exactly_the_site_switches() -> None:

@@ -14,7 +14,10 @@ from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.signing import (
     generate_keypair,
     load_public_key,
+    public_key_of,
     sign_manifest,
+    signature_problem,
+    trusted_key_from_wire,
     trusted_keys_from_env,
     verify_manifest,
 )
@@ -75,3 +78,49 @@ def test_trusted_keys_from_env(keys, tmp_path: Path) -> None:
     env = {"CACHEKEEPER_TRUSTED_KEYS": f"{pub_path}{os.pathsep}{pub2}"}
     assert [k.key_id for k in trusted_keys_from_env(env)] == [key_id, key_id2]
     assert trusted_keys_from_env({}) == []
+
+
+def test_verified_is_part_of_what_the_key_signs(keys) -> None:
+    """Issue 32: a signed manifest whose verify statistics were changed (its verified claim
+    flipped) no longer matches its signature; the format did not change for it."""
+    key_path, pub_path, _ = keys
+    trusted = [load_public_key(pub_path)]
+    unverified = Manifest(
+        files=_manifest().files,
+        fingerprint=collect(),
+        workload="w",
+        stats={"verify": {"effective": False}},
+    )
+    signed = sign_manifest(unverified, key_path).to_dict()
+    signed["stats"] = {"verify": {"effective": True}}
+    forged = Manifest.from_dict(signed)
+    assert forged.verified and forged.signature is not None
+    assert signature_problem(forged, trusted) == (
+        f"signature by key {trusted[0].key_id} does not match the manifest (tampered or corrupted)"
+    )
+    with pytest.raises(SignatureInvalid, match="does not match"):
+        verify_manifest(forged, trusted)
+
+
+def test_a_claimed_key_id_earns_nothing_without_the_keys_signature(keys, tmp_path: Path) -> None:
+    key_path, pub_path, key_id = keys
+    trusted = [load_public_key(pub_path)]
+    other_key, _, _ = generate_keypair(tmp_path / "mallory")
+    signed = sign_manifest(_manifest(), other_key)
+    claimed = signed.with_signature({**(signed.signature or {}), "key_id": key_id})
+    assert "does not match" in (signature_problem(claimed, trusted) or "")
+    assert signature_problem(sign_manifest(_manifest(), key_path), trusted) is None
+    assert signature_problem(_manifest(), trusted) == "unsigned"
+    assert signature_problem(_manifest(), []) == "unsigned"
+
+
+def test_a_public_key_travels_as_base64_and_comes_back_the_same(keys) -> None:
+    key_path, pub_path, key_id = keys
+    public = load_public_key(pub_path)
+    assert public_key_of(key_path).raw == public.raw and public_key_of(key_path).key_id == key_id
+    assert len(public.wire) == 44
+    back = trusted_key_from_wire(public.wire)
+    assert (back.key_id, back.raw) == (key_id, public.raw)
+    for bad in ("not base64!", "AAAA"):
+        with pytest.raises(ValueError, match="trusted key"):
+            trusted_key_from_wire(bad)

@@ -180,3 +180,33 @@ def test_snapshot_restore_round_trips_any_tree(files: dict[str, bytes], via_arch
         assert restored == files
     finally:
         shutil.rmtree(work)
+
+
+def test_a_signature_is_refused_for_a_dir_holding_restored_files(tmp_path: Path) -> None:
+    """A signature vouches that the signer compiled what it signs (issue 32): a dir that
+    a restore of a snapshot filled is refused, one that prewarm's merges filled is not."""
+    from cachekeeper.errors import NotOwnBytes
+    from cachekeeper.restore import merge_tree
+    from cachekeeper.signing import generate_keypair
+
+    key, _pub, _ = generate_keypair(tmp_path / "keys" / "builder")
+    src = tmp_path / "compiled"
+    for i in range(3):
+        (src / "fxgraph" / f"a{i}").mkdir(parents=True)
+        (src / "fxgraph" / f"a{i}" / "entry").write_bytes(f"graph {i}".encode())
+    store = LocalStore(home=tmp_path / "home")
+    merged = tmp_path / "merged"
+    merge_tree(src, merged)  # what prewarm does with its staging dirs
+    assert snapshot_dir(merged, store=store, sign_key=key).signature is not None
+
+    restored = tmp_path / "restored"
+    restore(snapshot_dir(src, store=store), store.blobs, restored)
+    with pytest.raises(NotOwnBytes, match="refusing to sign .* restored from snapshot"):
+        snapshot_dir(restored, store=store, sign_key=key)
+    assert snapshot_dir(restored, store=store).signature is None  # unsigned: as before
+    (restored / "fxgraph" / "new").mkdir()
+    (restored / "fxgraph" / "new" / "entry").write_bytes(b"what the job compiled")
+    harvest = snapshot_dir(
+        restored, store=store, sign_key=key, only=["fxgraph/new/entry"], parent="a" * 64
+    )
+    assert harvest.source == "harvest" and harvest.signature is not None  # the node's key

@@ -73,6 +73,7 @@ def test_round_trip_keeps_every_field_in_order():
             "writable": False,
             "switches": {"TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1"},
         },
+        "signed_by": None,
     }
     parsed = from_dict(ResolveAnswer, answer)
     assert parsed.near_misses[0].snapshot_id == DIGEST

@@ -16,6 +16,8 @@ Options for the tests:
   a job that works warm and crashes cold (DESIGN.md §1).
 - ``$CK_TEST_RANK1_SEQ``: rank 1 uses this sequence length instead (a rank that compiles
   what the others do not).
+- ``$CK_TEST_EXTRA_SEQ``: every rank then also runs this sequence length, after the first
+  (a site's launcher whose own configuration, outside the workload file, grew a shape).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(args.steps):
             out = block(torch.randn(1, seq, 64), mask)
+        extra = int(os.environ.get("CK_TEST_EXTRA_SEQ") or 0)
+        if extra:
+            extra_mask = create_block_mask(
+                causal, B=None, H=None, Q_LEN=extra, KV_LEN=extra, device="cpu"
+            )
+            block(torch.randn(1, extra, 64), extra_mask)
     if distributed:
         total = out.sum().reshape(1)
         dist.all_reduce(total)

@@ -156,3 +156,23 @@ def test_schema_components_keep_the_wire_field_names(schema: dict[str, Any]) -> 
             assert props == [f.name for f in dataclasses.fields(shape)], shape.__name__
             checked += 1
     assert checked >= 20
+
+
+@pytest.mark.parametrize(
+    ("route", "request_shape", "answer_shape"),
+    [("POST /v1/resolve", wire.ResolveRequest, wire.ResolveAnswer)],
+)
+def test_a_rows_body_and_answer_name_every_wire_field(
+    route: str, request_shape: type, answer_shape: type
+) -> None:
+    """Resolve's row spells out every field a node sends and gets (its trust included)."""
+    row = next(
+        line
+        for line in DOC.read_text(encoding="utf-8").splitlines()
+        if line.startswith(f"| `{route}`")
+    )
+    cells = _cells(row)
+    body, answer = cells[2], cells[4]
+    missing = [f.name for f in dataclasses.fields(request_shape) if f'"{f.name}"' not in body]
+    missing += [f.name for f in dataclasses.fields(answer_shape) if f'"{f.name}"' not in answer]
+    assert not missing, f"docs/api.md's {route} row does not name: {missing}"

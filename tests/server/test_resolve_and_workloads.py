@@ -68,6 +68,7 @@ def test_ranking_verified_exact_newest(client: httpx.Client) -> None:
         "archive_url": None,
         "deltas": [],
         "remote_cache": None,
+        "signed_by": None,
     }
 
 

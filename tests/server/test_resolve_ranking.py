@@ -9,6 +9,7 @@ behind httpx's ASGI transport (tests/helpers/in_process.py): milliseconds a test
 
 from __future__ import annotations
 
+import json
 from itertools import count
 from typing import Any
 
@@ -176,3 +177,175 @@ def test_a_miss_says_why(api: httpx.Client) -> None:
     # a snapshot is its workload's only: no other workload's snapshot is ever served
     publish(api, workload="unregistered")
     assert served(api, "drafter") is None and served(api, "unregistered") is not None
+
+
+# -- a node's trust (resolve's trusted_keys, server/trust.py) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The builder's key pair and a key nobody trusts: {name: (key path, TrustedKey)}."""
+    from cachekeeper.signing import generate_keypair, load_public_key
+
+    root = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("builder", "mallory"):
+        key, pub, _ = generate_keypair(root / name)
+        out[name] = (key, load_public_key(pub))
+    return out
+
+
+def publish_signed(
+    api: httpx.Client, key: Any, *, verified: bool | None = True, **extra: Any
+) -> str:
+    """Like ``publish``, signed by the key at ``key`` (None: unsigned)."""
+    from cachekeeper.signing import sign_manifest
+
+    files = {"entry.bin": f"snapshot {next(_unique)}".encode()}
+    manifest, blobs = make_snapshot(
+        files, workload="w", fingerprint=dict(FINGERPRINT), verified=verified
+    )
+    if key is not None:
+        manifest = sign_manifest(manifest, key)
+    answer = push(api, manifest, blobs)
+    assert answer.status_code == 201, answer.text
+    return manifest.id
+
+
+def trusting(api: httpx.Client, *trusted: Any, **body: Any) -> dict[str, Any]:
+    return resolve(api, trusted_keys=[k.wire for k in trusted], **body)
+
+
+def test_with_trusted_keys_only_a_signature_the_server_checked_ranks(
+    api: httpx.Client, keys: dict[str, Any]
+) -> None:
+    """An unsigned, an otherwise-signed and a forged snapshot, each newer and "verified",
+    do not shadow the builder's signed one for a node that trusts the builder's key."""
+    builder_key, builder = keys["builder"]
+    genuine = publish_signed(api, builder_key)
+    unsigned = publish_signed(api, None)
+    mallorys = publish_signed(api, keys["mallory"][0])
+    # a write token copies the builder's signature block onto its own manifest
+    body = json.loads(api.get(f"/v1/snapshots/{genuine}").text)
+    stolen = body["signature"]
+    forged, blobs = make_snapshot({"entry.bin": b"the attacker's"}, workload="w", verified=True)
+    forged_body = {**forged.to_dict(), "signature": stolen}
+    assert push(api, forged, blobs).status_code == 201  # blobs, and an unsigned publish
+    assert api.post("/v1/snapshots", content=json.dumps(forged_body)).status_code == 200
+    assert served(api) == forged.id  # without trust: the newest verified (as before)
+
+    answer = trusting(api, builder)
+    assert answer["snapshot"]["id"] == genuine and answer["verified"] is True
+    assert answer["signed_by"] == builder.key_id
+    reasons = {n["snapshot"]["id"]: n["mismatches"] for n in answer["near_misses"]}
+    assert reasons == {
+        forged.id: [
+            {
+                "field": "signature",
+                "node": [builder.key_id],
+                "snapshot": f"signature by key {builder.key_id} does not match the manifest"
+                " (tampered or corrupted)",
+            }
+        ],
+        mallorys: [
+            {
+                "field": "signature",
+                "node": [builder.key_id],
+                "snapshot": f"signed by key {keys['mallory'][1].key_id!r}, which is not trusted",
+            }
+        ],
+        unsigned: [{"field": "signature", "node": [builder.key_id], "snapshot": "unsigned"}],
+    }
+    # the node that trusts mallory gets mallory's (the newest its keys vouch for)
+    assert trusting(api, keys["mallory"][1])["snapshot"]["id"] == mallorys
+    assert trusting(api, builder, keys["mallory"][1])["snapshot"]["id"] == mallorys
+
+
+def test_a_verified_claim_is_what_the_key_signed(api: httpx.Client, keys: dict[str, Any]) -> None:
+    """A write token flips the verified claim of the builder's signed, unverified snapshot
+    and keeps the signature: a new id whose signature no longer matches, never ranked."""
+    builder_key, builder = keys["builder"]
+    honest = publish_signed(api, builder_key, verified=False)
+    body = json.loads(api.get(f"/v1/snapshots/{honest}").text)
+    body["stats"] = {"verify": {"effective": True}}
+    forged = api.post("/v1/snapshots", content=json.dumps(body))
+    assert forged.status_code == 201 and forged.json()["verified"] and forged.json()["signed"]
+    assert served(api) == forged.json()["id"]  # what the catalog claims: verified, signed
+    answer = trusting(api, builder)
+    assert answer["snapshot"]["id"] == honest and answer["verified"] is False
+    (near,) = answer["near_misses"]
+    assert near["snapshot"]["id"] == forged.json()["id"]
+    assert "does not match the manifest" in near["mismatches"][0]["snapshot"]
+
+
+def test_a_trusting_miss_says_no_snapshot_is_signed_by_its_keys(
+    api: httpx.Client, keys: dict[str, Any]
+) -> None:
+    unsigned = publish_signed(api, None)
+    answer = trusting(api, keys["builder"][1])
+    assert answer["snapshot"] is None and answer["signed_by"] is None
+    assert answer["reason"] == (
+        "no snapshot of workload 'w' that matches this node is signed by a key it trusts"
+        " (those that match are unsigned, signed by another key, or changed after signing)"
+    )
+    assert answer["near_misses"][0]["snapshot"]["id"] == unsigned
+    assert resolve(api, trusted_keys=[])["snapshot"] is None  # an empty list trusts nothing
+    assert served(api) == unsigned  # no trust list: signatures are not looked at
+    # another environment's snapshot names both: it differs, and the keys do not vouch
+    publish(api, torch="2.12.0")
+    other = trusting(api, keys["builder"][1], node={"torch": "2.11.0"})
+    fields = [[m["field"] for m in n["mismatches"]] for n in other["near_misses"]]
+    assert ["torch", "signature"] in fields
+
+
+def test_a_trusted_key_that_is_not_an_ed25519_key_is_refused(api: httpx.Client) -> None:
+    for bad in ("abc", "A" * 43 + "=" + "x", "a key id"):
+        answer = api.post(
+            "/v1/resolve", json={"fingerprint": FINGERPRINT, "workload": "w", "trusted_keys": [bad]}
+        )
+        assert answer.status_code == 422 and answer.json()["error"] == "invalid_request", bad
+
+
+def test_a_trusting_node_is_offered_only_the_deltas_its_keys_signed(
+    in_process_server: Any, keys: dict[str, Any]
+) -> None:
+    from cachekeeper.manifest import Manifest
+    from cachekeeper.signing import sign_manifest
+
+    api = in_process_server(serve_harvested=True).client
+    builder_key, builder = keys["builder"]
+    base = publish_signed(api, builder_key)
+    deltas = []
+    for key in (None, builder_key):
+        files = {"fxgraph/ab/k/e": f"harvest {next(_unique)}".encode()}
+        plain, blobs = make_snapshot(files, workload="w", verified=None)
+        delta = Manifest(
+            files=plain.files,
+            fingerprint=plain.fingerprint,
+            devices=plain.devices,
+            workload="w",
+            stats={"harvest": {"parent": base}},
+            source="harvest",
+            parent=base,
+        )
+        if key is not None:
+            delta = sign_manifest(delta, key)
+        assert push(api, delta, blobs).status_code == 201
+        deltas.append(delta.id)
+    assert [d["id"] for d in resolve(api)["deltas"]] == deltas
+    assert [d["id"] for d in trusting(api, builder)["deltas"]] == [deltas[1]]
+
+
+def test_a_kept_verdict_does_not_outlive_its_row(api: httpx.Client, keys: dict[str, Any]) -> None:
+    """The server keeps its verdicts per row: the same snapshot deleted and published again
+    with another signature block is checked again, not served on the old verdict."""
+    builder_key, builder = keys["builder"]
+    genuine = publish_signed(api, builder_key)
+    assert trusting(api, builder)["signed_by"] == builder.key_id  # checked, and kept
+    body = json.loads(api.get(f"/v1/snapshots/{genuine}").text)
+    assert api.delete(f"/v1/snapshots/{genuine}").status_code == 204
+    body["signature"] = {**body["signature"], "signature": "A" * 86 + "=="}
+    assert api.post("/v1/snapshots", content=json.dumps(body)).status_code == 201
+    answer = trusting(api, builder)
+    assert answer["snapshot"] is None, answer
+    assert "does not match" in answer["near_misses"][0]["mismatches"][0]["snapshot"]
