@@ -151,7 +151,14 @@ def test_an_unsigned_publish_shadows_no_signed_snapshot(
     assert [n["snapshot"]["id"] for n in answer["near_misses"]] == [late.id]
     assert all(
         n["mismatches"]
-        == [{"field": "signature", "node": [builder.key_id], "snapshot": "unsigned"}]
+        == [
+            {
+                "field": "signature",
+                "node": [builder.key_id],
+                "snapshot": "unsigned",
+                "built_by": None,
+            }
+        ]
         for n in answer["near_misses"]
     )
 

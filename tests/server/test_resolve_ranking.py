@@ -245,6 +245,7 @@ def test_with_trusted_keys_only_a_signature_the_server_checked_ranks(
                 "node": [builder.key_id],
                 "snapshot": f"signature by key {builder.key_id} does not match the manifest"
                 " (tampered or corrupted)",
+                "built_by": None,
             }
         ],
         mallorys: [
@@ -252,9 +253,17 @@ def test_with_trusted_keys_only_a_signature_the_server_checked_ranks(
                 "field": "signature",
                 "node": [builder.key_id],
                 "snapshot": f"signed by key {keys['mallory'][1].key_id!r}, which is not trusted",
+                "built_by": None,
             }
         ],
-        unsigned: [{"field": "signature", "node": [builder.key_id], "snapshot": "unsigned"}],
+        unsigned: [
+            {
+                "field": "signature",
+                "node": [builder.key_id],
+                "snapshot": "unsigned",
+                "built_by": None,
+            }
+        ],
     }
     # the node that trusts mallory gets mallory's (the newest its keys vouch for)
     assert trusting(api, keys["mallory"][1])["snapshot"]["id"] == mallorys
