@@ -57,6 +57,8 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "URL",
     "client_name",
+    "environment_of",
+    "environment_of_client_name",
     "isolated",
     "job_environ",
     "key_switches",
@@ -100,6 +102,7 @@ SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+_HEX12 = re.compile(r"^[0-9a-f]{12}$")
 
 
 def site_switches(*, tier: bool) -> dict[str, str]:
@@ -160,6 +163,20 @@ def client_name(node: str, fingerprint_digest: str) -> str:
     """The redis client name a job announces (``CLIENT SETNAME``): node and fingerprint,
     which the server records as the writer of each value."""
     return _NAME_UNSAFE.sub("_", f"ck:{node}:{fingerprint_digest[:12]}")[:120]
+
+
+def environment_of(fingerprint_digest: str) -> str:
+    """The environment a tier value is written from and served to: the first 12 hex digits
+    of the fingerprint digest of the node that runs the job ("" when it has none)."""
+    return fingerprint_digest[:12] if _HEX12.match(fingerprint_digest[:12]) else ""
+
+
+def environment_of_client_name(name: str) -> str:
+    """The environment in a redis client name ``client_name`` made (``ck:<node>:<env>``),
+    or "" for any other name."""
+    if not name.startswith("ck:"):
+        return ""
+    return environment_of(name.rpartition(":")[2])
 
 
 def tier_url(

@@ -16,6 +16,7 @@ make the server read and screen megabytes of JSON; then by the route's own depen
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any
@@ -36,6 +37,8 @@ __all__ = [
     "refusal_before_body",
     "require",
     "scope_of_token",
+    "presented_token",
+    "token_id",
     "ReadScope",
     "WriteScope",
     "AdminScope",
@@ -53,6 +56,18 @@ def scope_of_token(settings: Settings, presented: str) -> str | None:
         if hmac.compare_digest(token.encode(), given):
             found = scope
     return found
+
+
+def token_id(presented: str) -> str:
+    """A stable, non-secret name of a configured token (``tok-`` and 12 hex digits of its
+    sha256): what attributes writes (tier keys, job reports) to the token that made them,
+    never to a name the client claims."""
+    return "tok-" + hashlib.sha256(presented.encode()).hexdigest()[:12]
+
+
+def presented_token(request: Request) -> str | None:
+    """The bearer token ``request`` presents (None: none), as the scope check read it."""
+    return _bearer(request.headers)
 
 
 def covers(granted: str, scope: str) -> bool:

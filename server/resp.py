@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import socket
 import threading
@@ -48,8 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachekeeper.errors import ConfigInvalid
+from cachekeeper.remote_tier import environment_of_client_name
 
-from .auth import scope_of_token
+from .auth import scope_of_token, token_id
 from .metrics import Metrics
 from .settings import Settings
 from .tier import TierStore, TierWriter
@@ -82,6 +84,7 @@ class Dropped:
 class _Conn:
     peer: str
     scope: str | None  # None: not authenticated
+    token: str | None = None  # the token's id (auth.token_id) once AUTH accepted one
     proto: int = 2
     name: str = ""
     lib: str = ""
@@ -363,6 +366,7 @@ class RespServer:
         if scope is None:
             return False
         conn.scope, conn.extra["authed"] = scope, True
+        conn.token = token_id(password.decode(errors="replace"))
         return True
 
     async def _cmd_auth(self, conn: _Conn, rest: list[Any]) -> bytes:
@@ -474,12 +478,14 @@ class RespServer:
         key = rest[0]
         if isinstance(key, Dropped):
             return self._miss(conn, "miss")
-        pending = self._writer.peek(key)
+        environment = environment_of_client_name(conn.name)
+        pending = self._writer.peek(key, environment=environment)
         if pending is not None:
             return self._hit(pending)
-        future = self._loop.run_in_executor(self._reads, self.store.get, key)
+        read = functools.partial(self.store.fetch, key, environment=environment)
+        future = self._loop.run_in_executor(self._reads, read)
         try:
-            value = await asyncio.wait_for(
+            value, why = await asyncio.wait_for(
                 asyncio.shield(future), self.settings.remote_cache_get_timeout_s
             )
         except TimeoutError:
@@ -487,7 +493,7 @@ class RespServer:
         except Exception:  # noqa: BLE001 - a store that fails is a miss, never an error reply
             _log.exception("per-key tier: reading a value failed")
             return self._miss(conn, "failed")
-        return self._miss(conn, "miss") if value is None else self._hit(value)
+        return self._miss(conn, why) if value is None else self._hit(value)
 
     def _hit(self, value: bytes) -> Reply:
         self.metrics.inc("cachekeeper_remote_cache_gets_total", result="hit")
@@ -529,7 +535,18 @@ class RespServer:
         return _simple("OK")
 
     def _writer_of(self, conn: _Conn) -> dict[str, Any]:
-        return {"peer": conn.peer, "client": conn.name, "lib": conn.lib, "scope": conn.scope}
+        """Who wrote a value: the token (its id, from AUTH: never the name the client
+        claims), its scope and the environment its client name gives; the peer, the
+        claimed name and the library are kept as hints."""
+        return {
+            "token": conn.token,
+            "scope": conn.scope,
+            "environment": environment_of_client_name(conn.name),
+            "via": "resp",
+            "peer": conn.peer,
+            "client": conn.name,
+            "lib": conn.lib,
+        }
 
 
 _Handler = Callable[[RespServer, _Conn, list[Any]], Any]
