@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
@@ -54,6 +55,7 @@ __all__ = [
     "OFF_URL",
     "PGO",
     "SOCKET_TIMEOUT_S",
+    "TIER_HOOK",
     "CONNECT_TIMEOUT_S",
     "URL",
     "client_name",
@@ -100,6 +102,9 @@ OFF_URL = "unix:///nonexistent/cachekeeper-remote-cache-off"
 # the server answers every GET and SET within its own bound, well under them.
 SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+
+# The folder prejob puts first on a job's PYTHONPATH for cachekeeper's own backend.
+TIER_HOOK = Path(__file__).resolve().parent / "_tier_hook"
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 _HEX12 = re.compile(r"^[0-9a-f]{12}$")
@@ -187,9 +192,12 @@ def tier_url(
     name: str | None = None,
     socket_timeout_s: float = SOCKET_TIMEOUT_S,
     connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    tls: bool = False,
+    ca_bundle: str | None = None,
 ) -> str:
     """The ``TORCHINDUCTOR_REDIS_URL`` of the tier on ``server_url``'s host at ``port``: the
-    token as password, socket and connect timeouts, and the client name."""
+    token as password, socket and connect timeouts, and the client name; ``rediss://``
+    with ``tls`` (and ``ca_bundle``, a site's private CA, as ``ssl_ca_certs``)."""
     host = urlsplit(server_url).hostname or "localhost"
     if ":" in host:  # an IPv6 address
         host = f"[{host}]"
@@ -197,4 +205,7 @@ def tier_url(
     query = f"socket_timeout={socket_timeout_s:g}&socket_connect_timeout={connect_timeout_s:g}"
     if name:
         query += f"&client_name={quote(name, safe='')}"
-    return f"redis://{auth}{host}:{port}/0?{query}"
+    if tls and ca_bundle:
+        query += f"&ssl_ca_certs={quote(ca_bundle, safe='')}"
+    scheme = "rediss" if tls else "redis"
+    return f"{scheme}://{auth}{host}:{port}/0?{query}"

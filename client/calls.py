@@ -56,6 +56,7 @@ __all__ = [
     "endpoint",
     "read_within",
     "redact_url",
+    "refuse_plaintext",
     "request_headers",
     "server_root",
     "tls_context",
@@ -193,6 +194,27 @@ def _tls_context(bundle: str | None, cert_file: str | None, cert_dir: str | None
                 f"--ca-bundle / {config.CA_BUNDLE} {bundle}: cannot load CAs from it: {exc}"
             ) from exc
     return context
+
+
+def refuse_plaintext(url: str, *, token: str | None, allow: bool) -> str | None:
+    """Why ``token`` must not be sent to ``url`` (one line), or None: a token goes over
+    plain ``http://`` or ``redis://`` only to a loopback host, or when ``allow``
+    (``--allow-plaintext`` / ``CACHEKEEPER_ALLOW_PLAINTEXT``)."""
+    if not token or allow:
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "the server URL does not parse"
+    if parts.scheme not in ("http", "redis"):
+        return None
+    host = parts.hostname or ""
+    if host == "localhost" or host == "::1" or host.startswith("127."):
+        return None
+    return (
+        f"the token would cross the network in clear ({parts.scheme}:// to {host}): serve"
+        " with TLS (--tls-cert/--tls-key), or pass --allow-plaintext"
+    )
 
 
 def redact_url(url: str, *, query: bool = True) -> str:

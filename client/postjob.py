@@ -41,6 +41,8 @@ from cachekeeper.wire import JobReport
 
 from .calls import Deadline
 from .job_reports import job_id, node_name, report_answer, utc_now
+from .tier_stats import TierJob
+from .tier_stats import collect as collect_tier
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
     from cachekeeper.fingerprint import Fingerprint
@@ -180,6 +182,7 @@ class PostjobReport:
     pushed_snapshot_id: str | None = None  # postjob --push: the harvested delta
     pushed_offered: bool = True  # the server hands it to nodes (see summary_line)
     unknown_workload: str | None = None  # the server knows no such workload (did you mean)
+    tier: TierJob | None = None  # what the job did with the per-key tier (its prejob put it on)
 
     @property
     def new_bytes(self) -> int:
@@ -203,6 +206,18 @@ class PostjobReport:
             "pushed_snapshot_id": self.pushed_snapshot_id,
             "pushed_offered": self.pushed_offered,
             "unknown_workload": self.unknown_workload,
+            "tier": None
+            if self.tier is None
+            else {
+                "backend": self.tier.backend,
+                "writes": self.tier.writes,
+                "processes": self.tier.processes,
+                "snapshot_hits": self.tier.snapshot_hits,
+                "tier_hits": self.tier.tier_hits,
+                "puts": self.tier.puts,
+                "failed": self.tier.failed,
+                "problem": self.tier.problem,
+            },
         }
 
 
@@ -298,27 +313,37 @@ def postjob(
             error=f"cannot read {target}: {detail}",
         )
     outcome = "compiled" if diff.compiled else "clean"
-    answer = report and report_answer(
-        server,
-        JobReport(
-            phase="postjob",
-            outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
-            workload=workload,
-            fingerprint_digest=digest,
-            snapshot_id=diff.snapshot_id,
-            node=node_name(),
-            devices=list(devices or []),
-            new_fxgraph=diff.entries["fxgraph"],
-            new_aotautograd=diff.entries["aotautograd"],
-            new_triton=diff.entries["triton"],
-            new_other=diff.entries["other"],
-            new_bytes=diff.new_bytes,
-            started_at=started_at,
-            finished_at=utc_now(),
-            job=job_id(target, environ=env, start=False),
-        ),
-        token=token,
-        timeout_s=deadline.remaining() or 0.0,
+    tier = collect_tier(target)
+    answer = (
+        report
+        and report_answer(
+            server,
+            JobReport(
+                phase="postjob",
+                outcome=outcome,  # type: ignore[arg-type]  # one of JobOutcome's postjob values
+                workload=workload,
+                fingerprint_digest=digest,
+                snapshot_id=diff.snapshot_id,
+                node=node_name(),
+                devices=list(devices or []),
+                new_fxgraph=diff.entries["fxgraph"],
+                new_aotautograd=diff.entries["aotautograd"],
+                new_triton=diff.entries["triton"],
+                new_other=diff.entries["other"],
+                new_bytes=diff.new_bytes,
+                started_at=started_at,
+                finished_at=utc_now(),
+                job=job_id(target, environ=env, start=False),
+                tier=None if tier is None else tier.backend,  # type: ignore[arg-type]  # a TierPath
+                snapshot_hits=0 if tier is None else tier.snapshot_hits,
+                tier_hits=0 if tier is None else tier.tier_hits,
+                tier_puts=0 if tier is None else tier.puts,
+                tier_failed=0 if tier is None else tier.failed,
+                tier_problem=None if tier is None or tier.problem is None else tier.problem[:2000],
+            ),
+            token=token,
+            timeout_s=deadline.remaining() or 0.0,
+        )
     )
     reported = bool(answer)
     warning = None
@@ -356,6 +381,7 @@ def postjob(
         pushed_snapshot_id=pushed,
         pushed_offered=offered,
         unknown_workload=answer.warning if answer else None,
+        tier=tier,
     )
 
 

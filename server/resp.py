@@ -32,6 +32,9 @@ SET is never answered with an error torch would raise on:
 - garbage on the socket (not RESP, a bulk length out of range) is answered
   ``-ERR Protocol error`` and that connection is closed; no other connection notices.
 
+With ``--tls-cert``/``--tls-key`` the listener speaks TLS with the same certificate as the
+HTTP port (redis-py: ``rediss://``), so a node's token never crosses in clear.
+
 The listener runs an asyncio loop in its own thread; store reads run in a small thread
 pool, so a slow store never holds the loop.
 """
@@ -43,6 +46,7 @@ import concurrent.futures
 import functools
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +70,7 @@ MAX_KEY_BYTES = 64 << 10  # any argument but SET's value; torch's keys are ~100 
 MAX_LINE_BYTES = 64 << 10
 _DISCARD_CHUNK = 1 << 20
 _GET_WORKERS = 8
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 _CRLF = b"\r\n"
 
 
@@ -248,13 +253,20 @@ class RespServer:
                 f"cannot serve the per-key tier on {host}:{port} (--resp-port): {exc.strerror or exc}"
             ) from exc
         sock.setblocking(False)
+        tls = self._tls_context()
         self.port = int(sock.getsockname()[1])
         started = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._serve, sock=sock, limit=MAX_LINE_BYTES)
+                asyncio.start_server(
+                    self._serve,
+                    sock=sock,
+                    limit=MAX_LINE_BYTES,
+                    ssl=tls,
+                    ssl_handshake_timeout=None if tls is None else TLS_HANDSHAKE_TIMEOUT_S,
+                )
             )
             started.set()
             self._loop.run_forever()
@@ -264,6 +276,14 @@ class RespServer:
         self._thread.start()
         started.wait(10)
         return self.port
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """TLS with the HTTP port's certificate (``--tls-cert``/``--tls-key``), or None."""
+        if self.settings.tls_cert is None or self.settings.tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        return context
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """Stop accepting, close connections, store what is queued."""

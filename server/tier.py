@@ -75,11 +75,19 @@ def offer_for(
         return None
     use = settings.remote_cache_default if wish in (None, "auto") else wish == "on"
     switches = remote_tier.site_switches(tier=True)
+    refusal = None
+    if scope not in ("write", "admin"):
+        refusal = "read_only_token"
+    elif not settings.remote_cache_writable:
+        refusal = "signatures_required"
     return RemoteCacheOffer(
         port=port,
         use=use,
-        writable=settings.remote_cache_writable and scope in ("write", "admin"),
+        writable=refusal is None,
         switches=switches if use else remote_tier.key_switches(switches),
+        write_refusal=refusal,
+        http=True,
+        tls=settings.tls_cert is not None,
     )
 
 

@@ -16,7 +16,7 @@ the ``Authorization`` header, TLS when the URL is https (the default CAs, ``SSL_
 store without the token, checking size and sha256 itself. Its rules, so that a tier can
 never break a job:
 
-- every call has one deadline (``CACHEKEEPER_TIER_TIMEOUT_S``, 0.5 s by default, plus the
+- every call has one deadline (``CACHEKEEPER_TIER_TIMEOUT_S``, 0.8 s by default, plus the
   time a value's size needs at ``MIN_BYTES_PER_S`` once the size is known), enforced
   between every receive: a server that stalls, trickles or freezes costs that, no more;
   the name is resolved once, in a thread it stops waiting for;
@@ -59,7 +59,7 @@ _TIMEOUT_VAR = "CACHEKEEPER_TIER_TIMEOUT_S"
 _STATS_VAR = "CACHEKEEPER_TIER_STATS_DIR"
 _CA_BUNDLE_VAR = "CACHEKEEPER_CA_BUNDLE"
 
-DEFAULT_TIMEOUT_S = 0.5
+DEFAULT_TIMEOUT_S = 0.8
 MIN_BYTES_PER_S = 50e6  # a value's body may take its size at this rate on top of the deadline
 MAX_VALUE_BYTES = 256 << 20
 MAX_HEADER_BYTES = 64 << 10

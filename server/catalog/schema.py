@@ -209,6 +209,22 @@ def _add_job_column(db: sqlite_utils.Database) -> None:
         table.add_column("job", str)
 
 
+def _add_tier_report_columns(db: sqlite_utils.Database) -> None:
+    """A postjob's per-key tier counts (``JobReport.tier`` ...), added to older databases."""
+    table = db.table("job_reports")
+    columns = {
+        "tier": str,
+        "snapshot_hits": int,
+        "tier_hits": int,
+        "tier_puts": int,
+        "tier_failed": int,
+        "tier_problem": str,
+    }
+    for name, kind in columns.items():
+        if name not in table.columns_dict:
+            table.add_column(name, kind)
+
+
 def _create_quarantine(db: sqlite_utils.Database) -> None:
     db.table("quarantine").create(
         {"id": str, "at": str, "reason": str, "manifest": str}, pk="id", if_not_exists=True
@@ -253,4 +269,5 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_workload_digest_column,
     _add_job_column,
     _create_archive_objects,
+    _add_tier_report_columns,
 ]
