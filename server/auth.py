@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -108,10 +108,14 @@ def admit(settings: Settings, scope: str, presented: str | None) -> str:
     return granted
 
 
-def require(scope: str) -> Callable[[Request], str]:
-    """A dependency that admits requests whose token covers ``scope``; returns the scope."""
+def require(scope: str) -> Callable[[Request], Awaitable[str]]:
+    """A dependency that admits requests whose token covers ``scope``; returns the scope.
 
-    def check(request: Request) -> str:
+    A coroutine, though it never waits: FastAPI runs a plain function's dependency in its
+    thread pool, a hop that cost more CPU than the check itself (the per-key tier's GET,
+    which a herd of nodes asks, is measured in docs/benchmarks.md)."""
+
+    async def check(request: Request) -> str:
         return admit(request.app.state.settings, scope, _bearer(request.headers))
 
     check.__name__ = f"require_{scope}"

@@ -105,7 +105,7 @@ def _key(key: str) -> bytes:
         **error_responses((404, NotFound)),
     },
 )
-def get_value(
+async def get_value(
     key: Key,
     request: Request,
     settings: SettingsDep,
@@ -113,7 +113,11 @@ def get_value(
     environment: EnvironmentHeader = "",
 ) -> Response:
     """The value of torch's ``key``: 200 with the bytes, or 307 to the object store; both
-    with the value's sha256 and size, which the caller checks. 404: a miss."""
+    with the value's sha256 and size, which the caller checks. 404: a miss.
+
+    A coroutine: the key's look-up is one indexed SQLite read, and a herd of nodes asks
+    this route, so it costs no thread-pool hop; only reading a value from the local store
+    goes to a thread."""
     tier = _tier(request)
     metrics = metrics_of(request)
     raw = _key(key)
@@ -132,8 +136,8 @@ def get_value(
             },
         )
     value = None
-    if entry is not None:
-        value, why = tier.fetch(raw, environment=environment)
+    if entry is not None:  # read, decompressed and checked off the event loop
+        value, why = await run_in_threadpool(tier.fetch, raw, environment=environment)
     if value is None:
         metrics.inc("cachekeeper_remote_cache_gets_total", result=why)
         return JSONResponse(
