@@ -29,8 +29,9 @@ Who calls what:
 - the agent: ``set_builder_switches(os.environ, switches)``, so its children and its
   fingerprint run as nodes do;
 - prewarm and verify children (``cachekeeper.children.child_environ``):
-  ``isolated(environ)``, the builder's switches with every URL replaced by ``OFF_URL``, so
-  verify proves the local dir alone and prewarm compiles what it lists.
+  ``isolated(environ)``, the builder's switches with every URL replaced by ``OFF_URL`` and
+  cachekeeper's own backend switched off (``CACHEKEEPER_TIER_*`` dropped), so verify proves
+  the local dir alone and prewarm compiles what it lists.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "PGO",
     "SOCKET_TIMEOUT_S",
     "TIER_HOOK",
+    "TIER_VAR_PREFIX",
     "CONNECT_TIMEOUT_S",
     "URL",
     "client_name",
@@ -103,6 +105,9 @@ OFF_URL = "unix:///nonexistent/cachekeeper-remote-cache-off"
 SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
 
+# The variables of cachekeeper's own backend (cachekeeper.config's TIER_*), which the
+# children of prewarm and verify never inherit.
+TIER_VAR_PREFIX = "CACHEKEEPER_TIER_"
 # The folder prejob puts first on a job's PYTHONPATH for cachekeeper's own backend.
 TIER_HOOK = Path(__file__).resolve().parent / "_tier_hook"
 
@@ -142,15 +147,21 @@ def isolated(environ: Mapping[str, str]) -> dict[str, str]:
     proves the local dir alone and prewarm compiles everything it lists."""
     if not uses_remote(environ):
         return dict(environ)
-    env = {k: v for k, v in environ.items() if k not in CONNECTION_VARS}
+    env = {k: v for k, v in environ.items() if k not in CONNECTION_VARS and not _ours(k)}
     env[URL] = OFF_URL
     return env
+
+
+def _ours(name: str) -> bool:
+    """A variable of cachekeeper's own tier backend (``CACHEKEEPER_TIER_*``): without
+    ``CACHEKEEPER_TIER_MODE`` its hook installs nothing."""
+    return name.startswith(TIER_VAR_PREFIX)
 
 
 def set_builder_switches(environ: MutableMapping[str, str], switches: Mapping[str, str]) -> None:
     """Make ``environ`` (the agent's own) carry exactly ``switches``: its children compile
     and its fingerprint records what nodes run with. The tier's other variables go."""
-    for name in (*_SWITCHES, *CONNECTION_VARS):
+    for name in (*_SWITCHES, *CONNECTION_VARS, *[k for k in environ if _ours(k)]):
         environ.pop(name, None)
     environ.update(job_environ(switches, url=OFF_URL) if switches else {})
 
