@@ -44,7 +44,8 @@ _HELP = {
     ),
     "cachekeeper_remote_cache_gets_total": (
         "counter",
-        "Per-key tier GETs by result: hit, miss, slow (answered nil past the bound), failed.",
+        "Per-key tier GETs by result: hit, miss, slow (answered nil past the bound), failed,"
+        " other_environment (written from another fingerprint).",
     ),
     "cachekeeper_remote_cache_puts_total": (
         "counter",
@@ -53,7 +54,8 @@ _HELP = {
     ),
     "cachekeeper_remote_cache_bytes_total": (
         "counter",
-        "Per-key tier value bytes by direction: in (stored), out (served).",
+        "Per-key tier value bytes by direction: in (stored), out (served), direct (sent to the"
+        " object store by a 307, not through the server).",
     ),
     "cachekeeper_remote_cache_evictions_total": (
         "counter",
