@@ -187,7 +187,9 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
     )
     _install_error_handlers(app)
     scoped: list[tuple[APIRoute, str]] = []
-    for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, tier, ui):
+    # tier first: a herd of nodes asks its GET, and a request is matched against the routes
+    # in order (FastAPI tries each in turn)
+    for module in (tier, admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
         scoped += route_scopes(module.router.routes)
     # Inside metrics: refusals count.

@@ -31,6 +31,7 @@ never break a job:
   ``CACHEKEEPER_TIER_STATS_DIR/tier-<pid>.json`` (temp file + rename), which ``postjob``
   reads: ``{"pid", "mode", "installed", "reason", "torch", "breaker", "gets": {"hit",
   "miss", "failed"}, "puts": {"stored", "dropped", "failed"}, "bytes_in", "bytes_out",
+  "call_s" (wall seconds spent in the tier's calls),
   "tier_hits": {cache id: n}, "counters": {"fxgraph_cache_hit", ...}, "remote": {...}}``.
 
 ``mode="redis"`` (the stock path) installs nothing and records the same stats from torch's
@@ -97,6 +98,7 @@ class Stats:
         self.dropped = {}
         self.bytes_in = 0
         self.bytes_out = 0
+        self.call_s = 0.0  # wall seconds this process spent in the tier's calls
         self.tier_hits = {}
         self.pid = os.getpid()
         self.lock = threading.Lock()
@@ -115,6 +117,7 @@ class Stats:
             "dropped": dict(self.dropped),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "call_s": round(self.call_s, 4),
             "tier_hits": dict(self.tier_hits),
             "counters": _torch_counters(),
             "remote": _torch_remote_stats(),
@@ -568,6 +571,30 @@ def _open_breaker(stats, why):
 
 def backend_get(key):
     """The value of ``key`` or None; never raises."""
+    started = time.monotonic()
+    try:
+        return _get(key)
+    finally:
+        _spent(started)
+
+
+def backend_put(key, data):
+    """Put ``data`` under ``key`` when this process writes; never raises."""
+    started = time.monotonic()
+    try:
+        _put(key, data)
+    finally:
+        _spent(started)
+
+
+def _spent(started):
+    stats = _STATS
+    if stats is not None:
+        with stats.lock:
+            stats.call_s += time.monotonic() - started
+
+
+def _get(key):
     stats = _STATS
     if stats is None or stats.breaker is not None:
         if stats is not None:
@@ -598,8 +625,7 @@ def backend_get(key):
     return value
 
 
-def backend_put(key, data):
-    """Put ``data`` under ``key`` when this process writes; never raises."""
+def _put(key, data):
     stats = _STATS
     if stats is None or stats.breaker is not None:
         return
