@@ -94,7 +94,7 @@ def body_rule(settings: Settings, *, method: str, path: str) -> BodyRule:
     if method == "PUT" and _BLOB_PATH.match(path):
         return BodyRule(settings.max_blob_bytes + ZSTD_SLACK_BYTES, "blob body", False, False)
     if method == "PUT" and path.startswith("/v1/tier/values/"):
-        return BodyRule(settings.remote_cache_max_value_bytes, "tier value", False, False)
+        return BodyRule(settings.remote_cache_max_value_bytes, "tier value", True, False)
     if method == "POST" and path == "/v1/snapshots":
         return BodyRule(settings.max_manifest_bytes, "manifest", True, True, InvalidManifest)
     if method == "PUT" and _WORKLOAD_PATH.match(path):
