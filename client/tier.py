@@ -57,8 +57,11 @@ __all__ = [
 PROBE_TIMEOUT_S = 1.0
 BACKENDS = ("auto", "cachekeeper", "redis")
 HOOK_DIR = remote_tier.TIER_HOOK
-# The torch versions (major, minor) whose torch/_inductor/remote_cache.py the backend was
-# read against: backend_override_cls, RedisRemoteCache and its five caches, unchanged.
+# The torch versions (major, minor) the backend is used with: torch/_inductor/remote_cache.py
+# read in 2.11, 2.12, 2.13, 2.14 and main after 2.14 (backend_override_cls, RedisRemoteCache
+# and its five caches, unchanged; 2.13 added LocalCache under RemoteCache). 2.15's wheel
+# could not be fetched to read; the issue reports it unchanged, and the hook checks the
+# module itself at import (``_cachekeeper_tier.check``) and stays out when it differs.
 CHECKED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 _VERSION = re.compile(r"^(\d+)\.(\d+)")
 _WRITES = {
