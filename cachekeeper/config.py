@@ -28,6 +28,15 @@ variable                            meaning (default)
                                     of its Python processes records its cache counters
                                     (read by ``_evidence_hook/sitecustomize.py``, stdlib
                                     only, since the command may run another Python)
+``CACHEKEEPER_ALLOW_PLAINTEXT``     ``1``: a client may send its token over plain http (or
+                                    ``redis://``) to a host that is not loopback
+                                    (``--allow-plaintext``)
+``CACHEKEEPER_TIER_*``              set by prejob for a job that uses the per-key tier
+                                    through cachekeeper's backend (``_MODE``, ``_URL``,
+                                    ``_TOKEN_FILE``, ``_ENVIRONMENT``, ``_WRITES``,
+                                    ``_TIMEOUT_S``, ``_STATS_DIR``); read by
+                                    ``_tier_hook/_cachekeeper_tier.py`` (stdlib only: the
+                                    job may run another Python)
 ``CACHEKEEPER_<FIELD>``             the server's settings (``server/settings.py``, read
                                     by pydantic-settings with ``SERVER_ENV_PREFIX``)
 =================================== ==================================================
@@ -39,6 +48,7 @@ Layout under the home::
       agent/                  # the agent's builds (cachekeeper.client.agent)
       server/                 # the server's data dir (cachekeeper.server.settings)
       inductor/<fp16>/        # prejob's cache dir when TORCHINDUCTOR_CACHE_DIR is unset
+      tier/token-<id>         # the token a job's tier backend reads (0600, folder 0700)
 """
 
 from __future__ import annotations
@@ -61,13 +71,21 @@ __all__ = [
     "TEST_FAKE_CUDA",
     "EVIDENCE_DIR",
     "SERVER_ENV_PREFIX",
+    "TIER_MODE",
+    "TIER_URL",
+    "TIER_TOKEN_FILE",
+    "TIER_ENVIRONMENT",
+    "TIER_WRITES",
+    "TIER_TIMEOUT_S",
+    "TIER_STATS_DIR",
+    "allow_plaintext",
+    "tier_token_dir",
     "home",
     "agent_work_dir",
     "server_data_dir",
     "node_cache_dir",
     "trusted_key_paths",
     "ca_bundle",
-    "allow_plaintext",
     "debug",
     "fingerprint_overrides",
     "package_version",
@@ -84,6 +102,13 @@ FINGERPRINT_OVERRIDES = "CACHEKEEPER_FINGERPRINT_OVERRIDES"
 TEST_FAKE_CUDA = "CACHEKEEPER_TEST_FAKE_CUDA"
 EVIDENCE_DIR = "CACHEKEEPER_EVIDENCE_DIR"
 SERVER_ENV_PREFIX = "CACHEKEEPER_"
+TIER_MODE = "CACHEKEEPER_TIER_MODE"
+TIER_URL = "CACHEKEEPER_TIER_URL"
+TIER_TOKEN_FILE = "CACHEKEEPER_TIER_TOKEN_FILE"
+TIER_ENVIRONMENT = "CACHEKEEPER_TIER_ENVIRONMENT"
+TIER_WRITES = "CACHEKEEPER_TIER_WRITES"
+TIER_TIMEOUT_S = "CACHEKEEPER_TIER_TIMEOUT_S"
+TIER_STATS_DIR = "CACHEKEEPER_TIER_STATS_DIR"
 
 
 def home(environ: Mapping[str, str]) -> Path:
@@ -114,6 +139,11 @@ def trusted_key_paths(environ: Mapping[str, str]) -> list[str]:
         return []
     paths = [p for p in environ[TRUSTED_KEYS].split(os.pathsep) if p.strip()]
     return paths or [""]
+
+
+def tier_token_dir(environ: Mapping[str, str]) -> Path:
+    """Where prejob leaves the token a job's tier backend reads: ``<home>/tier``."""
+    return home(environ) / "tier"
 
 
 def ca_bundle(environ: Mapping[str, str]) -> str | None:

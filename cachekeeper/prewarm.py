@@ -27,10 +27,12 @@ The children and their work area: ``cachekeeper.children``.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from cachekeeper import remote_tier
 from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.commands import run_command
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
@@ -147,6 +149,7 @@ def _record(
         devices=list(report.covered_devices),
         stats=report.stats,
         cpu=compiled_cpu_state(workload, commands),
+        key_switches=remote_tier.key_switches(os.environ),  # what the children ran with
     )
 
 

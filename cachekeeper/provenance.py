@@ -4,13 +4,16 @@
 
     <cache_dir>/.cachekeeper/prewarm/<workload>.json
       {"workload", "workload_digest", "devices": [...], "stats": {...}, "cpu": {...},
-       "recorded_at"}
+       "key_switches": {...}, "recorded_at"}
 
 and ``snapshot_dir(..., workload=NAME)`` (so ``cachekeeper snapshot`` and ``push``) reads it
 to fill the manifest's ``stats`` (verified when ``stats["verify"]["effective"]``),
 ``workload_digest`` and covered ``devices``, and the fingerprint's ``cpu`` field with the
 CPU state the children compiled under (``cachekeeper.cpu``: the workload's
-``[process] omp_num_threads``, not the shell's that runs ``snapshot``). ``.cachekeeper/`` never enters a snapshot.
+``[process] omp_num_threads``, not the shell's that runs ``snapshot``), and its ``env`` with
+the per-key tier's switches in torch's keys the children ran with (``key_switches``: a
+dir prewarmed without them is labelled so, whatever the shell that pushes it runs with).
+``.cachekeeper/`` never enters a snapshot.
 A later prewarm of the same workload on other devices adds its devices to the record;
 the stats are those of the latest prewarm. A dir that was never prewarmed by cachekeeper
 (someone's own warm cache) has no record: its snapshot is unverified, and says so.
@@ -31,7 +34,13 @@ from cachekeeper.restore.marker import STATE_DIR, state_dir
 if TYPE_CHECKING:
     from cachekeeper.fingerprint import CpuState
 
-__all__ = ["record_prewarm", "load_prewarm_record", "recorded_cpu", "recorded_workloads"]
+__all__ = [
+    "record_prewarm",
+    "load_prewarm_record",
+    "recorded_cpu",
+    "recorded_key_switches",
+    "recorded_workloads",
+]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -64,6 +73,15 @@ def recorded_cpu(record: Mapping[str, Any] | None) -> CpuState | None:
     return cast("CpuState", found) if isinstance(found, dict) else None
 
 
+def recorded_key_switches(record: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The tier's key-relevant switches a record's prewarm ran with, or None: no record,
+    or one from before the field."""
+    found = None if record is None else record.get("key_switches")
+    if not isinstance(found, dict):
+        return None
+    return {str(k): str(v) for k, v in found.items()}
+
+
 def recorded_workloads(cache_dir: Path) -> list[str]:
     """The workloads a prewarm recorded in ``cache_dir``, sorted (none: an empty list)."""
     names: set[str] = set()
@@ -87,8 +105,11 @@ def record_prewarm(
     devices: list[str],
     stats: dict[str, Any],
     cpu: CpuState | None = None,
+    key_switches: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write (atomically) what a prewarm proved; devices accumulate across prewarms."""
+    """Write (atomically) what a prewarm proved; devices accumulate across prewarms.
+    ``key_switches``: the per-key tier's switches in torch's keys that its children ran
+    with (``remote_tier.key_switches``), which the snapshot's fingerprint then records."""
     rel = _record_name(workload)
     previous = load_prewarm_record(cache_dir, workload)
     if previous and previous.get("workload_digest") == workload_digest:
@@ -99,6 +120,7 @@ def record_prewarm(
         "devices": sorted(devices),
         "stats": stats,
         "cpu": cpu,
+        "key_switches": None if key_switches is None else dict(key_switches),
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     with state_dir(cache_dir, create=True) as state:  # a planted link is refused, not followed

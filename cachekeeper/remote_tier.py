@@ -30,14 +30,16 @@ Who calls what:
   fingerprint run as nodes do;
 - prewarm and verify children (``cachekeeper.children.child_environ``) and a workload's
   commands: ``isolated(environ)``, the builder's switches with every URL replaced by
-  ``OFF_URL`` (whether a switch is on or not), so verify proves the local dir alone,
-  prewarm compiles what it lists, and no tier value reaches what a builder signs.
+  ``OFF_URL`` (whether a switch is on or not) and cachekeeper's own backend switched off
+  (``CACHEKEEPER_TIER_*`` dropped), so verify proves the local dir alone, prewarm compiles
+  what it lists, and no tier value reaches what a builder signs.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
@@ -55,9 +57,13 @@ __all__ = [
     "OFF_URL",
     "PGO",
     "SOCKET_TIMEOUT_S",
+    "TIER_HOOK",
+    "TIER_VAR_PREFIX",
     "CONNECT_TIMEOUT_S",
     "URL",
     "client_name",
+    "environment_of",
+    "environment_of_client_name",
     "isolated",
     "job_environ",
     "key_switches",
@@ -100,7 +106,14 @@ OFF_URL = "unix:///nonexistent/cachekeeper-remote-cache-off"
 SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
 
+# The variables of cachekeeper's own backend (cachekeeper.config's TIER_*), which the
+# children of prewarm and verify never inherit.
+TIER_VAR_PREFIX = "CACHEKEEPER_TIER_"
+# The folder prejob puts first on a job's PYTHONPATH for cachekeeper's own backend.
+TIER_HOOK = Path(__file__).resolve().parent / "_tier_hook"
+
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+_HEX12 = re.compile(r"^[0-9a-f]{12}$")
 
 
 def site_switches(*, tier: bool) -> dict[str, str]:
@@ -134,16 +147,23 @@ def isolated(environ: Mapping[str, str]) -> dict[str, str]:
     to the tier (``OFF_URL`` replaces any URL, host or port), so that verify proves the
     local dir alone and prewarm compiles everything it lists. Also with no switch on: a
     builder's code that turns a remote cache on by itself must not load tier values (any
-    write token's bytes) in a process whose output the builder signs (issue 32)."""
-    env = {k: v for k, v in environ.items() if k not in CONNECTION_VARS}
+    write token's bytes) in a process whose output the builder signs (issue 32); nor
+    cachekeeper's own backend (``CACHEKEEPER_TIER_*`` dropped)."""
+    env = {k: v for k, v in environ.items() if k not in CONNECTION_VARS and not _ours(k)}
     env[URL] = OFF_URL
     return env
+
+
+def _ours(name: str) -> bool:
+    """A variable of cachekeeper's own tier backend (``CACHEKEEPER_TIER_*``): without
+    ``CACHEKEEPER_TIER_MODE`` its hook installs nothing."""
+    return name.startswith(TIER_VAR_PREFIX)
 
 
 def set_builder_switches(environ: MutableMapping[str, str], switches: Mapping[str, str]) -> None:
     """Make ``environ`` (the agent's own) carry exactly ``switches``: its children compile
     and its fingerprint records what nodes run with. The tier's other variables go."""
-    for name in (*_SWITCHES, *CONNECTION_VARS):
+    for name in (*_SWITCHES, *CONNECTION_VARS, *[k for k in environ if _ours(k)]):
         environ.pop(name, None)
     environ.update(job_environ(switches, url=OFF_URL) if switches else {})
 
@@ -163,6 +183,20 @@ def client_name(node: str, fingerprint_digest: str) -> str:
     return _NAME_UNSAFE.sub("_", f"ck:{node}:{fingerprint_digest[:12]}")[:120]
 
 
+def environment_of(fingerprint_digest: str) -> str:
+    """The environment a tier value is written from and served to: the first 12 hex digits
+    of the fingerprint digest of the node that runs the job ("" when it has none)."""
+    return fingerprint_digest[:12] if _HEX12.match(fingerprint_digest[:12]) else ""
+
+
+def environment_of_client_name(name: str) -> str:
+    """The environment in a redis client name ``client_name`` made (``ck:<node>:<env>``),
+    or "" for any other name."""
+    if not name.startswith("ck:"):
+        return ""
+    return environment_of(name.rpartition(":")[2])
+
+
 def tier_url(
     server_url: str,
     *,
@@ -171,9 +205,12 @@ def tier_url(
     name: str | None = None,
     socket_timeout_s: float = SOCKET_TIMEOUT_S,
     connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    tls: bool = False,
+    ca_bundle: str | None = None,
 ) -> str:
     """The ``TORCHINDUCTOR_REDIS_URL`` of the tier on ``server_url``'s host at ``port``: the
-    token as password, socket and connect timeouts, and the client name."""
+    token as password, socket and connect timeouts, and the client name; ``rediss://``
+    with ``tls`` (and ``ca_bundle``, a site's private CA, as ``ssl_ca_certs``)."""
     host = urlsplit(server_url).hostname or "localhost"
     if ":" in host:  # an IPv6 address
         host = f"[{host}]"
@@ -181,4 +218,7 @@ def tier_url(
     query = f"socket_timeout={socket_timeout_s:g}&socket_connect_timeout={connect_timeout_s:g}"
     if name:
         query += f"&client_name={quote(name, safe='')}"
-    return f"redis://{auth}{host}:{port}/0?{query}"
+    if tls and ca_bundle:
+        query += f"&ssl_ca_certs={quote(ca_bundle, safe='')}"
+    scheme = "rediss" if tls else "redis"
+    return f"{scheme}://{auth}{host}:{port}/0?{query}"

@@ -26,13 +26,19 @@ from typing import Any
 import zstandard
 
 from cachekeeper import fingerprint as fingerprint_mod
+from cachekeeper import remote_tier
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import EmptyCacheDir, NotOwnBytes
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.integrity import CHUNK_BYTES, digest_of, hash_file
 from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.provenance import load_prewarm_record, recorded_cpu, recorded_workloads
+from cachekeeper.provenance import (
+    load_prewarm_record,
+    recorded_cpu,
+    recorded_key_switches,
+    recorded_workloads,
+)
 from cachekeeper.restore.marker import read_markers
 from cachekeeper.scan import CacheTree, ScannedFile, is_excluded, scan_dir
 from cachekeeper.signing import load_signing_key, sign_manifest
@@ -144,6 +150,11 @@ def snapshot_dir(
         # What the prewarm's children compiled under, whoever asks: a fingerprint passed in
         # (the agent's, a push's) says where the caller runs, not what built the caches.
         fp = fingerprint_mod.with_cpu(fp, compiled_under)
+    switches = recorded_key_switches(record)
+    if switches is not None:
+        # Likewise the tier's switches in torch's keys (one is in the AOTAutograd key): the
+        # snapshot says what its entries were built with, not what the pushing shell runs.
+        fp = remote_tier.with_key_switches(fp, switches)
     with CacheTree(root) as tree:
         files = tree.scan()
         if only is not None:

@@ -70,6 +70,7 @@ __all__ = [
     "plaintext_allowed",
     "read_within",
     "redact_url",
+    "plaintext_reason",
     "refuse_plaintext",
     "request_headers",
     "server_root",
@@ -271,28 +272,38 @@ def plaintext_allowed(environ: Mapping[str, str] | None = None) -> bool:
     return config.allow_plaintext(os.environ if environ is None else environ)
 
 
-def refuse_plaintext(url: str, *, token: str | None, allow: bool) -> None:
-    """Raise ``PlaintextRefused`` when a request to ``url`` would send ``token`` (or the
-    URL's own password) in clear text to a host that is not loopback, unless ``allow``
-    (see the module docstring). Any other URL passes."""
+def plaintext_reason(url: str, *, token: str | None, allow: bool) -> str | None:
+    """Why a request to ``url`` must not send ``token`` (or the URL's own password): one
+    line, or None. A token goes over plain ``http://`` (or the tier's ``redis://``) only to
+    a loopback host, or when ``allow`` (``--allow-plaintext`` /
+    ``CACHEKEEPER_ALLOW_PLAINTEXT``). Any other URL passes."""
     if allow:
-        return
+        return None
     try:
         parts = urlsplit(url.strip())
         host, password = parts.hostname or "", parts.password
     except ValueError:
-        return  # not a URL: the request itself says so
-    if parts.scheme.lower() != "http" or not (token or password):
-        return
+        return None  # not a URL: the request itself says so
+    if parts.scheme.lower() not in ("http", "redis") or not (token or password):
+        return None
     if is_loopback_host(host):
-        return
+        return None
     what = "the bearer token" if token else "the password in the URL"
-    raise PlaintextRefused(
+    secure = "https://" if parts.scheme.lower() == "http" else "rediss:// (serve --tls-cert)"
+    return (
         f"refusing to send {what} to {redact_url(url)} in clear text ({host} is not a"
-        f" loopback address): use https:// or --allow-plaintext"
-        f" ({config.ALLOW_PLAINTEXT}=1)",
-        extra={"host": host},
+        f" loopback address): use {secure} or --allow-plaintext"
+        f" ({config.ALLOW_PLAINTEXT}=1)"
     )
+
+
+def refuse_plaintext(url: str, *, token: str | None, allow: bool) -> None:
+    """Raise ``PlaintextRefused`` when a request to ``url`` would send ``token`` (or the
+    URL's own password) in clear text to a host that is not loopback, unless ``allow``
+    (``plaintext_reason``; see the module docstring)."""
+    reason = plaintext_reason(url, token=token, allow=allow)
+    if reason is not None:
+        raise PlaintextRefused(reason, extra={"host": urlsplit(url.strip()).hostname or ""})
 
 
 def speaks_tls(host: str, port: int, *, timeout_s: float = 2.0) -> bool:

@@ -47,6 +47,8 @@ from cachekeeper.wire import JobReport
 
 from .calls import Deadline, plaintext_allowed, refuse_plaintext
 from .job_reports import job_id, node_name, report_answer, utc_now
+from .tier_stats import TierJob
+from .tier_stats import collect as collect_tier
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
     from cachekeeper.fingerprint import Fingerprint
@@ -193,6 +195,7 @@ class PostjobReport:
     pushed_snapshot_id: str | None = None  # postjob --push: the harvested delta
     pushed_offered: bool = True  # the server hands it to nodes (see summary_line)
     unknown_workload: str | None = None  # the server knows no such workload (did you mean)
+    tier: TierJob | None = None  # what the job did with the per-key tier (its prejob put it on)
 
     @property
     def new_bytes(self) -> int:
@@ -217,6 +220,18 @@ class PostjobReport:
             "pushed_snapshot_id": self.pushed_snapshot_id,
             "pushed_offered": self.pushed_offered,
             "unknown_workload": self.unknown_workload,
+            "tier": None
+            if self.tier is None
+            else {
+                "backend": self.tier.backend,
+                "writes": self.tier.writes,
+                "processes": self.tier.processes,
+                "snapshot_hits": self.tier.snapshot_hits,
+                "tier_hits": self.tier.tier_hits,
+                "puts": self.tier.puts,
+                "failed": self.tier.failed,
+                "problem": self.tier.problem,
+            },
         }
 
 
@@ -340,6 +355,7 @@ def postjob(
         )
     outcome = "compiled" if diff.compiled else "clean"
     refused = _plaintext_refused(server, token=token, environ=env) if report else None
+    tier = collect_tier(target)
     answer = (
         report
         and refused is None
@@ -361,6 +377,12 @@ def postjob(
                 started_at=started_at,
                 finished_at=utc_now(),
                 job=job_id(target, environ=env, start=False),
+                tier=None if tier is None else tier.backend,  # type: ignore[arg-type]  # a TierPath
+                snapshot_hits=0 if tier is None else tier.snapshot_hits,
+                tier_hits=0 if tier is None else tier.tier_hits,
+                tier_puts=0 if tier is None else tier.puts,
+                tier_failed=0 if tier is None else tier.failed,
+                tier_problem=None if tier is None or tier.problem is None else tier.problem[:2000],
             ),
             token=token,
             timeout_s=deadline.remaining() or 0.0,
@@ -403,6 +425,7 @@ def postjob(
         pushed_snapshot_id=pushed,
         pushed_offered=offered,
         unknown_workload=answer.warning if answer else None,
+        tier=tier,
     )
 
 

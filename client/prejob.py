@@ -88,6 +88,8 @@ from cachekeeper.wire import (
 from .calls import Deadline
 from .job_reports import job_id, node_name, send_report, utc_now
 from .tier import PROBE_TIMEOUT_S, tier_exports
+from .tier_stats import prepare as prepare_tier_stats
+from .tier_stats import stats_dir as tier_stats_dir
 from .transport import post_json
 
 REPORT_TIMEOUT_S = 2.0  # the most a report may add to the hook (it is best-effort)
@@ -123,6 +125,11 @@ class PrejobReport:
     # says why), None (the server offers none).
     remote_cache: str | None = None
     remote_cache_reason: str | None = None
+    # With the tier on: the path ("cachekeeper": our backend, "redis": torch's stock
+    # path), whether the job writes, and prejob's line saying so.
+    remote_cache_backend: str | None = None
+    remote_cache_writes: bool = False
+    remote_cache_note: str | None = None
     # Cold because the server gave no answer, but an earlier restore's snapshot is still
     # complete in the dir: the job uses it (``cold_line`` says so).
     held_snapshot_id: str | None = None
@@ -150,6 +157,9 @@ class PrejobReport:
             "delta_problems": list(self.delta_problems),
             "remote_cache": self.remote_cache,
             "remote_cache_reason": self.remote_cache_reason,
+            "remote_cache_backend": self.remote_cache_backend,
+            "remote_cache_writes": self.remote_cache_writes,
+            "remote_cache_note": self.remote_cache_note,
             "held_snapshot_id": self.held_snapshot_id,
             "conflicts": list(self.conflicts),
         }
@@ -307,11 +317,18 @@ def prejob(
     trust: Sequence[str | os.PathLike[str]] = (),
     report: bool = True,
     remote_cache: str = "auto",
+    tier_backend: str = "auto",
+    tier_timeout_s: float | None = None,
+    allow_plaintext: bool | None = None,
 ) -> PrejobReport:
     """Run the hook; never raises for server or restore problems (see ``outcome``).
 
     ``remote_cache`` ("auto": the server's default, "on", "off") is whether the job uses
-    the per-key tier when the server offers it.
+    the per-key tier when the server offers it; ``tier_backend`` ("auto", "cachekeeper",
+    "redis") by which path (``client/tier.py``), ``tier_timeout_s`` the deadline of each
+    call of cachekeeper's backend; ``allow_plaintext`` (None: ``CACHEKEEPER_ALLOW_PLAINTEXT``)
+    lets the token cross plain http to a non-loopback server. A node with a trust list
+    (``trust``) gets no tier: its values are not signed.
 
     With ``trust`` (public key files), a snapshot not signed by one of them is not restored (a cold
     start whose reason says why), and the no-op path accepts only a dir that a restore
@@ -357,16 +374,28 @@ def prejob(
         )
     error = result.error
     outcome = "cold" if error is not None else result.outcome
+    fingerprint_digest = digest_of(fingerprint) if fingerprint is not None else ""
+    usable_dir = target if usable and target is not None else None
     tier = tier_exports(
         result.offer,
         server=server or "",
         token=token,
         wish=remote_cache,
-        client_name=remote_tier.client_name(
-            node_name(), digest_of(fingerprint) if fingerprint is not None else ""
-        ),
+        client_name=remote_tier.client_name(node_name(), fingerprint_digest),
         timeout_s=min(PROBE_TIMEOUT_S, max(0.1, deadline.remaining() or PROBE_TIMEOUT_S)),
+        backend=tier_backend,
+        torch_version=None if fingerprint is None else fingerprint.get("torch"),
+        trusted=bool(trust) or bool(config.trusted_key_paths(env)),
+        allow_plaintext=config.allow_plaintext(env) if allow_plaintext is None else allow_plaintext,
+        environment=remote_tier.environment_of(fingerprint_digest),
+        stats_dir=None if usable_dir is None else tier_stats_dir(usable_dir),
+        call_timeout_s=tier_timeout_s,
+        environ=env,
     )
+    if usable_dir is not None:  # what postjob reads: the path this job takes, or none
+        prepare_tier_stats(
+            usable_dir, backend=tier.backend if tier.used else None, writes=tier.writable
+        )
     exports.update(tier.exports)
     reason = None if error is None else _reason(error)
     # No answer from the server (down, hung, refusing the token) says nothing against what
@@ -414,6 +443,9 @@ def prejob(
         delta_problems=result.delta_problems,
         remote_cache=None if result.offer is None else ("on" if tier.used else "off"),
         remote_cache_reason=tier.reason,
+        remote_cache_backend=tier.backend if tier.used else None,
+        remote_cache_writes=tier.used and tier.writable,
+        remote_cache_note=tier.note,
         held_snapshot_id=held,
         conflicts=result.conflicts,
     )

@@ -7,7 +7,8 @@ refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the
 of the tables clients write (``server/budgets.py``) and the start-up check. Routers, one per resource in ``server/routes/``, are
 included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``blobs``,
 ``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
-(/v1/reports), ``ui`` (the status page: /, /ui). To add one: write the module in
+(/v1/reports), ``tier`` (/v1/tier: the per-key tier over HTTP), ``ui`` (the status
+page: /, /ui). To add one: write the module in
 ``server/routes/`` with an ``APIRouter`` named ``router`` using the dependencies in
 ``deps`` and ``auth``, its queries as ``Catalog`` methods (``server/catalog/``) behind a
 ``Storage`` method, and include it in ``create_app``.
@@ -48,7 +49,7 @@ from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
-from .routes import admin, agents, blobs, reports, resolve, snapshots, ui, workloads
+from .routes import admin, agents, blobs, reports, resolve, snapshots, tier, ui, workloads
 from .s3store import S3BlobStore
 from .settings import Settings
 from .storage import Storage
@@ -171,6 +172,7 @@ def open_tier(settings: Settings, storage: Storage) -> TierStore:
         max_value_bytes=settings.remote_cache_max_value_bytes,
         max_bytes=settings.remote_cache_max_bytes,
         memory_bytes=settings.remote_cache_memory_bytes,
+        cross_environment=settings.remote_cache_cross_environment,
     )
 
 
@@ -192,7 +194,9 @@ def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI
     )
     _install_error_handlers(app)
     scoped: list[tuple[APIRoute, Need]] = []
-    for module in (admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
+    # tier first: a herd of nodes asks its GET, and a request is matched against the routes
+    # in order (FastAPI tries each in turn)
+    for module in (tier, admin, resolve, blobs, snapshots, workloads, agents, reports, ui):
         app.include_router(module.router)
         scoped += route_scopes(module.router.routes)
     # Inside metrics: refusals count.

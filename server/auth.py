@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, NamedTuple
 
 from fastapi import Depends, Request
@@ -45,6 +45,8 @@ __all__ = [
     "refusal_before_body",
     "require",
     "scope_of_token",
+    "presented_token",
+    "token_id",
     "ReadScope",
     "WriteScope",
     "AdminScope",
@@ -66,7 +68,8 @@ _CHECKS: dict[Callable[..., Any], Need] = {}  # each ``require``/``identified`` 
 
 def token_id(presented: str) -> str:
     """A stable, non-secret name for a configured token: ``tok-`` and the first 12 hex
-    digits of its sha256. Stored with what the token wrote; never the token itself."""
+    digits of its sha256. Stored with what the token wrote (tier keys, job reports), never
+    the token itself, and never a name the client claims."""
     return "tok-" + hashlib.sha256(presented.encode("utf-8")).hexdigest()[:12]
 
 
@@ -78,6 +81,11 @@ def scope_of_token(settings: Settings, presented: str) -> str | None:
         if hmac.compare_digest(token.encode(), given):
             found = scope
     return found
+
+
+def presented_token(request: Request) -> str | None:
+    """The bearer token ``request`` presents (None: none), as the scope check read it."""
+    return _bearer(request.headers)
 
 
 def covers(granted: str, scope: str) -> bool:
@@ -123,10 +131,14 @@ def admit(
     return granted
 
 
-def require(scope: str) -> Callable[[Request], str]:
-    """A dependency that admits requests whose token covers ``scope``; returns the scope."""
+def require(scope: str) -> Callable[[Request], Awaitable[str]]:
+    """A dependency that admits requests whose token covers ``scope``; returns the scope.
 
-    def check(request: Request) -> str:
+    A coroutine, though it never waits: FastAPI runs a plain function's dependency in its
+    thread pool, a hop that cost more CPU than the check itself (the per-key tier's GET,
+    which a herd of nodes asks, is measured in docs/benchmarks.md)."""
+
+    async def check(request: Request) -> str:
         return admit(request.app.state.settings, scope, _bearer(request.headers))
 
     check.__name__ = f"require_{scope}"

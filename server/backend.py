@@ -86,6 +86,10 @@ class DirectAccess(BlobBackend, Protocol):
         """Where a node PUTs blob ``digest`` itself (a URL and the headers it must send)."""
         ...
 
+    def blob_url(self, digest: str, *, expires_s: int) -> str:
+        """A URL a node GETs blob ``digest``'s bytes from (a per-key tier value)."""
+        ...
+
     def archive_url(self, snapshot_id: str, *, expires_s: int) -> str:
         """A URL a node GETs the snapshot's archive object from."""
         ...

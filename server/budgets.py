@@ -97,6 +97,8 @@ def report_bytes(report: JobReport) -> int:
         report.started_at,
         report.finished_at,
         report.job,
+        report.tier,
+        report.tier_problem,
     )
 
 

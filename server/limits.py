@@ -8,7 +8,7 @@ route, so no route can forget it:
   is read.
 - **Size.** Each route has a body limit (``body_rule``): a blob upload ``max_blob_bytes``
   (plus slack for a zstd body, whose decoded size the upload bounds itself), a manifest
-  ``max_manifest_bytes``, a workload ``max_workload_bytes``, every other body
+  ``max_manifest_bytes``, a tier value ``remote_cache_max_value_bytes``, a workload ``max_workload_bytes``, every other body
   ``max_json_bytes``. A declared ``Content-Length`` over it is refused (413) before a byte is
   read; a body that grows past it (chunked, or lying) is cut off at the limit.
 - **Time.** A body that sends nothing for ``body_timeout_s`` is cut off (408), so a stalled
@@ -93,6 +93,8 @@ def body_rule(settings: Settings, *, method: str, path: str) -> BodyRule:
     """The body rule of ``method path``; every route has one."""
     if method == "PUT" and _BLOB_PATH.match(path):
         return BodyRule(settings.max_blob_bytes + ZSTD_SLACK_BYTES, "blob body", False, False)
+    if method == "PUT" and path.startswith("/v1/tier/values/"):
+        return BodyRule(settings.remote_cache_max_value_bytes, "tier value", True, False)
     if method == "POST" and path == "/v1/snapshots":
         return BodyRule(settings.max_manifest_bytes, "manifest", True, True, InvalidManifest)
     if method == "PUT" and _WORKLOAD_PATH.match(path):

@@ -45,7 +45,8 @@ _HELP = {
     "cachekeeper_remote_cache_gets_total": (
         "counter",
         "Per-key tier GETs by result: hit, miss, slow (answered nil past the bound), failed,"
-        " busy (answered nil: replies not yet taken by clients were over their budget).",
+        " busy (answered nil: replies not yet taken by clients were over their budget),"
+        " other_environment (written from another fingerprint).",
     ),
     "cachekeeper_remote_cache_puts_total": (
         "counter",
@@ -54,7 +55,8 @@ _HELP = {
     ),
     "cachekeeper_remote_cache_bytes_total": (
         "counter",
-        "Per-key tier value bytes by direction: in (stored), out (served).",
+        "Per-key tier value bytes by direction: in (stored), out (served), direct (sent to the"
+        " object store by a 307, not through the server).",
     ),
     "cachekeeper_remote_cache_evictions_total": (
         "counter",

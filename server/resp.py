@@ -42,6 +42,9 @@ timeouts around its reads: a connection must authenticate within
 ``remote_cache_idle_timeout_s`` is closed (redis-py reconnects on its next command), and a
 command must arrive, and its reply be taken, within ``remote_cache_frame_timeout_s``.
 
+With ``--tls-cert``/``--tls-key`` the listener speaks TLS with the same certificate as the
+HTTP port (redis-py: ``rediss://``), so a node's token never crosses in clear.
+
 The listener runs an asyncio loop in its own thread; store reads run in a small thread
 pool, so a slow store never holds the loop.
 """
@@ -53,14 +56,16 @@ import concurrent.futures
 import functools
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cachekeeper.errors import ConfigInvalid
+from cachekeeper.remote_tier import environment_of_client_name
 
-from .auth import scope_of_token
+from .auth import scope_of_token, token_id
 from .connections import connection_budget, raise_open_file_limit
 from .metrics import Metrics
 from .resp_bounds import (
@@ -98,6 +103,7 @@ __all__ = ["RespServer"]
 _log = logging.getLogger("cachekeeper.server.resp")
 
 _GET_WORKERS = 8
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 _SEND_CHUNK = 1 << 20
 _BEFORE_AUTH = frozenset({b"AUTH", b"HELLO", b"PING", b"QUIT"})
 _WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
@@ -109,6 +115,7 @@ class _Conn:
     writer: asyncio.StreamWriter
     scope: str | None  # None: not authenticated
     auth_deadline: float  # the loop's time by which it must authenticate
+    token: str | None = None  # the token's id (auth.token_id) once AUTH accepted one
     id: int = 0
     proto: int = 2
     name: str = ""
@@ -158,6 +165,7 @@ class RespServer:
                 f"cannot serve the per-key tier on {host}:{port} (--resp-port): {exc.strerror or exc}"
             ) from exc
         sock.setblocking(False)
+        tls = self._tls_context()
         self.port = int(sock.getsockname()[1])
         budget = connection_budget(self.settings, open_files=raise_open_file_limit())
         self.clients.cap = budget.resp
@@ -167,7 +175,12 @@ class RespServer:
             asyncio.set_event_loop(self._loop)
             self._server = self._loop.run_until_complete(
                 asyncio.start_server(
-                    self._serve, sock=sock, limit=LINE_BYTES, backlog=budget.backlog
+                    self._serve,
+                    sock=sock,
+                    limit=LINE_BYTES,
+                    backlog=budget.backlog,
+                    ssl=tls,
+                    ssl_handshake_timeout=None if tls is None else TLS_HANDSHAKE_TIMEOUT_S,
                 )
             )
             started.set()
@@ -178,6 +191,14 @@ class RespServer:
         self._thread.start()
         started.wait(10)
         return self.port
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """TLS with the HTTP port's certificate (``--tls-cert``/``--tls-key``), or None."""
+        if self.settings.tls_cert is None or self.settings.tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        return context
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """Stop accepting, close connections, store what is queued."""
@@ -409,6 +430,7 @@ class RespServer:
         if conn.scope is None:
             self.clients.authenticated(conn)
         conn.scope = scope
+        conn.token = token_id(password.decode(errors="replace"))
         return True
 
     async def _cmd_auth(self, conn: _Conn, rest: list[Any]) -> bytes | None:
@@ -523,13 +545,14 @@ class RespServer:
         # What this reply holds until the client takes it: a value read for it is counted
         # before it is read; a value already held (hot, or waiting to be stored) when sent.
         held = Held(self._output)
-        pending = self._writer.peek(key)
+        environment = environment_of_client_name(conn.name)
+        pending = self._writer.peek(key, environment=environment)
         if pending is not None:
             return self._hit(conn, pending, held)
-        read = functools.partial(self.store.get, key, reserve=held.take)
+        read = functools.partial(self.store.fetch, key, environment=environment, reserve=held.take)
         future = self._loop.run_in_executor(self._reads, read)
         try:
-            value = await asyncio.wait_for(
+            value, why = await asyncio.wait_for(
                 asyncio.shield(future), self.settings.remote_cache_get_timeout_s
             )
         except TimeoutError:
@@ -541,7 +564,7 @@ class RespServer:
             return self._miss(conn, "failed")
         if value is None:
             held.give_back()
-            return self._miss(conn, "busy" if held.refused else "miss")
+            return self._miss(conn, "busy" if held.refused else why)
         return self._hit(conn, value, held)
 
     def _hit(self, conn: _Conn, value: bytes, held: Held) -> Reply:
@@ -585,8 +608,18 @@ class RespServer:
         return simple("OK")
 
     def _writer_of(self, conn: _Conn) -> dict[str, Any]:
-        lib = f"{conn.lib_name} {conn.lib_ver}".strip()
-        return {"peer": conn.peer, "client": conn.name, "lib": lib, "scope": conn.scope}
+        """Who wrote a value: the token (its id, from AUTH: never the name the client
+        claims), its scope and the environment its client name gives; the peer, the
+        claimed name and the library are kept as hints."""
+        return {
+            "token": conn.token,
+            "scope": conn.scope,
+            "environment": environment_of_client_name(conn.name),
+            "via": "resp",
+            "peer": conn.peer,
+            "client": conn.name,
+            "lib": f"{conn.lib_name} {conn.lib_ver}".strip(),
+        }
 
 
 _Handler = Callable[[RespServer, _Conn, list[Any]], Any]

@@ -248,6 +248,10 @@ class Settings(BaseSettings):
     # With trusted_keys configured, the tier is read-only (its values are unsigned code
     # torch runs, docs/security.md) unless this is set.
     remote_cache_unsigned_writes: bool = False
+    # Serve a tier value to a reader whose environment (fingerprint) is not its writer's.
+    # Off: torch's keys leave out what the fingerprint adds (the driver, the CUDA wheels'
+    # versions), so a value from another environment may not run here.
+    remote_cache_cross_environment: bool = False
     # Serve https: the certificate chain and its private key (PEM files, given to uvicorn).
     # Or terminate TLS in a reverse proxy in front (docs/server.md); either way, never send
     # bearer tokens over plain http off the host.

@@ -48,6 +48,7 @@ from cachekeeper.wire import RemoteCacheOffer, utc_now
 
 from .backend import BlobBackend
 from .catalog import Catalog
+from .catalog.tier import TierEntry
 from .metrics import Metrics
 from .settings import Settings
 
@@ -83,11 +84,19 @@ def offer_for(
         return None
     use = settings.remote_cache_default if wish in (None, "auto") else wish == "on"
     switches = remote_tier.site_switches(tier=True)
+    refusal = None
+    if scope not in ("write", "admin"):
+        refusal = "read_only_token"
+    elif not settings.remote_cache_writable:
+        refusal = "signatures_required"
     return RemoteCacheOffer(
         port=port,
         use=use,
-        writable=settings.remote_cache_writable and scope in ("write", "admin"),
+        writable=refusal is None,
         switches=switches if use else remote_tier.key_switches(switches),
+        write_refusal=refusal,
+        http=True,
+        tls=settings.tls_cert is not None,
     )
 
 
@@ -198,8 +207,10 @@ class TierStore:
         max_value_bytes: int,
         max_bytes: int | None,
         memory_bytes: int = 0,
+        cross_environment: bool = False,
     ) -> None:
         self.catalog = catalog
+        self.cross_environment = cross_environment
         self.blobs = blobs
         self.max_value_bytes = max_value_bytes
         self.max_bytes = max_bytes
@@ -208,28 +219,77 @@ class TierStore:
         self._uses_lock = threading.Lock()
         self.evictions = 0  # keys evicted since start (for /metrics)
 
-    def get(self, key: bytes, *, reserve: Callable[[int], bool] | None = None) -> bytes | None:
-        """The value stored under ``key``, or None (a miss is a value). ``reserve(size)``
-        is asked before a value not held in memory is read into it; False: not read, None."""
-        entry = self.catalog.tier_key(key)
+    def get(
+        self,
+        key: bytes,
+        *,
+        environment: str | None = None,
+        reserve: Callable[[int], bool] | None = None,
+    ) -> bytes | None:
+        """The value stored under ``key``, or None (a miss is a value); with
+        ``environment``, only a value written from it (``fetch``)."""
+        return self.fetch(key, environment=environment, reserve=reserve)[0]
+
+    def fetch(
+        self,
+        key: bytes,
+        *,
+        environment: str | None,
+        reserve: Callable[[int], bool] | None = None,
+    ) -> tuple[bytes | None, str]:
+        """(the value under ``key`` or None, why: ``hit``, ``miss``, ``busy`` or
+        ``other_environment``). ``environment`` (the reader's, None: any) must be the
+        writer's unless ``cross_environment``. ``reserve(size)`` is asked before a value
+        not held in memory is read into it; False: not read (``busy``)."""
+        entry, why = self.lookup(key, environment=environment)
         if entry is None:
-            return None
+            return None, why
         value = self._hot.get(entry.digest)
         if value is None:
             if reserve is not None and not reserve(entry.size_bytes):
-                return None
+                return None, "busy"
             try:
                 with self.blobs.open(entry.digest) as fh:  # into one buffer of its size:
                     value = fh.read(entry.size_bytes)  # read() would join chunks (twice it)
             except BlobMissing:
                 self._drop_dangling(key, entry.digest)
-                return None
+                return None, "miss"
             if digest_of(value) != entry.digest:
-                return None  # never hand torch bytes that are not what was written
+                return None, "miss"  # never hand torch bytes that are not what was written
             self._hot.add(entry.digest, value)
+        return value, "hit"
+
+    def lookup(self, key: bytes, *, environment: str | None) -> tuple[TierEntry | None, str]:
+        """The key's entry, its use recorded (None and why when it is not served to a reader
+        from ``environment``: ``miss``, ``other_environment``); its value is not read."""
+        entry = self.catalog.tier_key(key)
+        if entry is None:
+            return None, "miss"
+        if (
+            environment is not None
+            and not self.cross_environment
+            and str(entry.writer.get("environment", "")) != environment
+        ):
+            return None, "other_environment"
         with self._uses_lock:
             self._uses[key] = utc_now()
-        return value
+        return entry, "hit"
+
+    def has_value(self, digest: str) -> bool:
+        """Whether the tier's blob store holds value ``digest`` (a put of it sends nothing)."""
+        return self.blobs.stat(digest) is not None
+
+    def record(
+        self, key: bytes, *, digest: str, size_bytes: int, writer: Mapping[str, Any]
+    ) -> TierPut:
+        """Point ``key`` at value ``digest``, already in the blob store and checked (a put
+        whose bytes the server had, or a committed upload), then evict."""
+        stat = self.blobs.stat(digest)
+        if stat is None:
+            raise BlobMissing(f"tier value {digest} is not in the tier's store")
+        self._point(key, digest=digest, size_bytes=size_bytes, stored_bytes=stat.stored_bytes,
+                    writer=writer)  # fmt: skip
+        return TierPut(stored=True, evicted=self.evict(), stored_bytes=stat.stored_bytes)
 
     def put(self, key: bytes, value: bytes, *, writer: Mapping[str, Any]) -> TierPut:
         """Store ``value`` under ``key`` (a later put of a key replaces it), then evict."""
@@ -242,21 +302,33 @@ class TierStore:
             stat = self.blobs.stat(digest)
             if stat is None:  # pragma: no cover - a backend that loses what it just stored
                 raise BlobMissing(f"tier value {digest} vanished after it was stored")
+        self._point(key, digest=digest, size_bytes=len(value), stored_bytes=stat.stored_bytes,
+                    writer=writer)  # fmt: skip
+        self._hot.add(digest, value)  # its digest is the bytes': nothing to check again
+        return TierPut(stored=True, evicted=self.evict(), stored_bytes=stat.stored_bytes)
+
+    def _point(
+        self,
+        key: bytes,
+        *,
+        digest: str,
+        size_bytes: int,
+        stored_bytes: int,
+        writer: Mapping[str, Any],
+    ) -> None:
         with self.catalog.writing() as tx:
             replaced = tx.put_tier_key(
                 key=key,
                 digest=digest,
-                size_bytes=len(value),
-                stored_bytes=stat.stored_bytes,
+                size_bytes=size_bytes,
+                stored_bytes=stored_bytes,
                 at=utc_now(),
                 writer=writer,
             )
             if replaced is not None:
                 self._delete_after_commit(tx, [replaced])
-        self._hot.add(digest, value)  # its digest is the bytes': nothing to check again
         with self._uses_lock:
             self._uses.pop(key, None)
-        return TierPut(stored=True, evicted=self.evict(), stored_bytes=stat.stored_bytes)
 
     def evict(self) -> int:
         """Evict least recently used keys until the stored bytes fit the budget; how many."""
@@ -361,10 +433,21 @@ class TierWriter:
             self._cond.notify()
             return True
 
-    def peek(self, key: bytes) -> bytes | None:
+    def peek(self, key: bytes, *, environment: str | None = None) -> bytes | None:
+        """A value accepted under ``key`` and not stored yet (served as the store would:
+        with ``environment``, only one written from it unless the store crosses them)."""
         with self._cond:
             found = self.pending.get(key)
-            return None if found is None else found[0]
+        if found is None:
+            return None
+        value, writer = found
+        if (
+            environment is not None
+            and not self.store.cross_environment
+            and str(writer.get("environment", "")) != environment
+        ):
+            return None
+        return value
 
     def _run(self) -> None:
         next_flush = time.monotonic() + _FLUSH_EVERY_S

@@ -110,6 +110,8 @@ def postjob_cmd(
         emit_json(report.to_dict())
     else:
         click.echo(summary_line(report))
+        if report.tier is not None:
+            click.echo(f"cachekeeper: postjob: {report.tier.line()}")
     if report.warning:
         echo_err(f"cachekeeper: postjob: {report.warning}")
     if report.unknown_workload:

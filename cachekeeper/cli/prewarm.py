@@ -7,11 +7,13 @@ command that failed before compiling anything), 3 cold compile broken.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 
+from cachekeeper import remote_tier
 from cachekeeper.cli._common import (
     PathParam,
     device_option,
@@ -19,14 +21,45 @@ from cachekeeper.cli._common import (
     emit_json,
     handle_errors,
     json_option,
+    server_option,
+    token_option,
 )
 from cachekeeper.devices import select_devices
-from cachekeeper.errors import CacheDirUnusable
+from cachekeeper.errors import CacheDirUnusable, CachekeeperError
 from cachekeeper.prewarm import prewarm
 from cachekeeper.report_text import format_prewarm
 from cachekeeper.workload import load_workload
 
-__all__ = ["prewarm_cmd", "progress_to_stderr"]
+__all__ = ["prewarm_cmd", "progress_to_stderr", "run_with_site_switches"]
+
+
+def run_with_site_switches(server: str | None, token: str | None, *, what: str) -> None:
+    """Make this process (and so its children and its fingerprint) run with the per-key
+    tier's switches of ``server``, as the agent does: one of them is in torch's keys, so a
+    cache prewarmed by hand without them leaves every node with the tier on without the
+    AOTAutograd half of the tier. No server: as before. A server that cannot be asked: one
+    line, and this environment's switches."""
+    if not server:
+        return
+    from cachekeeper.client.api import CacheClient  # a server is named: the HTTP client
+    from cachekeeper.client.calls import redact_url
+
+    try:
+        with CacheClient(base_url=server, token=token, timeout_s=10.0) as client:
+            offer = client.remote_cache()
+    except CachekeeperError as exc:
+        echo_err(
+            f"cachekeeper: {what}: cannot ask {redact_url(server)} for the per-key tier's"
+            f" switches ({exc.detail}); running with this environment's"
+        )
+        return
+    remote_tier.set_builder_switches(os.environ, {} if offer is None else offer.switches)
+    if offer is not None:
+        keyed = ", ".join(sorted(remote_tier.key_switches(offer.switches))) or "none"
+        echo_err(
+            f"cachekeeper: {what}: running with the per-key tier's switches of"
+            f" {redact_url(server)}, as nodes with the tier on do (in torch's keys: {keyed})"
+        )
 
 
 def progress_to_stderr(event: object) -> None:
@@ -50,10 +83,18 @@ def progress_to_stderr(event: object) -> None:
     help="Seconds each child, and each run of a [[command]], may take (a command's own"
     " timeout applies too; the shorter wins).",
 )
+@server_option
+@token_option
 @json_option
 @handle_errors
 def prewarm_cmd(
-    workload: Path, cache_dir: Path, device: str | None, timeout_s: float | None, as_json: bool
+    workload: Path,
+    cache_dir: Path,
+    device: str | None,
+    timeout_s: float | None,
+    server: str | None,
+    token: str | None,
+    as_json: bool,
 ) -> None:
     """Cold-compile WORKLOAD on each device in fresh processes, merge into the cache dir
     and verify it.
@@ -68,8 +109,13 @@ def prewarm_cmd(
     dir it could not fill (read-only, immutable, not ours) is found before anything is
     compiled: one line naming it, exit 2. Progress goes
     to stderr (also with --json, whose report is all stdout holds). Exit 0 when the merged cache verifies effective, 1 when it does not.
+
+    With a server (--server or CACHEKEEPER_SERVER) that serves the per-key tier, the
+    children run with its switches, as the agent's do (one is in torch's keys: nodes with
+    the tier on then hit every entry); a line on stderr says so.
     """
     parsed = load_workload(workload)
+    run_with_site_switches(server, token, what="prewarm")
     try:
         report = prewarm(
             parsed,

@@ -108,6 +108,8 @@ def status_cmd(
             click.echo(f"  jobs: {jobs_line(row.jobs)}")
         if row.jobs_note:
             click.echo(f"  ! {row.jobs_note}")
+        if row.jobs is not None and (tier := row.jobs.tier_note) is not None:
+            click.echo(f"  {'!' if row.jobs.tier_problems else ' '} {tier}")
         if row.harvest_note:
             click.echo(f"  ! {row.harvest_note}")
 

@@ -328,6 +328,33 @@ def pull_cmd(
     " offers one [default: the server's remote_cache_default].",
 )
 @click.option(
+    "--tier-backend",
+    type=click.Choice(["auto", "cachekeeper", "redis"]),
+    default="auto",
+    show_default=True,
+    help="How the job reaches the per-key tier: cachekeeper's own backend (loaded into the"
+    " job's Python processes through PYTHONPATH; no redis-py; a tier that fails costs the job"
+    " one deadline), or torch's stock redis-py path (for jobs whose processes do not inherit"
+    " the exports, e.g. a container that resets PYTHONPATH). auto: cachekeeper's for a torch"
+    " it was checked against (2.11-2.15), else redis.",
+)
+@click.option(
+    "--tier-timeout",
+    "tier_timeout_s",
+    type=click.FloatRange(min=0.01, max=60.0),
+    default=None,
+    metavar="SECONDS",
+    help="The deadline of each call of cachekeeper's tier backend [default: 0.8], plus the"
+    " time a value's size needs at 50 MB/s.",
+)
+@click.option(
+    "--allow-plaintext",
+    is_flag=True,
+    default=None,
+    help="Let the token cross plain http:// (or redis://) to a server that is not on this"
+    " host (also CACHEKEEPER_ALLOW_PLAINTEXT=1); without it such a tier is off for the job.",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -348,6 +375,9 @@ def prejob_cmd(
     trust: tuple[Path, ...],
     no_report: bool,
     remote_cache: bool | None,
+    tier_backend: str,
+    tier_timeout_s: float | None,
+    allow_plaintext: bool | None,
     as_json: bool,
 ) -> None:
     """Pre-job hook: restore this node's cache of --workload NAME; print the env to export.
@@ -360,8 +390,10 @@ def prejob_cmd(
     An --env-file that cannot be written is one line on stderr; the exports still go to
     stdout (with --strict it exits 1). The outcome (restored, or cold and why) is reported
     to the server, best-effort (--no-report: not). When the server serves the per-key
-    tier, the exports also switch torch's remote caches on against it with this token
-    (after a one-second probe of its port; --no-remote-cache: not).
+    tier, the exports also switch torch's remote caches on against it (--no-remote-cache:
+    not), through cachekeeper's own backend or torch's redis-py path (--tier-backend), and
+    one line on stderr says which, and whether the job writes to it (a read token: reads
+    only). A node with a trust list gets no tier (its values are not signed).
     """
     report = prejob(
         workload=workload,
@@ -374,12 +406,17 @@ def prejob_cmd(
         trust=trust_paths(trust),
         report=not no_report,
         remote_cache={None: "auto", True: "on", False: "off"}[remote_cache],
+        tier_backend=tier_backend,
+        tier_timeout_s=tier_timeout_s,
+        allow_plaintext=allow_plaintext,
     )
     lines = export_lines(report.exports)
     if report.remote_cache == "off" and remote_cache is not False:
         echo_err(
             f"cachekeeper: the per-key tier is off for this job ({report.remote_cache_reason})"
         )
+    elif report.remote_cache_note is not None:
+        echo_err(f"cachekeeper: {report.remote_cache_note}")
     for problem in report.delta_problems:
         echo_err(f"cachekeeper: a harvested delta was not restored: {problem}")
     if report.conflicts:

@@ -11,8 +11,16 @@ from pathlib import Path
 
 import click
 
-from cachekeeper.cli._common import PathParam, device_option, emit_json, handle_errors, json_option
-from cachekeeper.cli.prewarm import progress_to_stderr
+from cachekeeper.cli._common import (
+    PathParam,
+    device_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    server_option,
+    token_option,
+)
+from cachekeeper.cli.prewarm import progress_to_stderr, run_with_site_switches
 from cachekeeper.devices import select_devices
 from cachekeeper.report_text import format_verify
 from cachekeeper.restore.marker import recorded_conflicts
@@ -39,10 +47,18 @@ __all__ = ["verify_cmd"]
     default=None,
     help="Seconds each child, and each run of a [[command]], may take.",
 )
+@server_option
+@token_option
 @json_option
 @handle_errors
 def verify_cmd(
-    workload: Path, cache_dir: Path, device: str | None, timeout_s: float | None, as_json: bool
+    workload: Path,
+    cache_dir: Path,
+    device: str | None,
+    timeout_s: float | None,
+    server: str | None,
+    token: str | None,
+    as_json: bool,
 ) -> None:
     """Prove a cache dir is effective for WORKLOAD: run it in a fresh process per device.
 
@@ -52,9 +68,11 @@ def verify_cmd(
     [[command]] runs in a fresh copy of the cache dir instead (the dir is not written),
     and every process that compiled must be effective; the report names each rank. When
     it is not effective, files a restore kept because they differ from its snapshot
-    (corrupt entries) are named, with the `restore --repair` that replaces them.
+    (corrupt entries) are named, with the `restore --repair` that replaces them. With a
+    server that serves the per-key tier, it runs with the tier's switches, as prewarm does.
     """
     parsed = load_workload(workload)
+    run_with_site_switches(server, token, what="verify")
     report = verify(
         parsed,
         cache_dir,

@@ -19,7 +19,7 @@ Field constraints (a digest's pattern, a list's length) are ``Check`` metadata:
 when the server builds its validators, enforces and documents them in the OpenAPI schema.
 
 One module per group of routes (``resolve``, ``snapshots``, ``reports``, ``fleet``,
-``admin``) and the building blocks in ``_core``. Import the shapes from the package
+``admin``, ``tier``) and the building blocks in ``_core``. Import the shapes from the package
 (``from cachekeeper.wire import ResolveAnswer``): a shape's module loads on first use, so
 the pre-job hook builds only the few classes it needs (a dataclass costs about a
 millisecond to create, and the hook's start-up budget is 300 ms; see docs/benchmarks.md).
@@ -80,6 +80,7 @@ if TYPE_CHECKING:  # the shapes, for type checkers; at run time __getattr__ load
         SnapshotList,
         Upload,
     )
+    from .tier import TierCommitRequest, TierPutAnswer, TierPutRequest
 
 __all__ = [
     "WireError",
@@ -128,6 +129,9 @@ __all__ = [
     "StatusAnswer",
     "GcRequest",
     "GcAnswer",
+    "TierPutRequest",
+    "TierPutAnswer",
+    "TierCommitRequest",
 ]
 
 _MODULE_OF = {
@@ -161,6 +165,9 @@ _MODULE_OF = {
     "EventOut": "fleet",
     "StatusRow": "fleet",
     "StatusAnswer": "fleet",
+    "TierPutRequest": "tier",
+    "TierPutAnswer": "tier",
+    "TierCommitRequest": "tier",
 }
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from ._core import NAME_PATTERN, Check, Count, Digest, JobOutcome, JobPhase
+
+TierPath = Literal["cachekeeper", "redis"]
 
 # -- job reports (docs/api.md) ----------------------------------------------------------------
 
@@ -42,6 +44,16 @@ class JobReport:
     # id the job's first prejob left in the cache dir): the reports of one job on one node
     # (each rank's prejob, a postjob run twice) count as one job.
     job: Annotated[str, Check(max_length=128)] | None = None
+    # postjob, for a job its prejob put on the per-key tier: the path ("cachekeeper": our
+    # backend, "redis": torch's stock path), the FX graph and AOTAutograd entries that came
+    # from the snapshots (the cache dir) and from the tier, the puts the tier stored, the
+    # calls that failed, and a problem ("tier on but 0 requests", with its likely cause).
+    tier: TierPath | None = None
+    snapshot_hits: Count = 0
+    tier_hits: Count = 0
+    tier_puts: Count = 0
+    tier_failed: Count = 0
+    tier_problem: Annotated[str, Check(max_length=2000)] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +84,28 @@ class JobStats:
     # that sent it; 0 on a server with auth off): what a token can add is bounded per
     # window (server/budgets.py), so numbers from one token are numbers one node group said.
     reporters: int = 0
+    # The per-key tier over the postjobs that used it (JobReport's tier_* fields).
+    tier_jobs: int = 0
+    snapshot_hits: int = 0
+    tier_hits: int = 0
+    tier_puts: int = 0
+    tier_failed: int = 0
+    tier_problems: int = 0  # jobs whose tier was on but failed or asked nothing
+    tier_problem: str | None = None  # the latest one
+
+    @property
+    def tier_note(self) -> str | None:
+        """The per-key tier over these jobs, in a line (None when no job used it)."""
+        if not self.tier_jobs:
+            return None
+        line = (
+            f"per-key tier over {self.tier_jobs} job(s): {self.snapshot_hits} entr(ies) from"
+            f" snapshots, {self.tier_hits} from the tier, {self.tier_puts} put into it,"
+            f" {self.tier_failed} failed"
+        )
+        if self.tier_problems:
+            line += f"; {self.tier_problems} job(s) with a problem, latest: {self.tier_problem}"
+        return line
 
     @property
     def mismatch_note(self) -> str | None:

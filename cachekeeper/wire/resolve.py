@@ -82,6 +82,16 @@ class RemoteCacheOffer:
     # torch's switches the job runs with (cachekeeper.remote_tier.site_switches): with
     # ``use``, all of them and the tier's URL; without, only those in torch's keys.
     switches: dict[str, str]
+    # Why this token's puts are dropped when ``writable`` is false: "read_only_token" (the
+    # token has the read scope) or "signatures_required" (the server trusts signing keys,
+    # so its tier is read-only). None when writable (and from old servers).
+    write_refusal: str | None = None
+    # The server serves the tier over HTTP too (``/v1/tier/...``), for cachekeeper's own
+    # remote-cache backend; False from old servers (then only the RESP port).
+    http: bool = False
+    # The RESP port speaks TLS (the server's ``--tls-cert``): redis-py connects with
+    # ``rediss://``.
+    tls: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -171,7 +171,8 @@ class FleetWrites(Writes):
             "INSERT INTO job_reports (at, phase, outcome, workload, fingerprint_digest,"
             " snapshot_id, node, devices, reason_code, reason, new_fxgraph, new_aotautograd,"
             " new_triton, new_other, new_bytes, started_at, finished_at, job, token_id,"
-            " size_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " size_bytes, tier, snapshot_hits, tier_hits, tier_puts, tier_failed, tier_problem)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 at,
                 report.phase,
@@ -193,6 +194,12 @@ class FleetWrites(Writes):
                 report.job,
                 token_id,
                 size_bytes,
+                report.tier,
+                report.snapshot_hits,
+                report.tier_hits,
+                report.tier_puts,
+                report.tier_failed,
+                report.tier_problem,
             ],
         )
         return int(cursor.lastrowid or 0)
@@ -245,6 +252,8 @@ class FleetReads(Reads):
         postjob = "phase = 'postjob'"
         compiled = "phase = 'postjob' AND outcome = 'compiled'"
         after_restore = compiled + " AND snapshot_id IS NOT NULL"
+        tiered = "phase = 'postjob' AND tier IS NOT NULL"
+        troubled = tiered + " AND tier_problem IS NOT NULL"
         totals = self._rows(
             f"SELECT workload, pair, {_jobs(restored)} AS restores,"
             f" {_jobs(cold)} AS cold, {_jobs(postjob)} AS postjobs,"
@@ -254,6 +263,11 @@ class FleetReads(Reads):
             " THEN new_fxgraph + new_aotautograd ELSE 0 END) AS new_graphs,"
             " TOTAL(CASE WHEN phase = 'postjob' THEN new_bytes ELSE 0 END) AS new_bytes,"
             " COUNT(DISTINCT token_id) AS reporters,"
+            f" {_jobs(tiered)} AS tier_jobs, {_jobs(troubled)} AS tier_problems,"
+            " TOTAL(CASE WHEN phase = 'postjob' THEN snapshot_hits ELSE 0 END) AS snapshot_hits,"
+            " TOTAL(CASE WHEN phase = 'postjob' THEN tier_hits ELSE 0 END) AS tier_hits,"
+            " TOTAL(CASE WHEN phase = 'postjob' THEN tier_puts ELSE 0 END) AS tier_puts,"
+            " TOTAL(CASE WHEN phase = 'postjob' THEN tier_failed ELSE 0 END) AS tier_failed,"
             f" MAX(at) AS last_report_at FROM {reports} {where}"
             " GROUP BY workload, pair ORDER BY workload, pair",
             params,
@@ -268,6 +282,14 @@ class FleetReads(Reads):
         ):
             key = (row["workload"], row["pair"])
             reasons.setdefault(key, {})[row["code"]] = int(row["n"])
+        problems: dict[tuple[str, str], str] = {}
+        for row in self._rows(
+            f"SELECT workload, pair, tier_problem FROM {reports}"
+            f" {where + ' AND' if where else 'WHERE'} phase = 'postjob'"
+            " AND tier_problem IS NOT NULL ORDER BY id",
+            params,
+        ):
+            problems[(row["workload"], row["pair"])] = row["tier_problem"]
         return [
             JobStats(
                 workload=row["workload"],
@@ -282,6 +304,13 @@ class FleetReads(Reads):
                 new_bytes=int(row["new_bytes"]),
                 last_report_at=row["last_report_at"],
                 reporters=int(row["reporters"]),
+                tier_jobs=int(row["tier_jobs"]),
+                snapshot_hits=int(row["snapshot_hits"]),
+                tier_hits=int(row["tier_hits"]),
+                tier_puts=int(row["tier_puts"]),
+                tier_failed=int(row["tier_failed"]),
+                tier_problems=int(row["tier_problems"]),
+                tier_problem=problems.get((row["workload"], row["pair"])),
             )
             for row in totals
         ]

@@ -231,6 +231,8 @@ REPORT_BYTES_SQL = (
     " + LENGTH(CAST(COALESCE(reason_code, '') AS BLOB))"
     " + LENGTH(CAST(COALESCE(started_at, '') AS BLOB))"
     " + LENGTH(CAST(COALESCE(finished_at, '') AS BLOB)) + LENGTH(CAST(COALESCE(job, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(tier, '') AS BLOB))"
+    " + LENGTH(CAST(COALESCE(tier_problem, '') AS BLOB))"
 )
 EVENT_BYTES_SQL = (
     "200 + LENGTH(CAST(COALESCE(workload, '') AS BLOB)) + LENGTH(CAST(COALESCE(detail, '') AS BLOB))"
@@ -271,6 +273,22 @@ def _add_budget_columns(db: sqlite_utils.Database) -> None:
             " UPDATE table_usage SET rows = rows - 1,"
             f" bytes = bytes - COALESCE(OLD.size_bytes, 0) WHERE name = '{name}'; END"
         )
+
+
+def _add_tier_report_columns(db: sqlite_utils.Database) -> None:
+    """A postjob's per-key tier counts (``JobReport.tier`` ...), added to older databases."""
+    table = db.table("job_reports")
+    columns = {
+        "tier": str,
+        "snapshot_hits": int,
+        "tier_hits": int,
+        "tier_puts": int,
+        "tier_failed": int,
+        "tier_problem": str,
+    }
+    for name, kind in columns.items():
+        if name not in table.columns_dict:
+            table.add_column(name, kind)
 
 
 def _create_quarantine(db: sqlite_utils.Database) -> None:
@@ -378,6 +396,7 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_workload_digest_column,
     _add_job_column,
     _create_archive_objects,
+    _add_tier_report_columns,  # before the budget's weights, which read its columns
     _add_budget_columns,
     _create_migrations,
     _identity_digests,

@@ -27,10 +27,10 @@ def healthz(request: Request, storage: StorageDep) -> Health:
     return Health(status="ok", version=request.app.version)
 
 
-def _metrics_scope(request: Request) -> None:
+async def _metrics_scope(request: Request) -> None:
     """/metrics needs the read scope (its labels name workloads) unless ``metrics_public``."""
     if not request.app.state.settings.metrics_public:
-        _read_scope(request)
+        await _read_scope(request)
 
 
 _read_scope = require("read")

@@ -76,3 +76,21 @@ def test_the_url_carries_the_token_timeouts_and_name_quoted() -> None:
     assert query["socket_timeout"] == ["2"] and query["socket_connect_timeout"] == ["1"]
     assert query["client_name"] == ["ck:n_1:ffffffffffff"]
     assert rt.tier_url("http://[::1]:8750", port=1, token=None).startswith("redis://[::1]:1/0?")
+
+
+def test_children_never_load_cachekeepers_own_backend() -> None:
+    """verify proves the local dir alone: a job's CACHEKEEPER_TIER_* (without which the
+    backend's hook installs nothing) never reach a prewarm or verify child."""
+    env = {
+        **rt.site_switches(tier=True),
+        rt.URL: rt.OFF_URL,
+        "CACHEKEEPER_TIER_MODE": "cachekeeper",
+        "CACHEKEEPER_TIER_URL": "https://cache:8750",
+        "CACHEKEEPER_HOME": "/h",
+    }
+    child = rt.isolated(env)
+    assert not [k for k in child if k.startswith("CACHEKEEPER_TIER_")]
+    assert child["CACHEKEEPER_HOME"] == "/h" and child[rt.FX_GRAPH] == "1"
+    builder = dict(env)
+    rt.set_builder_switches(builder, rt.site_switches(tier=True))
+    assert not [k for k in builder if k.startswith("CACHEKEEPER_TIER_")]

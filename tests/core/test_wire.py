@@ -72,6 +72,9 @@ def test_round_trip_keeps_every_field_in_order():
             "use": True,
             "writable": False,
             "switches": {"TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1"},
+            "write_refusal": "read_only_token",
+            "http": True,
+            "tls": False,
         },
         "signed_by": None,
     }
@@ -91,7 +94,10 @@ def test_round_trip_keeps_every_field_in_order():
                                    "restores": 3, "cold": 1, "cold_reasons": {"no_match": 1},
                                    "postjobs": 2, "compiled": 1, "compiled_after_restore": 1,
                                    "new_graphs": 4, "new_bytes": 10, "last_report_at": "t",
-                                   "reporters": 2},
+                                   "reporters": 2,
+                                   "tier_jobs": 2, "snapshot_hits": 3, "tier_hits": 4,
+                                   "tier_puts": 1, "tier_failed": 0, "tier_problems": 1,
+                                   "tier_problem": "the tier was on but asked nothing"},
                           "jobs_note": "restored, but ...", "stale": None, "harvested": 2,
                           "harvest_note": "2 harvested deltas ... kept back"}]}  # fmt: skip
     assert to_dict(from_dict(StatusAnswer, status)) == status

@@ -6,7 +6,8 @@ agent sets them from ``GET /v1/remote-cache``; here the CLI runs in that environ
 fingerprint records them, and the hook exports exactly the switches its snapshot was
 ranked for:
 
-1. prewarm + push cpu-tiny with the switches, prejob into an empty dir (the tier on):
+1. prewarm (by hand: the CLI asks the server for the switches, as the agent does) + push
+   cpu-tiny with the switches, prejob into an empty dir (the tier on):
    verify in the job's environment hits with zero misses, and the tier is asked for
    nothing the snapshot holds; the same dir verified without the switches misses (the
    control: the switch really is in the key, so the test above can fail);
@@ -83,10 +84,12 @@ def test_a_snapshot_built_with_the_switches_hits_on_a_node_with_the_tier_on(
     answer = httpx.get(f"{tier.url}/v1/remote-cache", headers={"Authorization": "Bearer builder"})
     offer = answer.json()
     assert answer.status_code == 200 and offer["switches"] == remote_tier.site_switches(tier=True)
-    remote_tier.set_builder_switches(builder, offer["switches"])  # what the agent does
+    # a prewarm by hand (issue 30, "no half tier"): the CLI asks CACHEKEEPER_SERVER for the
+    # tier's switches itself, as the agent does, and says so
     built = tmp_path / "built"
     proc = ck(builder, "prewarm", str(TINY), "--cache-dir", str(built), "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "running with the per-key tier's switches" in proc.stderr, proc.stderr[-2000:]
     proc = ck(builder, "push", str(built), "--workload", "cpu-tiny", "--allow-unregistered")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -94,7 +97,9 @@ def test_a_snapshot_built_with_the_switches_hits_on_a_node_with_the_tier_on(
     cache = tmp_path / "node-cache"
     exports = prejob_exports(node, "cpu-tiny", cache)
     assert exports[remote_tier.AOTAUTOGRAD] == "1" and exports[remote_tier.FX_GRAPH] == "1"
-    assert exports[remote_tier.URL].startswith(f"redis://:node@127.0.0.1:{tier.resp_port}/0?")
+    # cachekeeper's own backend (torch 2.13, a server that serves /v1/tier): no token in a URL
+    assert exports["CACHEKEEPER_TIER_MODE"] == "cachekeeper", exports
+    assert exports[remote_tier.URL] == remote_tier.OFF_URL
     gets = tier.app.state.metrics.value("cachekeeper_remote_cache_gets_total", result="miss")
 
     job = {**node, **exports}
@@ -104,8 +109,10 @@ def test_a_snapshot_built_with_the_switches_hits_on_a_node_with_the_tier_on(
         tier.app.state.metrics.value("cachekeeper_remote_cache_gets_total", result="miss") == gets
     )
 
-    # The control: the same restored dir, run without the switch, misses its AOTAutograd entry.
-    proc = ck(node, "verify", str(TINY), "--cache-dir", str(cache), "--device", "cpu", "--json")
+    # The control: the same restored dir, run without the switch (no server to ask for
+    # it), misses its AOTAutograd entry.
+    proc = ck(node, "verify", str(TINY), "--cache-dir", str(cache), "--device", "cpu", "--json",
+              "--server", "")  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads(proc.stdout)["devices"]
     assert runs[0]["counters"].get("autograd_cache_miss", 0) >= 1, runs

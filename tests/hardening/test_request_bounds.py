@@ -236,6 +236,7 @@ def _body_routes(live: LiveServer) -> list[tuple[str, str]]:
         "{snapshot_id}": "cd" * 32,
         "{name}": "wl",
         "{agent_id}": "agent-1",
+        "{key}": "pt2:fx-graph-v1::k:c1",
     }
     routes = []
     for path, methods in schema["paths"].items():
@@ -255,6 +256,7 @@ def test_every_route_has_a_body_limit(serve, reliability) -> None:  # type: igno
         max_manifest_bytes=limit,
         max_workload_bytes=limit,
         max_blob_bytes=limit,
+        remote_cache_max_value_bytes=limit,
     )
     routes = _body_routes(live)
     assert len(routes) >= 8

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cachekeeper.server.auth import token_id
 from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import LiveServer, start_server
@@ -106,6 +107,42 @@ out['ping'] = r.ping()
     assert entry is not None and entry.size_bytes == len(value)
     assert entry.writer["client"] == "ck:node-a:abc"
     assert entry.writer["lib"] == f"redis-py {version}" and entry.writer["scope"] == "write"
+    assert entry.writer["token"] == token_id("tier-write")  # from AUTH, not the name
+
+
+def test_a_keys_writer_is_its_token_and_another_environment_reads_a_miss(
+    tier: LiveServer,
+) -> None:
+    """Issue 32 class 6: the writer is the token that AUTHed, whatever name the client
+    claims; a value written from one environment (the client name prejob sets,
+    ck:<node>:<12 hex>) is a miss for a reader from another."""
+    version = VERSIONS[-1]
+    key = "pt2:fx-graph-v1::envcheck:c1"
+    writer = url(tier, query="&client_name=ck:builder-1:0123456789ab")
+    other = url(tier, token="tier-read", query="&client_name=ck:node-b:ffffffffffff")
+    same = url(tier, token="tier-read", query="&client_name=ck:node-c:0123456789ab")
+    out = run_client(
+        version,
+        f"""
+redis.Redis.from_url({writer!r}).set({key!r}, b'value')
+for _ in range(200):
+    if redis.Redis.from_url({same!r}).get({key!r}) is not None:
+        break
+    time.sleep(0.02)
+out['same'] = redis.Redis.from_url({same!r}).get({key!r}) == b'value'
+""",
+    )
+    assert out["same"] is True
+    deadline = time.monotonic() + 10
+    while tier.app.state.tier.catalog.tier_key(key.encode()) is None:  # stored, not pending
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    out = run_client(version, f"out['other'] = redis.Redis.from_url({other!r}).get({key!r})")
+    assert out["other"] is None
+    entry = tier.app.state.tier.catalog.tier_key(key.encode())
+    assert entry.writer["token"] == token_id("tier-write") and entry.writer["scope"] == "write"
+    assert entry.writer["environment"] == "0123456789ab"
+    assert metric(tier, "cachekeeper_remote_cache_gets_total", result="other_environment") >= 1
 
 
 @pytest.mark.parametrize("version", VERSIONS)
