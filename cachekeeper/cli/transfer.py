@@ -348,13 +348,6 @@ def pull_cmd(
     " time a value's size needs at 50 MB/s.",
 )
 @click.option(
-    "--allow-plaintext",
-    is_flag=True,
-    default=None,
-    help="Let the token cross plain http:// (or redis://) to a server that is not on this"
-    " host (also CACHEKEEPER_ALLOW_PLAINTEXT=1); without it such a tier is off for the job.",
-)
-@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -377,7 +370,6 @@ def prejob_cmd(
     remote_cache: bool | None,
     tier_backend: str,
     tier_timeout_s: float | None,
-    allow_plaintext: bool | None,
     as_json: bool,
 ) -> None:
     """Pre-job hook: restore this node's cache of --workload NAME; print the env to export.
@@ -408,7 +400,6 @@ def prejob_cmd(
         remote_cache={None: "auto", True: "on", False: "off"}[remote_cache],
         tier_backend=tier_backend,
         tier_timeout_s=tier_timeout_s,
-        allow_plaintext=allow_plaintext,
     )
     lines = export_lines(report.exports)
     if report.remote_cache == "off" and remote_cache is not False:
