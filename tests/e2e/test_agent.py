@@ -180,7 +180,7 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
         devices=("cpu",),
         work_dir=tmp_path / "work",
         name="builder-a",
-        allow=Allowlist(("fixtures_pkg.*",)),  # the broken workload's entrypoint is code
+        allow=Allowlist.load(["fixtures_pkg.*"]),  # the broken workload's entrypoint is code
     )
     with CacheClient(base_url=fleet.url) as client:
         run_agent(
