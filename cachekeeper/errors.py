@@ -43,6 +43,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + ConfigInvalid
     + DeviceInvalid
     + FingerprintUnavailable
+    + BuildsUnconfined
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -103,6 +104,7 @@ __all__ = [
     "RequestTimeout",
     "ConfigInvalid",
     "FingerprintUnavailable",
+    "BuildsUnconfined",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -403,6 +405,14 @@ class FingerprintUnavailable(LocalEnvironmentError):
     """This machine's fingerprint could not be collected in time (a hung NVML or nvidia-smi)."""
 
     code = "fingerprint_unavailable"
+
+
+class BuildsUnconfined(LocalEnvironmentError):
+    """A signing agent that cannot keep its key from the code its builds run (no Landlock on
+    this host, or a key file with another hard link): refused at start unless told."""
+
+    code = "builds_unconfined"
+    exit_code = 2
 
 
 class InvalidDigest(InvalidRequest):

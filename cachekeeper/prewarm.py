@@ -32,6 +32,7 @@ from typing import Any
 
 from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.commands import run_command
+from cachekeeper.confine import Confinement
 from cachekeeper.errors import CachekeeperError
 from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
@@ -50,6 +51,7 @@ def prewarm(
     devices: list[str],
     progress: Progress | None = None,
     timeout_s: float | None = None,
+    confinement: Confinement | None = None,
 ) -> PrewarmReport:
     """Cold-compile ``workload`` (per device, then each command), merge into ``cache_dir``,
     then verify.
@@ -57,7 +59,8 @@ def prewarm(
     Never raises for what the workload does (see ``PrewarmReport.status``); raises
     PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
     and each command run. ``devices`` are where ``[[attention]]`` and ``[[entrypoint]]``
-    run; a command's ranks choose their own.
+    run; a command's ranks choose their own. ``confinement`` is what every process of the
+    build is held to (``cachekeeper.confine``; the agent hides its signing key).
     """
     cache_dir = Path(cache_dir).absolute()
     started = time.monotonic()
@@ -86,6 +89,7 @@ def prewarm(
                 work=work,
                 progress=progress,
                 timeout_s=timeout_s,
+                confinement=confinement,
             )
         cold: list[CommandRun] = []
         if all(run.status == "ok" for run in runs):
@@ -101,6 +105,7 @@ def prewarm(
                         work=work,
                         progress=progress,
                         timeout_s=timeout_s,
+                        confinement=confinement,
                     )
                 )
                 if cold[-1].status != "ok":
@@ -121,7 +126,12 @@ def prewarm(
                 error=ErrorInfo(type=type(exc).__name__, message=exc.detail, where="merge"),
             )
     verify_report = verify(
-        workload, cache_dir, devices=child_devices, timeout_s=timeout_s, progress=progress
+        workload,
+        cache_dir,
+        devices=child_devices,
+        timeout_s=timeout_s,
+        progress=progress,
+        confinement=confinement,
     )
     done = report(devices=tuple(runs), commands=tuple(cold), merged=merged, verify=verify_report)
     _record(workload, cache_dir, done, commands=tuple(cold))
@@ -135,6 +145,7 @@ def promote(
     devices: list[str],
     progress: Progress | None = None,
     timeout_s: float | None = None,
+    confinement: Confinement | None = None,
 ) -> PrewarmReport:
     """Prove a cache dir restored from a snapshot and its harvested deltas: verify it (each
     command again in a fresh copy) and, when effective, record it as a prewarm would, so
@@ -149,6 +160,7 @@ def promote(
         devices=list(devices) if in_children else [],
         timeout_s=timeout_s,
         progress=progress,
+        confinement=confinement,
     )
     done = PrewarmReport(
         workload=workload.name,
