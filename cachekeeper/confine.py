@@ -8,6 +8,9 @@ normally. ``Confinement`` says what else a build's processes are held to:
 
 - ``hidden``: files no process of the build may read or replace (the agent's signing key),
   through Landlock (``cachekeeper.landlock``). Empty for ``cachekeeper prewarm`` run by hand.
+  Every folder on the way to a hidden file is closed to new entries; when the temp folder
+  (``$TMPDIR``, else ``/tmp``) is one of them, the build gets a ``TMPDIR`` of its own next
+  to its status file (compilers and ``tempfile`` write there).
 - ``defined_imports``: an import path must name a ``def`` or ``class`` of its module
   (``cachekeeper.allowlist.check_defined``, checked in the child before anything is
   imported). The agent sets it: that is its allowlist's rule.
@@ -130,6 +133,13 @@ class Supervised:
         )
 
 
+def _temp_on_the_way(env: Mapping[str, str], hidden: Sequence[Path]) -> bool:
+    """Whether the temp folder is a folder on the way to a hidden file (closed to new
+    entries in the sandbox)."""
+    temp = os.path.realpath(env.get("TMPDIR") or "/tmp")
+    return any(os.path.realpath(h).startswith(temp.rstrip("/") + "/") for h in hidden)
+
+
 def start(
     argv: Sequence[str],
     *,
@@ -146,6 +156,11 @@ def start(
     OSError when the supervisor itself cannot start; whatever happens to ``argv`` is in
     ``outcome()``.
     """
+    env = dict(env)
+    if _temp_on_the_way(env, confinement.hidden):
+        private = status.parent / f"tmp-{status.stem}"
+        private.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(private)
     command = [
         sys.executable, "-I", "-m", "cachekeeper._supervisor",
         "--status", str(status), "--parent", str(os.getpid()),
@@ -158,7 +173,7 @@ def start(
     command += ["--", *argv]
     proc = subprocess.Popen(
         command,
-        env=dict(env),
+        env=env,
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         stdout=stdout,
