@@ -35,6 +35,7 @@ def _run(tmp_path: Path, *argv: str, **options: object):
 
 def test_the_environment_is_the_builders_plus_what_the_workload_says(tmp_path: Path) -> None:
     base = {"PATH": "/bin", "PYTHONPATH": "/site", "TRITON_CACHE_DIR": "/t", "KEEP": "1"}
+    base["CACHEKEEPER_TOKEN"] = "agent-secret"  # the agent's: never a build's
     command = Command(argv=("x",), env={"WANDB_MODE": "disabled"})
     env = command_environ(command, cache_dir=tmp_path / "c", evidence=tmp_path / "e", base=base)
     assert env == {
