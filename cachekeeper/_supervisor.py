@@ -3,6 +3,9 @@
     python -I -m cachekeeper._supervisor --status OUT.json --parent PID --grace S \
         [--hide FILE]... [--program PATH] -- ARGV...
 
+(``cachekeeper.confine.start`` runs ``main`` the same way through ``python -I -c``, with the
+folder of the agent's own ``cachekeeper`` first on ``sys.path``.)
+
 Started by ``cachekeeper.confine.start`` for every command run and every prewarm or verify
 child. It makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4,
 unprivileged), so every process the command starts, and every orphan of a double fork or a

@@ -37,6 +37,13 @@ from cachekeeper._proc import descendants
 __all__ = ["Confinement", "Supervised", "SupervisorOutcome", "start"]
 
 _SUPERVISOR_SLACK_S = 20.0  # past the grace, how long the supervisor may take to clean up
+# The supervisor runs isolated (-I: the build's PYTHONPATH and loader variables never reach
+# its Python) from the very cachekeeper this process runs, installed or not.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_RUN_SUPERVISOR = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from cachekeeper._supervisor import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,7 @@ def start(
         private.mkdir(parents=True, exist_ok=True)
         env["TMPDIR"] = str(private)
     command = [
-        sys.executable, "-I", "-m", "cachekeeper._supervisor",
+        sys.executable, "-I", "-c", _RUN_SUPERVISOR, _PACKAGE_ROOT,
         "--status", str(status), "--parent", str(os.getpid()),
         "--grace", str(confinement.grace_s),
     ]  # fmt: skip
