@@ -38,6 +38,12 @@ def main() -> int:
     parser.add_argument("--workload", default=str(REPO / "examples/workloads/gqa-doc-causal.toml"))
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--key-dir",
+        default=None,
+        help="where the fresh key goes (default: the work dir, under /tmp: the sandboxed"
+        " builds then get a TMPDIR of their own)",
+    )
     args = parser.parse_args()
     reason = landlock.unavailable_reason()
     if reason is not None:
@@ -48,7 +54,8 @@ def main() -> int:
     ratios = []
     with tempfile.TemporaryDirectory(prefix="ck-contained-") as tmp:
         work = Path(tmp)
-        key, _pub, _id = generate_keypair(work / "keys" / "builder")
+        keys = Path(args.key_dir) if args.key_dir else work / "keys"
+        key, _pub, _id = generate_keypair(keys / f"builder-{time.time_ns()}")
         for n in range(args.rounds):
             seconds = {}
             for label, confinement in (
