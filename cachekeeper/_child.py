@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
+from cachekeeper.allowlist import check_defined
 from cachekeeper.errors import WorkloadInvalid
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.mods import build_mask_mod, build_score_mod, load_object
@@ -283,12 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--mode", required=True, choices=["prewarm", "verify"])
     parser.add_argument("--result", required=True, type=Path)
+    parser.add_argument(
+        "--defined-imports",
+        action="store_true",
+        help="refuse an import path unless its module defines it (the agent's allowlist rule)",
+    )
     args = parser.parse_args(argv)
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         print("TORCHINDUCTOR_CACHE_DIR must be set before this process starts", file=sys.stderr)
         return 2
     try:
         workload = parse_workload(args.workload.read_text("utf-8"), source=args.source)
+        if args.defined_imports:  # before anything of the workload is imported
+            for ref in workload.code:
+                if ref.kind == "import":
+                    check_defined(ref.value, field=f"{args.source}: {ref.where}")
     except WorkloadInvalid as exc:
         result: dict[str, Any] = {
             "device": args.device,

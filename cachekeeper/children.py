@@ -2,14 +2,16 @@
 
 Prewarm and verify both run here: each child is ``python -m cachekeeper._child`` with its
 own ``TORCHINDUCTOR_CACHE_DIR`` (``TRITON_CACHE_DIR`` removed, so Triton's cache lands in
-``<cache dir>/triton/<index>``). The work area is a temp folder next to the cache dir (same
-filesystem), removed when done::
+``<cache dir>/triton/<index>``), under a supervisor (``cachekeeper.confine``: the child runs
+workload code, an entrypoint or a factory, so it is reaped and sandboxed as a command is).
+The work area is a temp folder next to the cache dir (same filesystem), removed when done::
 
     <cache_dir parent>/.cachekeeper-prewarm-XXXX/
       workload.toml               # the workload text the children read
       staging-cuda_0/             # prewarm: cuda:0's empty-at-start TORCHINDUCTOR_CACHE_DIR
       result-<mode>-cuda_0.json   # cuda:0's result (see cachekeeper._child)
       stdout-<mode>-cuda_0.log    # what the workload printed
+      supervisor-<mode>-cuda_0.json  # how its process tree ended (cachekeeper.confine)
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import collections
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from cachekeeper import cpu, remote_tier
 from cachekeeper._child import PROGRESS_PREFIX
+from cachekeeper.commands import without_secrets
+from cachekeeper.confine import Confinement, start
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.verdicts import DeviceRun, ErrorInfo, Progress, ProgressEvent
 from cachekeeper.workload import Workload
@@ -70,7 +73,11 @@ def child_environ(omp_num_threads: int | None) -> dict[str, str]:
     The per-key tier's switches are kept (two are in torch's keys) but the tier is never
     reached (``remote_tier.isolated``): verify proves the local dir alone.
     """
-    env = {k: v for k, v in remote_tier.isolated(os.environ).items() if k != "TRITON_CACHE_DIR"}
+    env = {
+        k: v
+        for k, v in remote_tier.isolated(without_secrets(os.environ)).items()
+        if k != "TRITON_CACHE_DIR"
+    }
     if omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(omp_num_threads)
     return env
@@ -99,6 +106,7 @@ class _Child:
         source: str,
         progress: Progress | None,
         omp_num_threads: int | None,
+        confinement: Confinement,
     ) -> None:
         self.device = device
         self.mode = mode
@@ -112,16 +120,20 @@ class _Child:
             "--workload", str(work / "workload.toml"), "--source", source,
             "--device", device, "--mode", mode, "--result", str(self.result_path),
         ]  # fmt: skip
+        if confinement.defined_imports:
+            command.append("--defined-imports")
         self.started = time.monotonic()
         with open(work / f"stdout-{mode}-{slug(device)}.log", "wb") as stdout:
-            self.proc = subprocess.Popen(
+            self.run = start(
                 command,
+                cwd=None,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                status=work / f"supervisor-{mode}-{slug(device)}.json",
+                confinement=confinement,
                 stdout=stdout,
                 stderr=subprocess.PIPE,
-                start_new_session=True,  # so a timeout can kill the whole process group
             )
+        self.proc = self.run.proc
         self.reader = threading.Thread(target=self._relay, daemon=True)
         self.reader.start()
 
@@ -141,12 +153,8 @@ class _Child:
                 self.stderr_tail.append(line)
 
     def kill(self) -> None:
-        """Kill the child's whole process group (compile workers included), if any is left."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        """Stop the child's whole tree (compile workers included), if any is left."""
+        self.run.stop()
 
     def wait(self, deadline: float | None) -> DeviceRun:
         timed_out = False
@@ -165,11 +173,16 @@ class _Child:
                 ErrorInfo("Timeout", f"no result after {seconds:.0f} s; killed", "", tail),
                 seconds,
             )
+        outcome = self.run.outcome()
+        if outcome.error:
+            return self._failed(
+                "crashed", ErrorInfo("ChildCrashed", outcome.error, "", tail), seconds
+            )
         try:
             raw = json.loads(self.result_path.read_text("utf-8"))
             return DeviceRun.from_result(raw, seconds=seconds)
         except (OSError, ValueError, KeyError, TypeError):
-            message = f"exited with status {self.proc.returncode} without a result"
+            message = f"exited with status {outcome.returncode} without a result"
             return self._failed("crashed", ErrorInfo("ChildCrashed", message, "", tail), seconds)
 
     def _failed(self, status: Any, error: ErrorInfo, seconds: float) -> DeviceRun:
@@ -190,6 +203,7 @@ def run_children(
     work: Path,
     progress: Progress | None,
     timeout_s: float | None,
+    confinement: Confinement | None = None,
 ) -> list[DeviceRun]:
     """One child per device, all at once; wait for every one (each within ``timeout_s``)."""
     (work / "workload.toml").write_text(workload.text, encoding="utf-8")
@@ -206,6 +220,7 @@ def run_children(
                     source=source,
                     progress=progress,
                     omp_num_threads=workload.omp_num_threads,
+                    confinement=confinement or Confinement(),
                 )
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

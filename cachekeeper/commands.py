@@ -1,7 +1,8 @@
 """Run a workload's ``[[command]]`` (the site's own launcher) and collect per-process evidence.
 
 ``run_command(command, cache_dir=..., work=...)`` starts ``command.argv`` without a shell,
-in ``command.cwd``, with the builder's environment plus exactly::
+in ``command.cwd``, under a supervisor (``cachekeeper.confine``), with the builder's
+environment (less ``CACHEKEEPER_TOKEN``: a build never holds the agent's token) plus exactly::
 
     command.env                          # what the workload says
     TORCHINDUCTOR_CACHE_DIR=<cache_dir>  # the staging (prewarm) or fresh (verify) dir
@@ -11,11 +12,13 @@ in ``command.cwd``, with the builder's environment plus exactly::
     PYTHONPATH=<evidence hook>:$PYTHONPATH
     CACHEKEEPER_EVIDENCE_DIR=<work>/evidence-<mode>-<index>/
 
-The evidence hook (``cachekeeper/_evidence_hook/sitecustomize.py``) makes every Python
-process the command starts (torchrun's ranks included) write its rank, device, cache
-counters and ending to that folder at exit; docs/workloads.md says why this and not
-torch's structured trace. Output (stdout and stderr together) goes to
-``<work>/log-<mode>-<index>.log``; its last lines are kept in the result, and before them
+The program is the file ``cachekeeper.allowlist.program_path`` finds (the one the allowlist
+judged); ``argv[0]`` stays as written. The evidence hook
+(``cachekeeper/_evidence_hook/sitecustomize.py``) makes every Python process that imports
+``torch._dynamo`` write a start record, then its rank, device, cache counters and ending
+at exit; ``read_evidence`` pairs them, and a start without an end is a gap the verdict
+counts (docs/workloads.md says why this and not torch's structured trace). Output (stdout
+and stderr together) goes to ``<work>/log-<mode>-<index>.log``; its last lines are kept in the result, and before them
 the first line that reads like an error when the tail no longer holds it (a launcher's
 traceback after a rank's ``error: unrecognized arguments`` pushes that line out of it).
 
@@ -23,8 +26,9 @@ A cold run that exits non-zero having compiled nothing (no process loaded torch'
 none raised, nothing in its cache dir: a usage error, a missing data file) is
 ``command_failed``, not ``cold_compile_broken``: it says nothing about the cold compile.
 
-A timeout sends SIGTERM to every process of the command's tree (torchrun starts each rank
-in its own session, so a process group is not enough), then SIGKILL after a grace period.
+The supervisor owns the whole tree (a child subreaper): what the command leaves running
+when it ends, double-forked and ``setsid`` daemons included, is stopped and named in the
+result; a timeout stops everything (SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -32,18 +36,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from cachekeeper import config, remote_tier
+from cachekeeper.allowlist import program_path
+from cachekeeper.confine import Confinement, start
 from cachekeeper.verdicts import CommandRun, ErrorInfo, ProcessEvidence, Progress, ProgressEvent
 from cachekeeper.workload import Command
 
-__all__ = ["EVIDENCE_HOOK", "command_environ", "run_command", "read_evidence"]
+__all__ = [
+    "EVIDENCE_HOOK",
+    "Evidence",
+    "command_environ",
+    "run_command",
+    "read_evidence",
+    "without_secrets",
+]
 
 EVIDENCE_HOOK = Path(__file__).resolve().parent / "_evidence_hook"
 _LOG_TAIL_LINES = 40
@@ -54,13 +65,20 @@ _TICK_S = 30.0  # a progress line this often while a command runs
 _ERROR_LINE = re.compile(r"(?i)(\berror\b|\bfatal\b|\w(Error|Exception)\b)")
 _ELIDED = "..."
 _TERM_GRACE_S = 10.0
+# The builder's own secrets: never in a build's environment.
+SECRET_VARIABLES = (config.TOKEN,)
+
+
+def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less the agent's token (a build's code never needs it)."""
+    return {k: v for k, v in environ.items() if k not in SECRET_VARIABLES}
 
 
 def command_environ(
     command: Command, *, cache_dir: Path, evidence: Path, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The environment ``command`` runs with (see the module docstring)."""
-    env = dict(os.environ if base is None else base)
+    env = without_secrets(os.environ if base is None else base)
     env.pop("TRITON_CACHE_DIR", None)
     env = remote_tier.isolated({**env, **command.env})  # the workload's switches too
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
@@ -70,15 +88,54 @@ def command_environ(
     return env
 
 
-def read_evidence(folder: Path) -> tuple[ProcessEvidence, ...]:
-    """The records in ``folder``, ranks first in rank order, then by pid; bad files skipped."""
-    found: list[ProcessEvidence] = []
-    for path in sorted(folder.glob("proc-*.json")):
+class Evidence:
+    """The records of an evidence folder, paired: ``processes`` (a start and an end record),
+    ``gaps`` (one line per start without an end, or end without a start)."""
+
+    def __init__(self, processes: tuple[ProcessEvidence, ...], gaps: tuple[str, ...]) -> None:
+        self.processes = processes
+        self.gaps = gaps
+
+
+def _json_records(folder: Path, prefix: str) -> dict[int, dict[str, object]]:
+    found: dict[int, dict[str, object]] = {}
+    for path in sorted(folder.glob(f"{prefix}-*.json")):
         try:
-            found.append(ProcessEvidence.from_record(json.loads(path.read_text("utf-8"))))
+            raw = json.loads(path.read_text("utf-8"))
+            found[int(raw["pid"])] = raw
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return tuple(sorted(found, key=lambda p: (p.rank is None, p.rank or 0, p.pid)))
+    return found
+
+
+def read_evidence(folder: Path) -> Evidence:
+    """The folder's records, ranks first in rank order, then by pid; unreadable files
+    skipped. An end record counts only with the start record the hook wrote first."""
+    starts = _json_records(folder, "start")
+    ends = _json_records(folder, "proc")
+    found: list[ProcessEvidence] = []
+    gaps: list[str] = []
+    for pid, raw in ends.items():
+        if pid not in starts:
+            gaps.append(
+                f"an end record for pid {pid} has no start record: cachekeeper's evidence"
+                " hook did not write it"
+            )
+            continue
+        try:
+            found.append(ProcessEvidence.from_record(raw))
+        except (ValueError, KeyError, TypeError):
+            gaps.append(f"the end record of pid {pid} cannot be read")
+    for pid, raw in starts.items():
+        if pid not in ends:
+            argv = raw.get("argv")
+            words = " ".join(str(a) for a in argv)[:100] if isinstance(argv, list) else ""
+            gaps.append(
+                f"pid {pid} ({words}) imported torch._dynamo and left no end record: it was"
+                " killed or ended below Python, so what it compiled is unknown"
+            )
+    ordered = sorted(found, key=lambda p: (p.rank is None, p.rank or 0, p.pid))
+    return Evidence(tuple(ordered), tuple(sorted(gaps)))
 
 
 def _log_tail(path: Path) -> tuple[str, ...]:
@@ -121,62 +178,6 @@ def _compiled_nothing(processes: tuple[ProcessEvidence, ...], cache_dir: Path) -
     return True
 
 
-def _descendants(root: int) -> list[int]:
-    """``root``'s live descendants (from /proc), children before their own children."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                raw = stat.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses
-        fields = raw[raw.rfind(")") + 2 :].split()
-        if len(fields) > 1 and fields[1].isdigit():
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out: list[int] = []
-    queue = [root]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            out.append(child)
-            queue.append(child)
-    return out
-
-
-def _signal_tree(proc: subprocess.Popen[bytes], sig: int) -> None:
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        os.killpg(proc.pid, sig)  # started with its own session: its group too
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the command's whole tree, wait a little, then SIGKILL what is left."""
-    tree = [proc.pid, *_descendants(proc.pid)]
-    _signal_tree(proc, signal.SIGTERM)
-    try:
-        proc.wait(timeout=_TERM_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    for pid in tree + _descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-
-
 def _last_line(path: Path) -> str:
     tail = _log_tail(path)
     return tail[-1][:120] if tail else ""
@@ -191,15 +192,19 @@ def run_command(
     work: Path,
     progress: Progress | None = None,
     timeout_s: float | None = None,
+    confinement: Confinement | None = None,
 ) -> CommandRun:
     """Run ``command`` once against ``cache_dir``; never raises for what the command does.
 
     The bound is the command's own ``timeout`` or ``timeout_s``, whichever is shorter.
+    ``confinement`` (default: reaped, nothing hidden) is what its processes are held to.
     """
+    confinement = confinement or Confinement()
     name = f"command[{index}]"
     evidence = work / f"evidence-{mode}-{index}"
     evidence.mkdir(parents=True, exist_ok=True)
     log_path = work / f"log-{mode}-{index}.log"
+    status_path = work / f"supervisor-{mode}-{index}.json"
     env = command_environ(command, cache_dir=cache_dir, evidence=evidence)
     bounds = [t for t in (command.timeout_s, timeout_s) if t is not None]
     bound = min(bounds) if bounds else None
@@ -211,7 +216,15 @@ def run_command(
             elapsed = round(time.monotonic() - started, 3)
             progress(ProgressEvent("", mode, name, event, elapsed, **extra))  # type: ignore[arg-type]
 
-    def failed(status: str, error: ErrorInfo, *, exit_code: int | None = None) -> CommandRun:
+    def result(
+        status: str,
+        *,
+        error: ErrorInfo | None = None,
+        exit_code: int | None = None,
+        left_running: tuple[str, ...] = (),
+        sandbox: str = "",
+    ) -> CommandRun:
+        found = read_evidence(evidence)
         return CommandRun(
             index=index,
             mode=mode,
@@ -219,75 +232,86 @@ def run_command(
             status=status,  # type: ignore[arg-type]
             seconds=round(time.monotonic() - started, 3),
             exit_code=exit_code,
-            processes=read_evidence(evidence),
+            processes=found.processes,
             log_tail=_log_tail(log_path),
             error=error,
+            gaps=found.gaps,
+            left_running=left_running,
+            sandbox=sandbox,
         )
 
     cwd = Path(command.cwd).expanduser().absolute() if command.cwd else Path.cwd()
     if not cwd.is_dir():
         message = f"{name}.cwd: {cwd} is not a directory on this builder"
-        return failed("invalid", ErrorInfo("CommandInvalid", message, f"{name}.cwd"))
+        return result("invalid", error=ErrorInfo("CommandInvalid", message, f"{name}.cwd"))
     program = command.argv[0]
-    if os.sep not in program and shutil.which(program, path=env.get("PATH")) is None:
+    resolved = program_path(program, cwd=cwd, path=env.get("PATH"))
+    if resolved is None:
         message = f"{name}.argv[0]: {program!r} is not found on PATH on this builder"
-        return failed("invalid", ErrorInfo("CommandInvalid", message, f"{name}.argv"))
+        return result("invalid", error=ErrorInfo("CommandInvalid", message, f"{name}.argv"))
     emit("start", label=label)
     try:
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                list(command.argv),
-                env=env,
+            run = start(
+                command.argv,
+                program=resolved,
                 cwd=cwd,
-                stdin=subprocess.DEVNULL,
+                env=env,
+                status=status_path,
+                confinement=confinement,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
     except OSError as exc:
-        message = f"{name}.argv[0]: cannot run {program!r}: {exc.strerror or exc}"
-        return failed("invalid", ErrorInfo("CommandInvalid", message, f"{name}.argv"))
+        message = f"{name}: cannot start the build's supervisor: {exc.strerror or exc}"
+        return result("invalid", error=ErrorInfo("CommandInvalid", message, name))
     deadline = None if bound is None else started + bound
     try:
         while True:
             wait = _TICK_S if deadline is None else min(_TICK_S, deadline - time.monotonic())
             try:
-                proc.wait(timeout=max(0.0, wait))
+                run.wait(timeout=max(0.0, wait))
                 break
             except subprocess.TimeoutExpired:
                 if deadline is not None and time.monotonic() >= deadline:
-                    _stop(proc)
+                    run.stop()
                     message = f"no exit after {bound:.0f} s; stopped (SIGTERM, then SIGKILL)"
-                    return failed("timeout", ErrorInfo("Timeout", message, name))
+                    return result("timeout", error=ErrorInfo("Timeout", message, name))
                 emit("running", label=_last_line(log_path))
     except BaseException:
-        _stop(proc)  # the agent asked to stop, or Ctrl-C: never leave ranks behind
+        run.stop()  # the agent asked to stop, or Ctrl-C: never leave ranks behind
         raise
+    outcome = run.outcome()
     seconds = round(time.monotonic() - started, 3)
     emit("done", label=label, seconds=seconds)
-    code = proc.returncode
+    stray = outcome.left_running + tuple(f"{p} (would not die)" for p in outcome.unkillable)
+    if outcome.error:
+        kind = "invalid" if outcome.returncode is None and not outcome.stopped else "error"
+        where = f"{name}.argv" if outcome.error.startswith("cannot run") else name
+        error = ErrorInfo(
+            "CommandInvalid" if kind == "invalid" else "CommandFailed", outcome.error, where
+        )
+        return result(kind, error=error, left_running=stray, sandbox=outcome.sandbox)
+    code = outcome.returncode
     if code != 0:
-        why = f"exited with status {code}" if code > 0 else f"killed by signal {-code}"
-        processes = read_evidence(evidence)
+        why = (
+            f"exited with status {code}"
+            if code is not None and code > 0
+            else (f"killed by signal {-code}" if code is not None else "stopped")
+        )
+        processes = read_evidence(evidence).processes
         raised = next((p for p in processes if p.exit_status == "exception"), None)
         if raised is not None:
             why += f"; {raised.label} raised {raised.error}"
         output = _log_tail(log_path)
         tail = output[-20:] if _ELIDED not in output[:2] else (*output[:2], *output[-18:])
+        status = "error"
         if mode == "prewarm" and _compiled_nothing(processes, cache_dir):
             first = _first_error(list(output))
             why += " before compiling anything" + (f": {first}" if first else "")
-            error = ErrorInfo("CommandFailed", why, name, traceback_tail=tail)
-            return failed("command_failed", error, exit_code=code)
+            status = "command_failed"
         error = ErrorInfo("CommandFailed", why, name, traceback_tail=tail)
-        return failed("error", error, exit_code=code)
-    return CommandRun(
-        index=index,
-        mode=mode,
-        command=command.describe(),
-        status="ok",
-        seconds=seconds,
-        exit_code=0,
-        processes=read_evidence(evidence),
-        log_tail=_log_tail(log_path),
-    )
+        return result(
+            status, error=error, exit_code=code, left_running=stray, sandbox=outcome.sandbox
+        )
+    return result("ok", exit_code=0, left_running=stray, sandbox=outcome.sandbox)

@@ -49,6 +49,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + FingerprintUnavailable
     + CatalogCorrupt
     + NotOwnBytes
+    + BuildsUnconfined
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -115,6 +116,7 @@ __all__ = [
     "RateLimited",
     "CatalogCorrupt",
     "NotOwnBytes",
+    "BuildsUnconfined",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -447,6 +449,14 @@ class NotOwnBytes(LocalEnvironmentError):
     restore put there (a signature vouches that the signer compiled what it signs)."""
 
     code = "not_own_bytes"
+
+
+class BuildsUnconfined(LocalEnvironmentError):
+    """A signing agent that cannot keep its key from the code its builds run (no Landlock on
+    this host, or a key file with another hard link): refused at start unless told."""
+
+    code = "builds_unconfined"
+    exit_code = 2
 
 
 class InvalidDigest(InvalidRequest):

@@ -35,6 +35,7 @@ from typing import Any
 from cachekeeper import remote_tier
 from cachekeeper.children import child_cpu_state, run_children, slug, work_area
 from cachekeeper.commands import run_command
+from cachekeeper.confine import Confinement
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
 from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
@@ -54,6 +55,7 @@ def prewarm(
     devices: list[str],
     progress: Progress | None = None,
     timeout_s: float | None = None,
+    confinement: Confinement | None = None,
 ) -> PrewarmReport:
     """Cold-compile ``workload`` (per device, then each command), merge into ``cache_dir``,
     then verify.
@@ -63,7 +65,8 @@ def prewarm(
     (``marker.unusable_reason``: a file created, written and renamed in it and in its
     ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
     and each command run. ``devices`` are where ``[[attention]]`` and ``[[entrypoint]]``
-    run; a command's ranks choose their own.
+    run; a command's ranks choose their own. ``confinement`` is what every process of the
+    build is held to (``cachekeeper.confine``; the agent hides its signing key).
     """
     cache_dir = Path(cache_dir).absolute()
     # Before minutes of compiling: a dir the merge could not fill fails now, naming it.
@@ -96,6 +99,7 @@ def prewarm(
                 work=work,
                 progress=progress,
                 timeout_s=timeout_s,
+                confinement=confinement,
             )
         cold: list[CommandRun] = []
         if all(run.status == "ok" for run in runs):
@@ -111,6 +115,7 @@ def prewarm(
                         work=work,
                         progress=progress,
                         timeout_s=timeout_s,
+                        confinement=confinement,
                     )
                 )
                 if cold[-1].status != "ok":
@@ -131,7 +136,12 @@ def prewarm(
                 error=ErrorInfo(type=type(exc).__name__, message=exc.detail, where="merge"),
             )
     verify_report = verify(
-        workload, cache_dir, devices=child_devices, timeout_s=timeout_s, progress=progress
+        workload,
+        cache_dir,
+        devices=child_devices,
+        timeout_s=timeout_s,
+        progress=progress,
+        confinement=confinement,
     )
     done = report(devices=tuple(runs), commands=tuple(cold), merged=merged, verify=verify_report)
     _record(workload, cache_dir, done, commands=tuple(cold))

@@ -66,6 +66,14 @@ def _command_lines(run: CommandRun) -> list[str]:
     others = len(run.processes) - len(shown)
     if others:
         lines.append(f"    ({others} other Python process(es) compiled nothing)")
+    if run.watch is not None:
+        read = "not measured" if run.watch.read is None else str(run.watch.read)
+        lines.append(
+            f"    seen from outside: {run.watch.entries} entries, {run.watch.gained_count}"
+            f" gained or changed, {read} read"
+        )
+    if run.left_running:
+        lines.append(f"    stopped what it left running: {'; '.join(run.left_running[:3])}")
     if run.error is not None:
         lines.append(f"    {run.error.type}: {run.error.message}")
     if run.status != "ok" and run.status != "invalid" and run.log_tail:

@@ -31,7 +31,7 @@ import hashlib
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from cachekeeper.manifest import Manifest
 
 __all__ = [
     "ALGORITHM",
+    "SigningKey",
     "TrustedKey",
     "generate_keypair",
     "load_signing_key",
@@ -128,11 +129,37 @@ def generate_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, str]:
     return key_path, pub_path, _key_id(_raw_public(private.public_key()))
 
 
+@dataclass(frozen=True)
+class SigningKey:
+    """A private key read once into memory, with the file it came from.
+
+    The agent reads its key before it runs any build, and builds cannot read the file
+    (``cachekeeper.landlock``). A ``SigningKey`` is a path-like naming that file, so it goes
+    wherever a key path does (``push``, ``snapshot_dir``), and ``load_signing_key`` returns
+    the key it holds instead of reading the file again.
+    """
+
+    private: Any = field(repr=False)
+    key_id: str
+    path: Path
+
+    @classmethod
+    def load(cls, key_path: str | os.PathLike[str]) -> SigningKey:
+        private = load_signing_key(key_path)
+        return cls(private, _key_id(_raw_public(private.public_key())), Path(key_path))
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+
 def load_signing_key(key_path: str | os.PathLike[str]) -> Any:
-    """The Ed25519 private key at ``key_path``; one-line error when unreadable or wrong."""
+    """The Ed25519 private key at ``key_path`` (the one a ``SigningKey`` holds); one-line
+    error when unreadable or wrong."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    if isinstance(key_path, SigningKey):
+        return key_path.private
     try:
         private = serialization.load_pem_private_key(Path(key_path).read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:

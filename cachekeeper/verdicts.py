@@ -6,6 +6,12 @@ against it sees ``fxgraph_cache_miss == 0``, ``fxgraph_cache_bypass == 0`` and
 ``autograd_cache_miss == 0``, with at least one ``fxgraph_cache_hit``. A cache
 that is installed but not used must never pass.
 
+Those counters are what the process under test says about itself. The judge also looks from
+outside (``CacheWatch``, made by ``cachekeeper.cache_watch``): a verify whose cache dir
+gained or changed an FX graph or AOTAutograd entry missed, whatever any process reported;
+a command's verify in which no entry was read hit nothing; and every process of a command
+that imported ``torch._dynamo`` must have left its end record (``CommandRun.gaps``).
+
 The runs themselves happen in ``cachekeeper.prewarm`` and ``cachekeeper.verify`` (through
 ``cachekeeper.children`` and ``cachekeeper.commands``); this module only reads their
 results, so it imports neither torch nor subprocess machinery. Their text for people:
@@ -27,6 +33,7 @@ __all__ = [
     "RegimeResult",
     "DeviceRun",
     "ProcessEvidence",
+    "CacheWatch",
     "CommandRun",
     "VerifyReport",
     "PrewarmReport",
@@ -269,8 +276,60 @@ class ProcessEvidence:
 
 
 @dataclass(frozen=True)
+class CacheWatch:
+    """A cache dir seen from outside the processes of a verify (``cachekeeper.cache_watch``):
+    the FX graph and AOTAutograd entries it had, those it gained or that changed (a miss
+    writes one), and how many were read (None: not measured, because the dir is not the
+    verify's own copy or its filesystem does not record reads)."""
+
+    entries: int
+    gained: tuple[str, ...] = ()  # relative paths, the first few
+    gained_count: int = 0
+    read: int | None = None
+
+    @property
+    def clean(self) -> bool:
+        """Nothing gained or changed, and (where measured) at least one entry read."""
+        return self.gained_count == 0 and self.read != 0
+
+    def describe(self) -> str:
+        """Why the view is not clean, in one clause ("" when it is)."""
+        if self.gained_count:
+            first = ", ".join(self.gained[:3])
+            return (
+                f"the cache dir gained or changed {self.gained_count} FX graph/AOTAutograd"
+                f" entr{'ies' if self.gained_count != 1 else 'y'} during the run ({first}):"
+                " something missed, whatever the processes reported"
+            )
+        if self.read == 0:
+            return (
+                f"none of the cache dir's {self.entries} FX graph/AOTAutograd entries was read"
+                " during the run: nothing hit it, whatever the processes reported"
+            )
+        return ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return wire.to_dict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> CacheWatch:
+        return cls(
+            entries=int(raw.get("entries", 0)),
+            gained=tuple(str(x) for x in raw.get("gained") or ()),
+            gained_count=int(raw.get("gained_count", 0)),
+            read=None if raw.get("read") is None else int(raw["read"]),
+        )
+
+
+@dataclass(frozen=True)
 class CommandRun:
-    """One run of a ``[[command]]``: its exit, its log's tail, and every process's evidence."""
+    """One run of a ``[[command]]``: its exit, its log's tail, and every process's evidence.
+
+    ``gaps`` are what the evidence folder does not account for (a start record with no end,
+    an end record with no start); ``watch`` is the verify's outside view of its cache copy;
+    ``left_running`` the processes still running when the command's main process ended (the
+    supervisor stopped them); ``sandbox`` what confined the run ("" when nothing did).
+    """
 
     index: int
     mode: str  # "prewarm" | "verify"
@@ -281,6 +340,10 @@ class CommandRun:
     processes: tuple[ProcessEvidence, ...] = ()
     log_tail: tuple[str, ...] = ()
     error: ErrorInfo | None = None
+    gaps: tuple[str, ...] = ()
+    watch: CacheWatch | None = None
+    left_running: tuple[str, ...] = ()
+    sandbox: str = ""
 
     @property
     def name(self) -> str:
@@ -293,9 +356,16 @@ class CommandRun:
 
     @property
     def effective(self) -> bool:
-        """Exit 0, and every process that compiled anything was effective (at least one)."""
+        """Exit 0, every process that compiled anything effective (at least one), every
+        process accounted for (no gaps), and the outside view clean."""
         found = self.compiling
-        return self.status == "ok" and bool(found) and all(p.effective for p in found)
+        return (
+            self.status == "ok"
+            and bool(found)
+            and all(p.effective for p in found)
+            and not self.gaps
+            and (self.watch is None or self.watch.clean)
+        )
 
     @property
     def counters(self) -> dict[str, int]:
@@ -324,6 +394,10 @@ class CommandRun:
             "processes": [p.to_dict() for p in self.processes],
             "log_tail": list(self.log_tail),
             "error": self.error.to_dict() if self.error else None,
+            "gaps": list(self.gaps),
+            "watch": self.watch.to_dict() if self.watch else None,
+            "left_running": list(self.left_running),
+            "sandbox": self.sandbox,
         }
         if self.mode == "verify":
             out["effective"] = self.effective
@@ -341,18 +415,23 @@ class VerifyReport:
     seconds: float
     built_devices: tuple[str, ...] = ()  # what the cache dir was built on, when known
     commands: tuple[CommandRun, ...] = ()
+    watch: CacheWatch | None = None  # the cache dir itself while the device runs ran
 
     @property
     def effective(self) -> bool:
         runs: tuple[DeviceRun | CommandRun, ...] = (*self.devices, *self.commands)
-        return bool(runs) and all(run.effective for run in runs)
+        outside = self.watch is None or self.watch.gained_count == 0
+        return bool(runs) and outside and all(run.effective for run in runs)
 
     @property
     def reasons(self) -> list[str]:
         """One line per device, command rank or command that was not effective, naming it
-        (see ``miss_reason`` and ``command_miss_reasons``)."""
+        (see ``miss_reason`` and ``command_miss_reasons``), and one for what the cache dir
+        gained while the device runs ran."""
         found = [miss_reason(run, built_devices=self.built_devices) for run in self.devices]
         reasons = [reason for reason in found if reason]
+        if self.watch is not None and self.watch.gained_count:
+            reasons.append(f"devices: {self.watch.describe()}")
         for command in self.commands:
             reasons += command_miss_reasons(command)
         return reasons
@@ -387,6 +466,7 @@ class VerifyReport:
             "devices": [run.to_dict() for run in self.devices],
             "built_devices": list(self.built_devices),
             "commands": [run.to_dict() for run in self.commands],
+            "watch": self.watch.to_dict() if self.watch else None,
             "reasons": self.reasons,
         }
 
@@ -434,12 +514,16 @@ def command_miss_reasons(run: CommandRun) -> list[str]:
         why = {"error": f"exited with status {run.exit_code}", "timeout": "timed out"}
         detail = f": {run.error.message}" if run.error and run.error.message else ""
         return [f"{run.name}: the verify run {why.get(run.status, 'could not start')}{detail}"]
+    out: list[str] = []
+    if run.watch is not None and not run.watch.clean:
+        out.append(f"{run.name}: {run.watch.describe()}")
+    out += [f"{run.name}: {gap}" for gap in run.gaps]
     if not run.compiling:
-        return [
+        out.append(
             f"{run.name}: no process reported a cache lookup (it compiled nothing, or its"
             " Python ignored PYTHONPATH, where cachekeeper's evidence hook is: -I, -E or -S)"
-        ]
-    out: list[str] = []
+        )
+        return out
     for proc in run.compiling:
         if proc.effective:
             continue
@@ -579,4 +663,6 @@ def _command_stats(run: CommandRun) -> dict[str, Any]:
     }
     if run.mode == "verify":
         out["effective"] = run.effective
+        if run.watch is not None:
+            out["outside"] = run.watch.to_dict()
     return out

@@ -7,15 +7,23 @@ out) in a work area next to it: so the run sees the cache as a node restores it,
 another path, and whatever a missing run compiles never lands in the cache dir. The
 verdict on each device's and each compiling process's counters is
 ``cachekeeper.verdicts.is_effective``.
+
+The verdict is also judged from outside the processes under test (``cachekeeper.cache_watch``):
+the device runs' cache dir, and each command's copy, must gain no FX graph or AOTAutograd
+entry while they run, and at least one entry of a command's copy must be read; a command's
+processes must all be accounted for (a start record with no end is a gap).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from cachekeeper.cache_watch import Watch
 from cachekeeper.children import run_children, work_area
 from cachekeeper.commands import run_command
+from cachekeeper.confine import Confinement
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.restore import merge_tree
@@ -32,13 +40,15 @@ def verify(
     devices: list[str],
     timeout_s: float | None = None,
     progress: Progress | None = None,
+    confinement: Confinement | None = None,
 ) -> VerifyReport:
     """Run ``workload`` against ``cache_dir`` in fresh processes; judge the counters.
 
     ``devices`` are where ``[[attention]]`` / ``[[entrypoint]]`` run (ignored when the
     workload has none); commands choose their own. What a device run that misses
     compiles is written into ``cache_dir`` by Inductor itself (it only adds entries); a
-    command's run writes into its copy only.
+    command's run writes into its copy only. ``confinement`` is what every process of the
+    verify is held to (``cachekeeper.confine``).
     """
     cache_dir = Path(cache_dir).absolute()
     if not cache_dir.is_dir():
@@ -47,8 +57,10 @@ def verify(
     in_children = bool(workload.regimes or workload.entrypoints)
     runs: list[DeviceRun] = []
     commands: list[CommandRun] = []
+    watched = None
     with work_area(cache_dir) as work:
         if in_children:
+            watch = Watch.start(cache_dir, mark_reads=False)  # the user's dir: gains only
             runs = run_children(
                 workload,
                 {device: cache_dir for device in devices},
@@ -56,21 +68,24 @@ def verify(
                 work=work,
                 progress=progress,
                 timeout_s=timeout_s,
+                confinement=confinement,
             )
+            watched = watch.finish()
         for index, command in enumerate(workload.commands):
             fresh = work / f"restored-command_{index}"
             merge_tree(cache_dir, fresh)
-            commands.append(
-                run_command(
-                    command,
-                    index=index,
-                    mode="verify",
-                    cache_dir=fresh,
-                    work=work,
-                    progress=progress,
-                    timeout_s=timeout_s,
-                )
+            copy_watch = Watch.start(fresh, mark_reads=True)  # our own copy: reads too
+            run = run_command(
+                command,
+                index=index,
+                mode="verify",
+                cache_dir=fresh,
+                work=work,
+                progress=progress,
+                timeout_s=timeout_s,
+                confinement=confinement,
             )
+            commands.append(replace(run, watch=copy_watch.finish()))
     return VerifyReport(
         workload=workload.name,
         workload_digest=workload.digest,
@@ -79,6 +94,7 @@ def verify(
         seconds=round(time.monotonic() - started, 3),
         built_devices=built_devices(cache_dir, workload),
         commands=tuple(commands),
+        watch=watched,
     )
 
 

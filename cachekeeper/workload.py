@@ -236,13 +236,15 @@ class CodeRef:
     """Something a workload makes a builder run: an import path, or a command.
 
     ``kind`` is ``"import"`` (``value`` is ``pkg.mod:attr``) or ``"command"`` (``value`` is
-    the command line, ``argv0`` its program); ``where`` names the field.
+    the command line, ``argv0`` its program, ``command`` the whole table: its ``env`` and
+    ``cwd`` are code too, and the allowlist judges them); ``where`` names the field.
     """
 
     kind: str
     value: str
     where: str
     argv0: str = ""
+    command: Command | None = None
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,13 @@ class Workload:
             refs.append(CodeRef("import", entry.target, f"entrypoint[{i}].target"))
         for i, command in enumerate(self.commands):
             refs.append(
-                CodeRef("command", shlex.join(command.argv), f"command[{i}].argv", command.argv[0])
+                CodeRef(
+                    "command",
+                    shlex.join(command.argv),
+                    f"command[{i}].argv",
+                    command.argv[0],
+                    command=command,
+                )
             )
         return tuple(refs)
 

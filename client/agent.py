@@ -18,8 +18,13 @@ One round (``run_round``):
    push only when verified, and report ``built``, ``cold_compile_broken`` (with the
    traceback tail) or ``failed``. One workload's crash or timeout never stops the others.
 3. Code runs only when this builder's operator allowed it (``cachekeeper.allowlist``,
-   ``agent --allow``): a workload whose command or import path no pattern admits is
-   reported ``refused`` with what to allow, and nothing of it runs.
+   ``agent --allow`` / ``--allow-file``): a workload whose command (program, arguments,
+   env, cwd) or import path no entry admits is reported ``refused`` with why and what to
+   allow, and nothing of it runs. Every process of a build runs under a supervisor that
+   reaps its whole tree (``cachekeeper.confine``); an import path must name a def or class
+   of its module; with ``--sign-key`` the key is read once, before any build, and hidden
+   from every build's processes (``cachekeeper.landlock``): a host that cannot hide it is
+   refused at start (``BuildsUnconfined``) unless the operator passed ``--unconfined-builds``.
 4. Promotion, under the rule that **a builder signs only bytes it compiled itself in
    that round; a harvest is at most a hint of what to compile** (``cachekeeper.harvest``):
    a warm workload with a ``[[command]]`` whose snapshot has harvested deltas
@@ -67,19 +72,20 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from cachekeeper import config, remote_tier, wire
+from cachekeeper import config, landlock, remote_tier, wire
 from cachekeeper._proc import pid_alive
 from cachekeeper.allowlist import Allowlist
 from cachekeeper.children import child_cpu_state
+from cachekeeper.confine import Confinement
 from cachekeeper.devices import format_devices
-from cachekeeper.errors import CachekeeperError, ServerUnavailable
+from cachekeeper.errors import BuildsUnconfined, CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, with_cpu
 from cachekeeper.harvest import HarvestJudgement, judge
 from cachekeeper.manifest import Manifest
 from cachekeeper.prewarm import prewarm
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu
 from cachekeeper.scan import scan_dir
-from cachekeeper.signing import TrustedKey, public_key_of, signature_problem
+from cachekeeper.signing import SigningKey, TrustedKey, public_key_of, signature_problem
 from cachekeeper.store import LocalStore
 from cachekeeper.verdicts import CommandRun, DeviceRun
 from cachekeeper.workload import Workload, parse_workload
@@ -99,6 +105,7 @@ __all__ = [
     "RoundReport",
     "StopSignal",
     "WorkloadOutcome",
+    "prepare_options",
     "run_agent",
     "run_round",
     "sweep_stale_builds",
@@ -190,8 +197,46 @@ class AgentOptions:
     build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S
     push_workers: int = 4
     heartbeat_s: float = 60.0  # heartbeats while a build runs
-    sign_key: Path | None = None  # Ed25519 PREFIX.key: every pushed manifest is signed
+    sign_key: Path | SigningKey | None = None  # Ed25519 PREFIX.key: every push is signed
     allow: Allowlist = field(default_factory=Allowlist)  # the code this builder may run
+    unconfined: bool = False  # sign even where builds cannot be kept from the key
+
+    @property
+    def confinement(self) -> Confinement:
+        """What every process of a build is held to: reaped; an import path defined in its
+        module; the signing key hidden where this host can (``prepare_options`` refused
+        the rest unless ``unconfined``)."""
+        hidden: tuple[Path, ...] = ()
+        if self.sign_key is not None and landlock.unavailable_reason() is None:
+            hidden = (Path(self.sign_key).absolute(),)
+        return Confinement(hidden=hidden, defined_imports=True)
+
+
+def prepare_options(options: AgentOptions, *, log: Log | None = None) -> AgentOptions:
+    """Read the signing key into memory (before any build runs), and refuse to sign where
+    a build could read it: BuildsUnconfined, unless ``options.unconfined`` (then a warning).
+
+    Idempotent: a key already read is not read again.
+    """
+    key = options.sign_key
+    if key is None:
+        return options
+    if not isinstance(key, SigningKey):
+        key = SigningKey.load(Path(key).absolute())
+    problem = landlock.unavailable_reason() or landlock.hidden_file_problem(key.path)
+    if problem is not None and not options.allow.empty:
+        message = (
+            f"--sign-key {key.path}: builds run admitted code, and this builder cannot keep"
+            f" the key from it: {problem}"
+        )
+        if not options.unconfined:
+            raise BuildsUnconfined(
+                message + "; sign elsewhere, run the agent where Landlock works (Linux >= 5.19),"
+                " or pass --unconfined-builds to accept that the code you admit can read it"
+            )
+        if log is not None:
+            log(f"warning: {message} (--unconfined-builds)")
+    return replace(options, sign_key=key)
 
 
 @dataclass
@@ -302,6 +347,7 @@ def run_round(
     """
     stop = stop or StopSignal()
     say = log or (lambda line: None)
+    options = prepare_options(options)
     started = time.monotonic()
     started_at = _utc_now()
     # This process runs with the remote-cache switches nodes get (two are in torch's keys):
@@ -567,6 +613,7 @@ class _Builder:
                     devices=list(self.options.devices),
                     progress=self._progress,
                     timeout_s=self.options.build_timeout_s,
+                    confinement=self.options.confinement,
                 )
                 if report.status != "verified":
                     return self._unbuilt(name, report, started)
@@ -750,6 +797,10 @@ def run_agent(
     """
     stop = stop or StopSignal()
     say = log or (lambda line: None)
+    options = prepare_options(options, log=say)  # the key is read here, before any build
+    hidden = options.confinement.hidden
+    if hidden:
+        say(f"builds cannot read {', '.join(map(str, hidden))} (Landlock)")
     removed = sweep_stale_builds(options.work_dir)
     if removed:
         say(f"removed {len(removed)} build dir(s) a previous agent left in {options.work_dir}")

@@ -79,18 +79,29 @@ __all__ = ["agent_cmd"]
     "--allow",
     "allow",
     multiple=True,
-    metavar="PATTERN",
-    help="Code this builder may run: a glob over import paths (mytrainer.*) and over a"
-    " command's argv[0] or whole command line (torchrun, 'torchrun * -m mytrainer.train *')."
-    " Repeatable. Without any, workloads with a [[command]], an [[entrypoint]] or a"
-    " pkg.mod:factory are refused (docs/security.md).",
+    metavar="ENTRY",
+    help="Code this builder may run: an import pattern (mytrainer.*, mytrainer.warmup:step),"
+    " or a command line whose words are its program (a path, or a name on PATH) and one"
+    " glob per argument, '...' last for any further ones ('/opt/venv/bin/torchrun"
+    " --nproc-per-node [1-8] -m mytrainer.train ...'); it admits no env and no cwd (use"
+    " --allow-file). Repeatable. Without any, workloads with a [[command]], an"
+    " [[entrypoint]] or a pkg.mod:factory are refused (docs/security.md).",
 )
 @click.option(
     "--allow-file",
     "allow_files",
     multiple=True,
     type=PathParam(dir_okay=False, exists=True, path_type=Path),
-    help="A file of --allow patterns, one per line ('#' starts a comment). Repeatable.",
+    help="A file of entries: *.toml holds imports = [...] and [[command]] tables (program,"
+    " args, rest, env, cwd: docs/security.md); any other name, one --allow entry per line"
+    " ('#' starts a comment). Repeatable.",
+)
+@click.option(
+    "--unconfined-builds",
+    is_flag=True,
+    help="With --sign-key on a host where builds cannot be kept from the key (no Landlock),"
+    " build and sign anyway: the code you admit can then read the key. Without it, such"
+    " an agent refuses to start.",
 )
 @sign_key_option
 @json_option
@@ -106,6 +117,7 @@ def agent_cmd(
     name: str | None,
     allow: tuple[str, ...],
     allow_files: tuple[Path, ...],
+    unconfined_builds: bool,
     sign_key: Path | None,
     as_json: bool,
 ) -> None:
@@ -119,12 +131,13 @@ def agent_cmd(
     (see GET /v1/status). Workloads that are already warm compile nothing. A workload that
     crashes, hangs past --build-timeout or whose cold compile raises is reported and the
     agent carries on. A workload whose code (a command, an entrypoint, a mask or score
-    factory) no --allow pattern admits runs nothing and is reported 'refused'. With
-    --sign-key, only a verified snapshot this key signed counts as warm. A warm command
-    workload's harvested deltas (postjob --push) are a hint, never loaded or signed here:
-    the agent builds the workload again in a fresh dir and publishes its own build when
-    that compiled harvested entries the snapshot lacks; the rest are reported kept back.
-    SIGTERM abandons the current build (nothing half-pushed) and exits 0.
+    factory) no --allow entry admits runs nothing and is reported 'refused'. Every build's
+    process tree is reaped when it ends, and with --sign-key the key is read once at start
+    and hidden from every build (Landlock); only a verified snapshot this key signed counts
+    as warm. A warm command workload's harvested deltas (postjob --push) are a hint, never
+    loaded or signed here: the agent builds the workload again in a fresh dir and publishes
+    its own build when that compiled harvested entries the snapshot lacks; the rest are
+    reported kept back. SIGTERM abandons the current build (nothing half-pushed) and exits 0.
     Progress goes to stderr, each line stamped with the UTC time; --json prints each
     round's report on stdout.
     """
@@ -141,6 +154,7 @@ def agent_cmd(
         build_timeout_s=build_timeout_s,
         sign_key=sign_key.absolute() if sign_key else None,
         allow=allowlist,
+        unconfined=unconfined_builds,
     )
 
     def log(line: str) -> None:

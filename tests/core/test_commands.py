@@ -36,6 +36,7 @@ def _run(tmp_path: Path, *argv: str, **options: object):
 
 def test_the_environment_is_the_builders_plus_what_the_workload_says(tmp_path: Path) -> None:
     base = {"PATH": "/bin", "PYTHONPATH": "/site", "TRITON_CACHE_DIR": "/t", "KEEP": "1"}
+    base["CACHEKEEPER_TOKEN"] = "agent-secret"  # the agent's: never a build's
     command = Command(argv=("x",), env={"WANDB_MODE": "disabled"})
     env = command_environ(command, cache_dir=tmp_path / "c", evidence=tmp_path / "e", base=base)
     assert env == {
@@ -238,11 +239,21 @@ def test_a_verify_report_names_each_rank(tmp_path: Path) -> None:
     assert "(1 other Python process(es) compiled nothing)" in text
 
 
-def test_records_that_cannot_be_read_are_skipped(tmp_path: Path) -> None:
+def test_records_that_cannot_be_read_are_skipped_and_pairs_are_judged(tmp_path: Path) -> None:
+    """An end record counts only with its start record; a start without an end is a gap."""
+    for pid in (2, 4):
+        (tmp_path / f"start-{pid}.json").write_text(f'{{"pid": {pid}, "argv": ["train.py"]}}')
     (tmp_path / "proc-1.json").write_text("{not json")
     (tmp_path / "proc-2.json").write_text('{"pid": 2, "rank": 0, "counters": {}}')
     (tmp_path / "proc-3.json").write_text('{"rank": 1}')  # no pid
-    assert [p.pid for p in read_evidence(tmp_path)] == [2]
+    (tmp_path / "proc-5.json").write_text('{"pid": 5, "rank": 1, "counters": {}}')  # no start
+    found = read_evidence(tmp_path)
+    assert [p.pid for p in found.processes] == [2]
+    assert found.gaps == (
+        "an end record for pid 5 has no start record: cachekeeper's evidence hook did not write it",
+        "pid 4 (train.py) imported torch._dynamo and left no end record: it was killed or"
+        " ended below Python, so what it compiled is unknown",
+    )
 
 
 @pytest.mark.slow  # a tree of Python processes

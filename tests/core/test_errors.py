@@ -44,6 +44,7 @@ TABLE = [
     ("RequestTimeout", "request_timeout", 408, 1),
     ("ConfigInvalid", "invalid_config", 500, 2),
     ("FingerprintUnavailable", "fingerprint_unavailable", 500, 1),
+    ("BuildsUnconfined", "builds_unconfined", 500, 2),  # issue 32
 ]
 
 

@@ -36,6 +36,7 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper.allowlist import Allowlist
 from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.signing import generate_keypair
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
 
@@ -176,11 +177,15 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
         else:
             stop.set()
 
+    # A signing builder: its builds compile with the key hidden from them (Landlock; the
+    # key under /tmp, so the builds get a TMPDIR of their own, issue 32).
+    key_path, _pub, key_id = generate_keypair(tmp_path / "keys" / "builder")
     options = AgentOptions(
         devices=("cpu",),
         work_dir=tmp_path / "work",
         name="builder-a",
-        allow=Allowlist(("fixtures_pkg.*",)),  # the broken workload's entrypoint is code
+        allow=Allowlist.load(["fixtures_pkg.*"]),  # the broken workload's entrypoint is code
+        sign_key=key_path,
     )
     with CacheClient(base_url=fleet.url) as client:
         run_agent(
@@ -221,6 +226,9 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
         assert agents[second.agent_id].fingerprint["triton"] == "9.9.9"
         found = client.resolve(collect(), workload="cpu-tiny", devices=["cpu"])
         assert found.verified and found.snapshot_id == tiny.snapshot_id
+        signature = client.get_manifest(tiny.snapshot_id).signature
+        assert signature is not None and signature["key_id"] == key_id
+        assert any(f"builds cannot read {key_path}" in line for line in lines)
         nothing = client.resolve(collect(), workload="broken", devices=["cpu"])
         assert nothing.snapshot_id is None
 

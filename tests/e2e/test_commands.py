@@ -61,6 +61,9 @@ def _toml(name: str, *args: str, env: dict[str, str] | None = None) -> str:
 
 
 BLOCK = _toml("block")
+# The operator's --allow: the launcher with exactly these arguments (issue 32: one glob per
+# argument, no wildcard that spans them).
+ALLOW_BLOCK = f"{TORCHRUN} --nproc-per-node 2 --standalone {PROGRAM}"
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
@@ -132,7 +135,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 def built(live: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One agent round with the launcher allowed: its outcome for ``block``."""
     work = tmp_path_factory.mktemp("builder") / "work"
-    report, _ = _agent(live, work, "--allow", TORCHRUN)
+    report, _ = _agent(live, work, "--allow", ALLOW_BLOCK)
     (outcome,) = report["outcomes"]
     return outcome
 
@@ -148,11 +151,13 @@ def node(live: LiveServer, built: dict[str, Any], tmp_path_factory: pytest.TempP
 def test_an_agent_runs_no_command_its_operator_did_not_allow(
     live: LiveServer, tmp_path: Path
 ) -> None:
-    report, err = _agent(live, tmp_path / "work", "--allow", "torchrun")  # another argv[0]
+    other = f"{TORCHRUN} --nproc-per-node 1 ..."  # the launcher, with another rank count
+    report, err = _agent(live, tmp_path / "work", "--allow", other)
     (outcome,) = report["outcomes"]
     assert outcome["status"] == "refused" and not outcome["prewarm_ran"], outcome
     assert outcome["detail"].startswith("refused: command[0].argv command ")
-    assert f"agent --allow {TORCHRUN!r}" in outcome["detail"]
+    assert "argument 2 '2' does not match '1'" in outcome["detail"]
+    assert f"agent --allow {ALLOW_BLOCK!r}" in outcome["detail"]
     assert "refused" in err
     row = _rows(live)["block"]
     assert row["status"] == "refused" and row["last_event"]["detail"] == outcome["detail"]
@@ -218,7 +223,7 @@ def test_a_harvest_the_workload_does_not_reach_is_kept_back_by_the_agent(
     before = {s["id"] for s in httpx.get(f"{live.url}/v1/snapshots").json()["snapshots"]}
 
     work = tmp_path_factory.mktemp("builder-2") / "work"
-    report, err = _agent(live, work, "--allow", TORCHRUN)
+    report, err = _agent(live, work, "--allow", ALLOW_BLOCK)
     (outcome,) = report["outcomes"]
     assert outcome["status"] == "skipped" and outcome["prewarm_ran"], outcome
     assert outcome["snapshot_id"] == built["snapshot_id"]

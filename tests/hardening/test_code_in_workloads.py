@@ -69,12 +69,12 @@ def test_an_agent_runs_no_code_its_operator_did_not_allow(tmp_path: Path, reliab
                 f"{live.url}/v1/workloads/{name}", content=body, headers=admin
             ).raise_for_status()
         tries = 0
-        for patterns in ((), ("mytrainer.*", "torchrun", "/opt/venv/bin/python")):
+        for patterns in ((), ("mytrainer.*", "/opt/venv/bin/torchrun ...", "/bin/sh -c true")):
             options = AgentOptions(
                 devices=("cpu",),
                 work_dir=tmp_path / "work",
                 name="builder",
-                allow=Allowlist(patterns),
+                allow=Allowlist.load(patterns),
             )
             with CacheClient(base_url=live.url, token="builder-tok") as client:
                 report = run_round(options, client=client)

@@ -5,8 +5,10 @@
 The child and everything it execs get ``-1`` with that errno from those calls, exactly
 as an older kernel (no ``renameat2``: ENOSYS), a container runtime's seccomp profile
 (older Docker profiles answered ``renameat2`` with EPERM) or a filesystem without hard
-links (``linkat``: EPERM, as on vfat) answer them. Nothing in the child is patched: the
-code under test makes its real calls and meets a real refusal.
+links (``linkat``: EPERM, as on vfat) answer them, or a kernel without Landlock
+(``landlock_create_ruleset``: ENOSYS; EOPNOTSUPP where it is built but disabled).
+Nothing in the child is patched: the code under test makes its real calls and meets a
+real refusal.
 
 Linux on x86_64 and aarch64 only (``supported()``); the filter allows every call of any
 other architecture's ABI through unchanged, so it can never refuse more than asked.
@@ -25,8 +27,8 @@ __all__ = ["refusing", "supported"]
 # The numbers of the calls tests refuse, per architecture; refusing ``linkat`` refuses
 # ``link`` too where the architecture still has it.
 _SYSCALLS: dict[str, dict[str, tuple[int, ...]]] = {
-    "x86_64": {"renameat2": (316,), "linkat": (265, 86)},
-    "aarch64": {"renameat2": (276,), "linkat": (37,)},
+    "x86_64": {"renameat2": (316,), "linkat": (265, 86), "landlock_create_ruleset": (444,)},
+    "aarch64": {"renameat2": (276,), "linkat": (37,), "landlock_create_ruleset": (444,)},
 }
 _AUDIT_ARCH: dict[str, int] = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 
