@@ -45,6 +45,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + DeviceInvalid
     + FingerprintUnavailable
     + CatalogCorrupt
+    + CatalogTooNew
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -107,6 +108,7 @@ __all__ = [
     "FingerprintUnavailable",
     "RateLimited",
     "CatalogCorrupt",
+    "CatalogTooNew",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -430,6 +432,13 @@ class CatalogCorrupt(LocalEnvironmentError):
 
     code = "catalog_corrupt"
     http_status = 503
+
+
+class CatalogTooNew(LocalEnvironmentError):
+    """The server's catalog (``meta.sqlite``) is at a schema version a newer cachekeeper
+    wrote: this one will not serve it (run that version, or restore a backup)."""
+
+    code = "catalog_too_new"
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:
