@@ -1,4 +1,24 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: counters behind one lock.
+"""``/metrics``: prometheus_client's counters and gauges, one registry per app.
+
+``Metrics`` is the facade the routes, the middleware and the tier's listener call: ``inc``
+(a counter), ``value`` (a counter's or gauge's value now: for the status page and tests)
+and ``render`` (the exposition, with the
+store's gauges read when ``/metrics`` is scraped). Each app has its own
+``CollectorRegistry``, never prometheus_client's global one: tests build many apps in one
+process, and two servers in one process must not share their counts.
+
+Every metric is declared here: ``_HELP`` gives its type and help text, ``_LABELS`` its label
+names (none when absent). A new one is an entry in ``_HELP`` (and ``_LABELS`` when
+labelled), then ``inc`` calls; an undeclared
+name is a KeyError and labels other than the declared ones a ValueError, at the first call
+(a test that reaches the call finds it), never a series nobody documented.
+
+What the hand-written exposition before it showed stays as it was, since dashboards read
+it: every name, label and value; the text format (Prometheus' 0.0.4, whatever the scraper
+asks for); a counter never counted, shown as one unlabelled 0; no ``_created`` series
+(prometheus_client adds one beside each counter series: ``_Exposed``, the
+registry's one collector, leaves them out). Values are written the way prometheus_client
+writes floats (``2.0`` where it wrote ``2``), which every Prometheus parser reads alike.
 
 ``MetricsMiddleware`` (plain ASGI, so it sees streamed bodies without buffering them)
 counts requests by route template and status and the bytes in and out. Routes count what
@@ -8,11 +28,18 @@ store are read from the catalog when ``/metrics`` is scraped.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["Metrics", "MetricsMiddleware"]
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+__all__ = ["CONTENT_TYPE", "Metrics", "MetricsMiddleware"]
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what /metrics answered before prometheus_client
 
 _HELP = {
     "cachekeeper_http_requests_total": ("counter", "HTTP requests by route and status."),
@@ -101,48 +128,98 @@ _HELP = {
     "cachekeeper_store_snapshots": ("gauge", "Snapshots in the store."),
 }
 
+# Label names of the labelled metrics, as their callers pass them.
+_LABELS: dict[str, tuple[str, ...]] = {
+    "cachekeeper_http_requests_total": ("route", "method", "status"),
+    "cachekeeper_resolves_total": ("outcome",),
+    "cachekeeper_blob_uploads_total": ("result",),
+    "cachekeeper_job_reports_total": ("phase", "outcome", "workload"),
+    "cachekeeper_cold_starts_total": ("workload", "reason"),
+    "cachekeeper_job_new_entries_total": ("workload", "kind"),
+    "cachekeeper_job_new_bytes_total": ("workload",),
+    "cachekeeper_remote_cache_gets_total": ("result",),
+    "cachekeeper_remote_cache_puts_total": ("result",),
+    "cachekeeper_remote_cache_bytes_total": ("direction",),
+    "cachekeeper_remote_cache_connections_closed_total": ("reason",),
+    "cachekeeper_catalog_refusals_total": ("table", "reason"),
+    "cachekeeper_catalog_pruned_total": ("table", "reason"),
+}
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+_KINDS: dict[str, Callable[..., MetricWrapperBase]] = {
+    "counter": Counter,
+    "gauge": Gauge,
+}
+
+
+def _declare(name: str) -> MetricWrapperBase:
+    """The prometheus_client metric ``name`` is declared as, registered nowhere."""
+    kind, text = _HELP[name]
+    return _KINDS[kind](name, text, labelnames=_LABELS.get(name, ()), registry=None)
+
+
+class _Exposed:
+    """The registry's one collector: the declared metrics, sorted by name, as the
+    hand-written exposition showed them (no ``_created`` series; a counter never counted
+    is one unlabelled 0)."""
+
+    def __init__(self, metrics: Mapping[str, MetricWrapperBase]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        for name in sorted(self._metrics):
+            for family in self._metrics[name].collect():
+                created = family.name + "_created"
+                family.samples = [s for s in family.samples if s.name != created]
+                if family.type == "counter" and not family.samples:
+                    family.samples = [Sample(family.name + "_total", {}, 0.0)]
+                yield family
 
 
 class Metrics:
-    """Thread-safe counters keyed by name and sorted label pairs."""
+    """The app's metrics (declared in ``_HELP``) in its own ``CollectorRegistry``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._metrics = {name: _declare(name) for name in _HELP}
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Exposed(self._metrics))
+
+    def _metric(self, name: str, labels: Mapping[str, str]) -> Any:
+        """The metric ``name``'s child with ``labels`` (kept: prometheus_client's own
+        ``labels()`` validates them at every call, a third of a request's metrics cost)."""
+        key = (name, tuple(sorted(labels.items())))
+        child = self._children.get(key)
+        if child is None:
+            try:
+                metric = self._metrics[name]
+            except KeyError:
+                raise KeyError(
+                    f"metric {name!r} is not declared in server/metrics.py's _HELP"
+                ) from None
+            child = metric.labels(**labels) if labels else metric
+            self._children[key] = child
+        return child
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        """Add ``amount`` (not negative) to the counter ``name`` with ``labels``."""
+        self._metric(name, labels).inc(amount)
 
     def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._values.get((name, tuple(sorted(labels.items()))), 0.0)
+        """A counter's or gauge's value with exactly ``labels`` (0 when never counted)."""
+        metric = self._metrics.get(name)
+        if metric is None:
+            return 0.0
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return 0.0
 
     def render(self, gauges: dict[str, float] | None = None) -> str:
-        """The exposition text; ``gauges`` (name -> value) are appended unlabelled."""
-        with self._lock:
-            items = sorted(self._values.items())
-        by_name: dict[str, list[tuple[tuple[tuple[str, str], ...], float]]] = {}
-        for (name, labels), value in items:
-            by_name.setdefault(name, []).append((labels, value))
+        """The exposition text; ``gauges`` (name -> value) are set first (unlabelled)."""
         for name, value in (gauges or {}).items():
-            by_name.setdefault(name, []).append(((), value))
-        for name in _HELP:  # always expose the documented counters, even at zero
-            by_name.setdefault(name, [((), 0.0)])
-        lines: list[str] = []
-        for name in sorted(by_name):
-            kind, text = _HELP.get(name, ("untyped", name))
-            lines.append(f"# HELP {name} {text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in by_name[name]:
-                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-                shown = int(value) if float(value).is_integer() else value
-                lines.append(f"{name}{{{label_text}}} {shown}" if label_text else f"{name} {shown}")
-        return "\n".join(lines) + "\n"
+            self._metric(name, {}).set(value)
+        return generate_latest(self.registry).decode("utf-8")
 
 
 class MetricsMiddleware:
@@ -177,7 +254,8 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            labels = {"route": template, "method": scope["method"], "status": str(status["code"])}
+            code = str(status["code"])
+            labels = {"route": template, "method": scope["method"], "status": code}
             self.metrics.inc("cachekeeper_http_requests_total", **labels)
             self.metrics.inc("cachekeeper_http_request_bytes_total", sizes["in"])
             self.metrics.inc("cachekeeper_http_response_bytes_total", sizes["out"])
