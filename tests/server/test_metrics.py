@@ -1,4 +1,5 @@
-"""server/metrics.py: /metrics on prometheus_client, as the hand-written one showed it.
+"""server/metrics.py: /metrics on prometheus_client, as the hand-written one showed it, plus
+the histograms of what nodes and builders wait on.
 
 ``data/metrics-before.txt`` is the hand-written module's exposition (main at d398f4e) for
 ``exercise()`` below: every metric it had, with its callers' labels. The new one must parse
@@ -7,20 +8,25 @@ to the same families (name, type, help, every sample's labels and value).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import prometheus_client
 import pytest
-from cachekeeper.server.metrics import _HELP, Metrics
+from cachekeeper.server.metrics import _HELP, CONTENT_TYPE, Metrics
 from cachekeeper.server.settings import Settings
+from cachekeeper.server.storage import Storage
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.in_process import in_process
 from tests.helpers.metrics import sample
+from tests.server.conftest import make_snapshot, push
 
 BEFORE = Path(__file__).parent / "data" / "metrics-before.txt"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+HISTOGRAMS = {name for name, (kind, _) in _HELP.items() if kind == "histogram"}
 
 
 def exercise(metrics: Any) -> dict[str, float]:
@@ -74,13 +80,13 @@ def _families(text: str) -> dict[str, tuple[str, str, list[Any]]]:
 
 
 def test_every_metric_is_exposed_as_the_hand_written_exposition_had_it() -> None:
-    """Names, types, help, labels and values as before; no ``_created`` series
-    (prometheus_client's own, which the hand-written one had none of)."""
+    """Names, types, help, labels and values as before; the histograms are the additions;
+    no ``_created`` series (prometheus_client's own, which the hand-written one had none of)."""
     metrics = Metrics()
     text = metrics.render(exercise(metrics))
     before, now = _families(BEFORE.read_text(encoding="utf-8")), _families(text)
     assert {name: now.get(name) for name in before} == before
-    assert set(now) == set(before)
+    assert set(now) - set(before) == HISTOGRAMS
     assert "_created" not in text
     # a counter never counted is one unlabelled 0, labelled or not, as before
     assert sample(text, "cachekeeper_archive_packs_total") == 0
@@ -91,8 +97,10 @@ def test_each_app_has_its_own_registry() -> None:
     """Tests build many apps per process; prometheus_client's global registry is never used."""
     one, two = Metrics(), Metrics()
     one.inc("cachekeeper_resolves_total", outcome="miss")
+    one.observe("cachekeeper_resolve_seconds", 0.01, status="200")
     assert one.value("cachekeeper_resolves_total", outcome="miss") == 1
     assert two.value("cachekeeper_resolves_total", outcome="miss") == 0
+    assert one.value("cachekeeper_resolve_seconds", status="200") == 1  # its count
     assert one.registry is not two.registry
     assert prometheus_client.REGISTRY.get_sample_value("cachekeeper_resolves_total") is None
 
@@ -104,6 +112,67 @@ def test_an_undeclared_metric_or_label_fails_at_its_first_call() -> None:
     with pytest.raises(ValueError, match="Incorrect label names"):
         metrics.inc("cachekeeper_resolves_total", result="miss")  # its label is outcome
     assert metrics.value("cachekeeper_no_such_total") == 0
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Any]:
+    with in_process(Settings(data_dir=tmp_path / "data")) as running:
+        yield running
+
+
+def test_the_routes_nodes_wait_on_are_timed_to_their_last_byte(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publish, resolve, and a restore's reads (manifest, archive, part of it, a blob) each
+    land in their histogram once, by status; the archive's time spans its stream, which
+    the route only starts (each of its chunks is sent 0.1 s apart here)."""
+    real_archive = Storage.archive
+
+    def slow_archive(self: Storage, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        for chunk in real_archive(self, *args, **kwargs):
+            time.sleep(0.1)
+            yield chunk
+
+    monkeypatch.setattr(Storage, "archive", slow_archive)
+    client = server.client
+    manifest, blobs = make_snapshot({"fxgraph/a/e": b"entry" * 100}, workload="wl", verified=True)
+    assert push(client, manifest, blobs).status_code == 201
+    resolve = {"fingerprint": manifest.fingerprint, "workload": "wl", "devices": ["cuda:0"]}
+    assert client.post("/v1/resolve", json=resolve).json()["snapshot"]["id"] == manifest.id
+    assert client.get(f"/v1/snapshots/{manifest.id}").status_code == 200
+    assert client.get("/v1/snapshots/" + "0" * 64).status_code == 404
+    archive = client.get(f"/v1/snapshots/{manifest.id}/archive")
+    assert archive.status_code == 200 and archive.content
+    part = client.post(f"/v1/snapshots/{manifest.id}/archive", json={"digests": list(blobs)})
+    assert part.status_code == 200
+    digest = next(iter(blobs))
+    assert client.get(f"/v1/blobs/{digest}").status_code == 200
+
+    text = client.get("/metrics").text
+    assert client.get("/metrics").headers["content-type"] == CONTENT_TYPE
+    count = "_count"
+    assert sample(text, "cachekeeper_publish_seconds" + count, status="201") == 1
+    assert sample(text, "cachekeeper_resolve_seconds" + count, status="200") == 1
+    reads = "cachekeeper_restore_read_seconds" + count
+    assert sample(text, reads, read="manifest", status="200") == 1
+    assert sample(text, reads, read="manifest", status="404") == 1
+    assert sample(text, reads, read="archive", status="200") == 1
+    assert sample(text, reads, read="archive_part", status="200") == 1
+    assert sample(text, reads, read="blob", status="200") == 1
+    streamed = sample(text, "cachekeeper_restore_read_seconds_sum", read="archive", status="200")
+    assert streamed is not None and streamed >= 0.1  # the stream, not the route's return
+    bucket = "cachekeeper_restore_read_seconds_bucket"
+    assert sample(text, bucket, read="blob", status="200", le="+Inf") == 1
+    assert (
+        sample(
+            text,
+            "cachekeeper_http_requests_total",
+            route="/v1/resolve",
+            method="POST",
+            status="200",
+        )
+        == 1
+    )
 
 
 def test_docs_list_every_metric() -> None:
