@@ -8,6 +8,7 @@ to the same families (name, type, help, every sample's labels and value).
 
 from __future__ import annotations
 
+import ast
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from cachekeeper.server.metrics import _HELP, CONTENT_TYPE, Metrics
+from cachekeeper.server.metrics import _HELP, _LABELS, CONTENT_TYPE, Metrics
 from cachekeeper.server.settings import Settings
 from cachekeeper.server.storage import Storage
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +26,8 @@ from tests.helpers.metrics import sample
 from tests.server.conftest import make_snapshot, push
 
 BEFORE = Path(__file__).parent / "data" / "metrics-before.txt"
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
 HISTOGRAMS = {name for name, (kind, _) in _HELP.items() if kind == "histogram"}
 
 
@@ -192,3 +194,41 @@ def test_the_route_answers_the_same_content_type(tmp_path: Path) -> None:
     assert answer.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert "# EOF" not in answer.text
     assert sample(answer.text, "cachekeeper_store_snapshots") == 0
+
+
+def _metric_calls(source: str) -> list[tuple[int, str, set[str] | None]]:
+    """(line, metric, keyword label names or None for ``**labels``) of each ``.inc``,
+    ``.observe`` or ``.value`` call naming a metric by a literal."""
+    calls = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in ("inc", "observe", "value") or not node.args:
+            continue
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and str(first.value).startswith("cachekeeper_"):
+            names = {k.arg for k in node.keywords if k.arg is not None}
+            spread = any(k.arg is None for k in node.keywords)
+            calls.append((node.lineno, str(first.value), None if spread else names))
+    return calls
+
+
+def test_every_call_in_the_server_names_a_declared_metric_with_its_labels() -> None:
+    """A call no test reaches would fail only in production (an undeclared name, a label
+    the declaration lacks): every literal call in server/ is checked here instead."""
+    assert _metric_calls('m.inc("cachekeeper_x_total", a="1")\nm.value("cachekeeper_y", **l)') == [
+        (1, "cachekeeper_x_total", {"a"}),
+        (2, "cachekeeper_y", None),
+    ]
+    wrong = []
+    calls = 0
+    for path in sorted((REPO / "server").rglob("*.py")):
+        for line, name, labels in _metric_calls(path.read_text(encoding="utf-8")):
+            calls += 1
+            where = f"{path.relative_to(REPO)}:{line} {name}"
+            if name not in _HELP:
+                wrong.append(f"{where}: not declared in _HELP")
+            elif labels is not None and labels != set(_LABELS.get(name, ())):
+                wrong.append(f"{where}: labels {sorted(labels)}, declared {_LABELS.get(name, ())}")
+    assert calls >= 25  # 29 when written
+    assert wrong == []
