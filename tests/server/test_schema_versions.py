@@ -29,6 +29,12 @@ from tests.helpers.ui_data import ADMIN, EXPECTED, TOKENS
 
 OLD_DATA_DIR = Path(__file__).parent / "data" / "data-before-versions.tar.gz"
 REPO = Path(__file__).resolve().parents[2]
+# The fixture's rows stay whatever the day the test runs (retention would drop its reports,
+# agents and events once they are older than 90 days).
+KEEP_ALL = {
+    f"{table}_retention_s": 100 * 365 * 86400.0
+    for table in ("reports", "agent_events", "agents", "events")
+}
 # The steps that shipped before versions, in their places: a step's place is its version.
 SHIPPED = [
     "_create_snapshots",
@@ -114,7 +120,7 @@ def test_a_catalog_from_before_versions_is_brought_up_and_served(
     rows_before = _rows(path)
     assert rows_before["snapshots"] == 3 and rows_before["job_reports"] == 5
     caplog.set_level(logging.INFO, logger="cachekeeper.server")
-    with in_process(Settings(data_dir=tmp_path / "data", tokens=TOKENS)) as server:
+    with in_process(Settings(data_dir=tmp_path / "data", tokens=TOKENS, **KEEP_ALL)) as server:
         snapshots = server.client.get("/v1/snapshots", headers=ADMIN).json()["snapshots"]
         status = server.client.get("/v1/status", headers=ADMIN).json()["status"]
     assert f"catalog {path}: schema version 0 -> {schema.latest_version()}" in caplog.text
