@@ -50,6 +50,7 @@ as httpx's exception tree lets them catch a transport or a timeout error:
     + CatalogCorrupt
     + NotOwnBytes
     + BuildsUnconfined
+    + CatalogTooNew
   x NoMatchingSnapshot             outcomes a caller acts on, in no category: a miss,
   x PrewarmFailed                  a build that failed, a workload whose cold compile
   x ColdCompileBroken              raises
@@ -117,6 +118,7 @@ __all__ = [
     "CatalogCorrupt",
     "NotOwnBytes",
     "BuildsUnconfined",
+    "CatalogTooNew",
     "error_for_code",
     "did_you_mean",
     "ERRORS",
@@ -480,6 +482,13 @@ class CatalogCorrupt(LocalEnvironmentError):
 
     code = "catalog_corrupt"
     http_status = 503
+
+
+class CatalogTooNew(LocalEnvironmentError):
+    """The server's catalog (``meta.sqlite``) is at a schema version a newer cachekeeper
+    wrote: this one will not serve it (run that version, or restore a backup)."""
+
+    code = "catalog_too_new"
 
 
 def _all_subclasses(cls: type[CachekeeperError]) -> list[type[CachekeeperError]]:

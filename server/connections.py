@@ -38,6 +38,21 @@ each, at most ``MAX_CONNECTIONS`` each), and when the two settings together ask 
 than the rest, each is scaled down to its proportional part. Each listener enforces only
 its own share, so a flood on one port cannot take the other's descriptors, and the
 reserve stays for the catalog and blob files.
+
+**uvicorn's private surface.** uvicorn has no public setting for a header timeout or a
+cap that evicts, so ``BoundedH11`` subclasses ``uvicorn.protocols.http.h11_impl.H11Protocol``,
+which is not uvicorn's API. What it relies on is ``H11_HOOKS`` (the four methods it
+overrides, each calling the original: asyncio calls three, uvicorn's request cycle calls
+``on_response_complete`` when a response is sent) and ``H11_ATTRIBUTES`` (set by
+``H11Protocol.__init__``: ``connections``, the server's set of open connections;
+``conn``, the ``h11.Connection`` whose ``their_state`` says whether a request's headers
+are in; ``transport``; ``loop``); and the public ``uvicorn.Config(http=a protocol class,
+backlog=...)``. That surface was read in every uvicorn release pyproject.toml admits
+(``uvicorn>=0.29,<0.55``: 0.29.0 to 0.54.0); a release past the bound is admitted only
+once read again and its tests pass. ``bounded_protocol`` checks the hooks before a server
+starts (``check_h11_protocol``), so an uvicorn installed past the bound that lost one
+fails loudly at ``serve`` instead of silently not bounding; tests/server/test_connections.py
+checks the whole surface on the installed uvicorn and the bounds on a real one.
 """
 
 from __future__ import annotations
@@ -49,7 +64,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from cachekeeper.errors import ConfigInvalid
 
 from .settings import Settings
 
@@ -62,6 +80,9 @@ __all__ = [
     "connection_budget",
     "connection_cap",
     "ConnectionBudget",
+    "H11_ATTRIBUTES",
+    "H11_HOOKS",
+    "check_h11_protocol",
     "raise_open_file_limit",
 ]
 
@@ -120,9 +141,27 @@ def connection_cap(settings: Settings, *, open_files: int) -> int:
     return connection_budget(settings, open_files=open_files).http
 
 
+# What BoundedH11 relies on in uvicorn's H11Protocol (the module docstring says why).
+H11_HOOKS = ("connection_made", "data_received", "on_response_complete", "connection_lost")
+H11_ATTRIBUTES = ("connections", "conn", "transport", "loop")
+
+
+def check_h11_protocol(protocol: type = H11Protocol) -> None:
+    """ConfigInvalid, naming uvicorn's version, when ``protocol`` lacks a hook BoundedH11
+    overrides (an uvicorn past pyproject.toml's bound, where it was renamed or removed)."""
+    missing = [name for name in H11_HOOKS if not callable(getattr(protocol, name, None))]
+    if missing:
+        raise ConfigInvalid(
+            f"uvicorn {uvicorn.__version__}: its H11Protocol has no {', '.join(missing)},"
+            " which the header timeout and the connection cap (server/connections.py)"
+            " override; install the uvicorn cachekeeper[server] asks for (>=0.29,<0.55)"
+        )
+
+
 def bounded_protocol(*, header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the header timeout and the connection cap (one class
     per server: the connections waiting for headers are kept in its registry)."""
+    check_h11_protocol()
     waiting: OrderedDict[Any, None] = OrderedDict()  # connections waiting for headers, oldest first
 
     class BoundedH11(H11Protocol):

@@ -1,18 +1,47 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: counters behind one lock.
+"""``/metrics``: prometheus_client's counters, gauges and histograms, one registry per app.
+
+``Metrics`` is the facade the routes, the middleware and the tier's listener call: ``inc``
+(a counter), ``observe`` (a histogram), ``value`` (a counter's or gauge's value now, a
+histogram's count: for the status page and tests) and ``render`` (the exposition, with the
+store's gauges read when ``/metrics`` is scraped). Each app has its own
+``CollectorRegistry``, never prometheus_client's global one: tests build many apps in one
+process, and two servers in one process must not share their counts.
+
+Every metric is declared here: ``_HELP`` gives its type and help text, ``_LABELS`` its label
+names (none when absent), ``_BUCKETS`` a histogram's buckets. A new one is an entry in
+``_HELP`` (and ``_LABELS`` when labelled), then ``inc``/``observe`` calls; an undeclared
+name is a KeyError and labels other than the declared ones a ValueError, at the first call
+(a test that reaches the call finds it), never a series nobody documented.
+
+What the hand-written exposition before it showed stays as it was, since dashboards read
+it: every name, label and value; the text format (Prometheus' 0.0.4, whatever the scraper
+asks for); a counter never counted, shown as one unlabelled 0; no ``_created`` series
+(prometheus_client adds one beside each counter and histogram series: ``_Exposed``, the
+registry's one collector, leaves them out). Values are written the way prometheus_client
+writes floats (``2.0`` where it wrote ``2``), which every Prometheus parser reads alike.
 
 ``MetricsMiddleware`` (plain ASGI, so it sees streamed bodies without buffering them)
-counts requests by route template and status and the bytes in and out. Routes count what
-only they know (resolves by outcome, blob downloads, archive requests); gauges of the
-store are read from the catalog when ``/metrics`` is scraped.
+counts requests by route template and status and the bytes in and out, and times the
+routes of ``TIMED_ROUTES`` to their last byte sent. Routes count what only they know
+(resolves by outcome, blob downloads, archive requests); the per-key tier's listener and
+writer time GETs and PUTs (``server/resp.py``, ``server/tier.py``).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["Metrics", "MetricsMiddleware"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+__all__ = ["CONTENT_TYPE", "Metrics", "MetricsMiddleware", "TIMED_ROUTES"]
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what /metrics answered before prometheus_client
 
 _HELP = {
     "cachekeeper_http_requests_total": ("counter", "HTTP requests by route and status."),
@@ -101,54 +130,175 @@ _HELP = {
     "cachekeeper_store_bytes": ("gauge", "Stored (compressed) blob bytes."),
     "cachekeeper_store_blobs": ("gauge", "Blobs in the store."),
     "cachekeeper_store_snapshots": ("gauge", "Snapshots in the store."),
+    # Histograms (issue 33): how long what nodes and builders wait on takes, server side.
+    "cachekeeper_resolve_seconds": (
+        "histogram",
+        "POST /v1/resolve: seconds from the request to its answer's last byte, by status.",
+    ),
+    "cachekeeper_publish_seconds": (
+        "histogram",
+        "POST /v1/snapshots (publish a manifest whose blobs are uploaded): seconds from the"
+        " request to its answer's last byte, by status.",
+    ),
+    "cachekeeper_restore_read_seconds": (
+        "histogram",
+        "The reads a node's restore makes of this server: seconds from the request to the"
+        " last byte sent, by read (manifest: GET /v1/snapshots/{id}; archive: GET"
+        " /v1/snapshots/{id}/archive; archive_part: POST of the same, some blobs; blob: GET"
+        " /v1/blobs/{digest}) and status. Reads a node makes of the object store directly"
+        " are not here.",
+    ),
+    "cachekeeper_remote_cache_get_seconds": (
+        "histogram",
+        "Per-key tier GETs: seconds from the command to its reply (a hit's value read from"
+        " memory or the store), by result as in cachekeeper_remote_cache_gets_total; sending"
+        " the reply is not counted.",
+    ),
+    "cachekeeper_remote_cache_put_seconds": (
+        "histogram",
+        "Per-key tier PUTs: seconds to store one value (its blob, then its key row), by"
+        " result (stored, store_failed, or why it was dropped); the writer stores a SET after"
+        " it was answered OK, so a node never waits on this.",
+    ),
+}
+
+# Label names of the labelled metrics, as their callers pass them.
+_LABELS: dict[str, tuple[str, ...]] = {
+    "cachekeeper_http_requests_total": ("route", "method", "status"),
+    "cachekeeper_resolves_total": ("outcome",),
+    "cachekeeper_blob_uploads_total": ("result",),
+    "cachekeeper_job_reports_total": ("phase", "outcome", "workload"),
+    "cachekeeper_cold_starts_total": ("workload", "reason"),
+    "cachekeeper_job_new_entries_total": ("workload", "kind"),
+    "cachekeeper_job_new_bytes_total": ("workload",),
+    "cachekeeper_remote_cache_gets_total": ("result",),
+    "cachekeeper_remote_cache_puts_total": ("result",),
+    "cachekeeper_remote_cache_bytes_total": ("direction",),
+    "cachekeeper_remote_cache_connections_closed_total": ("reason",),
+    "cachekeeper_catalog_refusals_total": ("table", "reason"),
+    "cachekeeper_catalog_pruned_total": ("table", "reason"),
+    "cachekeeper_resolve_seconds": ("status",),
+    "cachekeeper_publish_seconds": ("status",),
+    "cachekeeper_restore_read_seconds": ("read", "status"),
+    "cachekeeper_remote_cache_get_seconds": ("result",),
+    "cachekeeper_remote_cache_put_seconds": ("result",),
+}
+
+# HTTP: a resolve answers in milliseconds; an archive of hundreds of MB streams for seconds
+# to minutes. The tier: a hot GET is answered from memory in microseconds.
+_HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0, 120.0, 300.0)  # fmt: skip
+_TIER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0)  # fmt: skip
+_BUCKETS: dict[str, tuple[float, ...]] = {
+    "cachekeeper_resolve_seconds": _HTTP_BUCKETS,
+    "cachekeeper_publish_seconds": _HTTP_BUCKETS,
+    "cachekeeper_restore_read_seconds": _HTTP_BUCKETS,
+    "cachekeeper_remote_cache_get_seconds": _TIER_BUCKETS,
+    "cachekeeper_remote_cache_put_seconds": _TIER_BUCKETS,
+}
+
+# Routes timed to their last byte sent: (method, route template) -> (histogram, its labels
+# besides status).
+TIMED_ROUTES: dict[tuple[str, str], tuple[str, dict[str, str]]] = {
+    ("POST", "/v1/resolve"): ("cachekeeper_resolve_seconds", {}),
+    ("POST", "/v1/snapshots"): ("cachekeeper_publish_seconds", {}),
+    ("GET", "/v1/snapshots/{snapshot_id}"): ("cachekeeper_restore_read_seconds", {"read": "manifest"}),
+    ("GET", "/v1/snapshots/{snapshot_id}/archive"): ("cachekeeper_restore_read_seconds", {"read": "archive"}),
+    ("POST", "/v1/snapshots/{snapshot_id}/archive"): ("cachekeeper_restore_read_seconds", {"read": "archive_part"}),
+    ("GET", "/v1/blobs/{digest}"): ("cachekeeper_restore_read_seconds", {"read": "blob"}),
+}  # fmt: skip
+
+_KINDS: dict[str, Callable[..., MetricWrapperBase]] = {
+    "counter": Counter,
+    "gauge": Gauge,
+    "histogram": Histogram,
 }
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _declare(name: str) -> MetricWrapperBase:
+    """The prometheus_client metric ``name`` is declared as, registered nowhere."""
+    kind, text = _HELP[name]
+    options: dict[str, Any] = {"labelnames": _LABELS.get(name, ()), "registry": None}
+    if kind == "histogram":
+        options["buckets"] = _BUCKETS[name]
+    return _KINDS[kind](name, text, **options)
+
+
+class _Exposed:
+    """The registry's one collector: the declared metrics, sorted by name, as the
+    hand-written exposition showed them (no ``_created`` series; a counter never counted
+    is one unlabelled 0)."""
+
+    def __init__(self, metrics: Mapping[str, MetricWrapperBase]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        for name in sorted(self._metrics):
+            for family in self._metrics[name].collect():
+                created = family.name + "_created"
+                family.samples = [s for s in family.samples if s.name != created]
+                if family.type == "counter" and not family.samples:
+                    family.samples = [Sample(family.name + "_total", {}, 0.0)]
+                yield family
 
 
 class Metrics:
-    """Thread-safe counters keyed by name and sorted label pairs."""
+    """The app's metrics (declared in ``_HELP``) in its own ``CollectorRegistry``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._metrics = {name: _declare(name) for name in _HELP}
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Exposed(self._metrics))
+
+    def _metric(self, name: str, labels: Mapping[str, str]) -> Any:
+        """The metric ``name``'s child with ``labels`` (kept: prometheus_client's own
+        ``labels()`` validates them at every call, a third of a request's metrics cost)."""
+        key = (name, tuple(sorted(labels.items())))
+        child = self._children.get(key)
+        if child is None:
+            try:
+                metric = self._metrics[name]
+            except KeyError:
+                raise KeyError(
+                    f"metric {name!r} is not declared in server/metrics.py's _HELP"
+                ) from None
+            child = metric.labels(**labels) if labels else metric
+            self._children[key] = child
+        return child
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        """Add ``amount`` (not negative) to the counter ``name`` with ``labels``."""
+        self._metric(name, labels).inc(amount)
+
+    def observe(self, name: str, seconds: float, **labels: str) -> None:
+        """Record ``seconds`` in the histogram ``name`` with ``labels``."""
+        self._metric(name, labels).observe(seconds)
 
     def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._values.get((name, tuple(sorted(labels.items()))), 0.0)
+        """A counter's or gauge's value with exactly ``labels`` (0 when never counted); a
+        histogram's count of observations."""
+        metric = self._metrics.get(name)
+        if metric is None:
+            return 0.0
+        wanted = {name, f"{name}_count"}
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name in wanted and sample.labels == labels:
+                    return float(sample.value)
+        return 0.0
 
     def render(self, gauges: dict[str, float] | None = None) -> str:
-        """The exposition text; ``gauges`` (name -> value) are appended unlabelled."""
-        with self._lock:
-            items = sorted(self._values.items())
-        by_name: dict[str, list[tuple[tuple[tuple[str, str], ...], float]]] = {}
-        for (name, labels), value in items:
-            by_name.setdefault(name, []).append((labels, value))
+        """The exposition text; ``gauges`` (name -> value) are set first (unlabelled)."""
         for name, value in (gauges or {}).items():
-            by_name.setdefault(name, []).append(((), value))
-        for name in _HELP:  # always expose the documented counters, even at zero
-            by_name.setdefault(name, [((), 0.0)])
-        lines: list[str] = []
-        for name in sorted(by_name):
-            kind, text = _HELP.get(name, ("untyped", name))
-            lines.append(f"# HELP {name} {text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in by_name[name]:
-                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-                shown = int(value) if float(value).is_integer() else value
-                lines.append(f"{name}{{{label_text}}} {shown}" if label_text else f"{name} {shown}")
-        return "\n".join(lines) + "\n"
+            self._metric(name, {}).set(value)
+        return generate_latest(self.registry).decode("utf-8")
 
 
 class MetricsMiddleware:
-    """Count requests (by route template and status) and body bytes in and out."""
+    """Count requests (by route template and status) and body bytes in and out; time the
+    routes of ``TIMED_ROUTES`` to their last byte sent."""
 
     def __init__(self, app: Callable[..., Any], *, metrics: Metrics) -> None:
         self.app = app
@@ -158,6 +308,7 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
         status = {"code": 500}
         sizes = {"in": 0, "out": 0}
 
@@ -179,7 +330,13 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            labels = {"route": template, "method": scope["method"], "status": str(status["code"])}
+            code = str(status["code"])
+            labels = {"route": template, "method": scope["method"], "status": code}
             self.metrics.inc("cachekeeper_http_requests_total", **labels)
             self.metrics.inc("cachekeeper_http_request_bytes_total", sizes["in"])
             self.metrics.inc("cachekeeper_http_response_bytes_total", sizes["out"])
+            timed = TIMED_ROUTES.get((scope["method"], template))
+            if timed is not None:
+                histogram, fixed = timed
+                seconds = time.perf_counter() - started
+                self.metrics.observe(histogram, seconds, **fixed, status=code)

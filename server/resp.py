@@ -58,6 +58,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,7 @@ class _Conn:
     auth_failures: int = 0
     reserved_bytes: int = 0  # a SET's share of the writer's budget while its value is read
     held: Held | None = None  # a GET's share of the output budget while its reply is sent
+    get_started: float = 0.0  # when its GET came (perf_counter), for the GET's histogram
 
 
 class RespServer:
@@ -539,6 +541,7 @@ class RespServer:
     async def _cmd_get(self, conn: _Conn, rest: list[Any]) -> Reply:
         if len(rest) != 1:
             return error("ERR wrong number of arguments for 'get' command")
+        conn.get_started = time.perf_counter()
         key = rest[0]
         if isinstance(key, Dropped) or len(key) > self.settings.remote_cache_max_key_bytes:
             return self._miss(conn, "miss")  # never stored
@@ -571,13 +574,19 @@ class RespServer:
         if not held.holds(len(value)) and not held.take(len(value)):
             return self._miss(conn, "busy")  # the replies clients have not taken are over budget
         conn.held = held
-        self.metrics.inc("cachekeeper_remote_cache_gets_total", result="hit")
+        self._got(conn, "hit")
         self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="out")
         return bulk_parts(value)
 
     def _miss(self, conn: _Conn, why: str) -> bytes:
-        self.metrics.inc("cachekeeper_remote_cache_gets_total", result=why)
+        self._got(conn, why)
         return nil(conn.proto)
+
+    def _got(self, conn: _Conn, result: str) -> None:
+        """Count a GET by its result and time it from its command to its reply."""
+        self.metrics.inc("cachekeeper_remote_cache_gets_total", result=result)
+        seconds = time.perf_counter() - conn.get_started
+        self.metrics.observe("cachekeeper_remote_cache_get_seconds", seconds, result=result)
 
     async def _cmd_set(self, conn: _Conn, rest: list[Any]) -> bytes:
         if len(rest) < 2:

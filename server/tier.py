@@ -472,19 +472,21 @@ class TierWriter:
         self._flush()
 
     def _store(self, key: bytes, value: bytes, writer: dict[str, Any]) -> None:
+        started = time.perf_counter()
         try:
             done = self.store.put(key, value, writer=writer)
         except Exception:  # noqa: BLE001 - a store that fails drops the value, never the tier
             _log.exception("per-key tier: storing a value of %d bytes failed", len(value))
-            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="store_failed")
-            return
-        if done.stored:
-            self.metrics.inc("cachekeeper_remote_cache_puts_total", result="stored")
-            self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="in")
+            result = "store_failed"
         else:
-            self.metrics.inc("cachekeeper_remote_cache_puts_total", result=done.reason or "dropped")
-        if done.evicted:
-            self.metrics.inc("cachekeeper_remote_cache_evictions_total", done.evicted)
+            result = "stored" if done.stored else (done.reason or "dropped")
+            if done.stored:
+                self.metrics.inc("cachekeeper_remote_cache_bytes_total", len(value), direction="in")
+            if done.evicted:
+                self.metrics.inc("cachekeeper_remote_cache_evictions_total", done.evicted)
+        self.metrics.inc("cachekeeper_remote_cache_puts_total", result=result)
+        seconds = time.perf_counter() - started
+        self.metrics.observe("cachekeeper_remote_cache_put_seconds", seconds, result=result)
 
     def _flush(self) -> None:
         try:

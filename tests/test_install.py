@@ -28,6 +28,7 @@ SERVER_PACKAGES = [
     "pydantic_core",
     "pydantic_settings",
     "sqlite_utils",
+    "prometheus_client",
 ]
 
 _BLOCKER = """
@@ -44,7 +45,8 @@ sys.meta_path.insert(0, Blocker())
 
 def test_base_install_needs_no_server_package() -> None:
     """Every module but the server's imports, and every command but serve runs its help,
-    with fastapi, pydantic, uvicorn and sqlite-utils unimportable; serve says what to install."""
+    with fastapi, pydantic, uvicorn, sqlite-utils and prometheus_client unimportable; serve
+    says what to install."""
     commands = sorted({entry[0].partition(":")[0] for entry in COMMANDS.values()})
     code = _BLOCKER + (
         "import cachekeeper, cachekeeper.client, cachekeeper.cli\n"

@@ -38,7 +38,7 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.devices import format_devices, requested_devices
 from cachekeeper.errors import CachekeeperError, WorkloadNotFound, did_you_mean
-from cachekeeper.wire import JobStats, StatusRow
+from cachekeeper.wire import JobStats, StatusRow, to_dict
 
 __all__ = ["status_cmd"]
 
@@ -68,8 +68,6 @@ def status_cmd(
     training nodes use (e.g. cuda:0-7): rows whose snapshot lacks some get a line saying
     which indices were never built and what to do. Needs the read scope.
     """
-    from cachekeeper.wire import to_dict
-
     try:
         wanted = requested_devices(device)
     except CachekeeperError as exc:

@@ -10,8 +10,8 @@ own connection (``check_same_thread=False``, opened lazily); WAL is enabled once
 so writes are serialized in-process, never wait on SQLite's busy timeout, and a
 multi-statement operation (publish, delete, pin, GC) is all or nothing.
 
-Adding a table: an idempotent step in ``server/catalog/schema.py``, and its queries as
-methods here (or in ``server/catalog/fleet.py`` for the fleet), returning dataclasses.
+Adding a table: a step appended to ``server/catalog/schema.py``'s list (the catalog's
+schema version counts them), and its queries as methods here (or in ``server/catalog/fleet.py`` for the fleet), returning dataclasses.
 
 A corrupt catalog is never served as if it were whole. ``Catalog.create`` runs SQLite's
 ``quick_check`` (every page of every table and index is read and its structure checked;
@@ -47,7 +47,7 @@ from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 from .base import BATCH, chunks
 from .budget import BudgetWrites
 from .fleet import FleetReads, FleetWrites, agent_id_for
-from .schema import ensure_schema
+from .schema import check_version, ensure_schema
 from .tier import TierReads, TierWrites
 
 __all__ = ["Catalog", "Transaction", "agent_id_for", "is_corruption"]
@@ -312,17 +312,22 @@ class Catalog(FleetReads, TierReads):
     @classmethod
     def create(cls, path: Path, *, check: str = "quick") -> Catalog:
         """Open (creating if needed) the database at ``path``, check it (``check``:
-        ``quick``, ``full`` or ``off``), enable WAL, ensure tables. CatalogCorrupt, naming
-        the file and the way back, when SQLite finds it damaged."""
+        ``quick``, ``full`` or ``off``), enable WAL, run the schema steps past its version
+        (``schema.py``). CatalogCorrupt, naming the file and the way back, when SQLite finds
+        it damaged; CatalogTooNew, writing nothing, when a newer cachekeeper wrote it."""
         path.parent.mkdir(parents=True, exist_ok=True)
         catalog = cls(path)
         try:
             if check != "off":
                 catalog._check(full=check == "full")
+            check_version(catalog.db(), name=str(path))  # a newer one's: refused, unwritten
             catalog.db().enable_wal()
             with catalog.writing() as tx:
-                ensure_schema(tx.db)
+                found, now = ensure_schema(tx.db, name=str(path))
                 tx.recount_usage()  # after a restore or a .recover, the triggers' totals
+            if found != now:
+                new = " (new, or written before versions)" if found == 0 else ""
+                _log.info("catalog %s: schema version %d -> %d%s", path, found, now, new)
         except CatalogCorrupt:
             raise
         except sqlite3.DatabaseError as exc:

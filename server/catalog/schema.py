@@ -41,10 +41,30 @@ Every table a client writes has a bound and a retention (``server/budgets.py``, 
 docstring lists them). Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
 text. Part of the catalog layer: only ``server/catalog/core.py`` calls ``ensure_schema``.
 
-Adding a table or a column: add an idempotent step to ``_SCHEMA_STEPS``
-(``if_not_exists=True``, or a column added only when absent, as ``_add_harvest_columns``);
-its queries go in ``server/catalog/core.py`` or ``server/catalog/fleet.py``. A one-time
-data migration (``_identity_digests``) records its name in ``migrations`` and runs once.
+Versions. A catalog's schema version is how many of ``_SCHEMA_STEPS`` it has had,
+recorded in SQLite's ``PRAGMA user_version`` (the database header's own integer, written
+in the same transaction as the steps). ``ensure_schema`` runs the steps past it, in order,
+then records their count (``latest_version``): each step runs once per catalog, so a step need not be
+idempotent (a rename, a table rebuilt, rows rewritten once), and a failed step leaves
+the catalog at its old version with none of the steps applied (the caller's transaction
+rolls back). Two cases are told apart from the version alone:
+
+- version 0: a new, empty file, or a catalog written before versions (cachekeeper before
+  issue 33, whose every start reran every step). Either way every step runs, which is why
+  the steps from before versions (the first 15, through ``_identity_digests``) stay idempotent: they meet tables that exist. A step
+  appended since meets a catalog that never had it, so it runs once there too.
+- a version above ``latest_version()``: written by a newer cachekeeper, whose steps this
+  one does not know. ``check_version`` refuses it (``CatalogTooNew``, one line) before
+  anything is written.
+
+Adding a table or a column is appending one function to ``_SCHEMA_STEPS`` (taking the
+database, run inside the write transaction); its queries go in ``server/catalog/core.py``
+or ``server/catalog/fleet.py``. A step's place in the list is its version: never insert,
+reorder, remove or edit a step that has shipped (a catalog past it would never see the
+change); append another.
+
+A one-time data migration that predates versions (``_identity_digests``) also records its
+name in ``migrations``, so that a catalog from before versions runs it once.
 """
 
 from __future__ import annotations
@@ -54,19 +74,57 @@ from collections.abc import Callable
 
 import sqlite_utils
 
+from cachekeeper.errors import CatalogTooNew
 from cachekeeper.fingerprint import digest_of
 from cachekeeper.wire import utc_now
 
 from .fleet import agent_id_for
 
-__all__ = ["EVENT_BYTES_SQL", "REPORT_BYTES_SQL", "ensure_schema"]
+__all__ = [
+    "EVENT_BYTES_SQL",
+    "REPORT_BYTES_SQL",
+    "check_version",
+    "ensure_schema",
+    "latest_version",
+    "schema_version",
+]
 
 
-def ensure_schema(db: sqlite_utils.Database) -> None:
-    """Create the tables and indexes that are missing and migrate older databases in place
-    (every step is idempotent); run inside the caller's write transaction."""
-    for step in _SCHEMA_STEPS:
+def latest_version() -> int:
+    """The version this cachekeeper brings a catalog to: how many steps it knows."""
+    return len(_SCHEMA_STEPS)
+
+
+def schema_version(db: sqlite_utils.Database) -> int:
+    """The catalog's recorded schema version (0: new, or written before versions)."""
+    return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def check_version(db: sqlite_utils.Database, *, name: str) -> int:
+    """The catalog's version; ``CatalogTooNew`` naming ``name`` (its file) when a newer
+    cachekeeper wrote it. Reads only."""
+    found, latest = schema_version(db), latest_version()
+    if found > latest:
+        raise CatalogTooNew(
+            f"catalog {name} is at schema version {found}, written by a newer cachekeeper"
+            f" (this one knows versions up to {latest}); the server will not serve"
+            " it: run the cachekeeper that wrote it, or restore a backup made before the"
+            " upgrade"
+        )
+    return found
+
+
+def ensure_schema(db: sqlite_utils.Database, *, name: str) -> tuple[int, int]:
+    """Run the steps past the catalog's version and record the latest, inside the caller's
+    write transaction; (the version found, the version now). ``CatalogTooNew`` as
+    ``check_version``."""
+    found = check_version(db, name=name)
+    steps = list(_SCHEMA_STEPS)
+    for step in steps[found:]:
         step(db)
+    if found != len(steps):
+        db.execute(f"PRAGMA user_version = {len(steps):d}")
+    return found, len(steps)
 
 
 def _create_snapshots(db: sqlite_utils.Database) -> None:
@@ -383,6 +441,7 @@ def _create_archive_objects(db: sqlite_utils.Database) -> None:
     )
 
 
+# A step's place is its version: append, never insert, reorder, remove or edit (docstring).
 _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _create_snapshots,
     _create_blobs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cachekeeper.server.auth import AdminScope, require
 from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.metrics import CONTENT_TYPE
 from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
@@ -52,10 +53,10 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
         gauges["cachekeeper_remote_cache_connections"] = float(len(request.app.state.resp.clients))
     registry = metrics_of(request)
     evicted = storage.evictions - registry.value("cachekeeper_evictions_total")
-    if evicted:
+    if evicted > 0:
         registry.inc("cachekeeper_evictions_total", evicted)
     packed = storage.packs - registry.value("cachekeeper_archive_packs_total")
-    if packed:
+    if packed > 0:
         registry.inc("cachekeeper_archive_packs_total", packed)
     budgets = storage.budgets
     for name, counts in (
@@ -64,12 +65,10 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
     ):
         for (table, reason), count in counts.items():
             added = count - registry.value(name, table=table, reason=reason)
-            if added:
+            if added > 0:
                 registry.inc(name, added, table=table, reason=reason)
     gauges["cachekeeper_catalog_bytes"] = float(storage.catalog_bytes())
-    return PlainTextResponse(
-        registry.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+    return PlainTextResponse(registry.render(gauges), media_type=CONTENT_TYPE)
 
 
 @router.post("/v1/gc", response_model=GcAnswer)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["scrape"]
+__all__ = ["sample", "scrape"]
 
 
 def scrape(client: httpx.Client, name: str, *, token: str | None = None) -> float:
@@ -19,3 +20,13 @@ def scrape(client: httpx.Client, name: str, *, token: str | None = None) -> floa
     assert answer.status_code == 200, answer.text
     samples = re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", answer.text, re.MULTILINE)
     return sum(float(m.group(1)) for m in samples)
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name`` with exactly ``labels`` in the exposition ``text``,
+    parsed as Prometheus does (``1`` and ``1.0`` alike); None when there is none."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return float(found.value)
+    return None

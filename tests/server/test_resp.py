@@ -25,7 +25,9 @@ from cachekeeper.server.auth import token_id
 from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import LiveServer, start_server
+from tests.helpers.metrics import sample
 from tests.helpers.redis_py import redis_py_env, redis_py_versions
+from tests.helpers.resp import command, connect, replies
 
 VERSIONS = redis_py_versions()
 TOKENS = {"tier-write": "write", "tier-read": "read"}
@@ -256,6 +258,27 @@ def test_the_tier_shows_in_metrics(tier: LiveServer) -> None:
     text = httpx.get(f"{tier.url}/metrics", headers={"Authorization": "Bearer tier-read"}).text
     assert "cachekeeper_remote_cache_keys " in text
     assert 'cachekeeper_remote_cache_gets_total{result="hit"}' in text
+
+
+def test_tier_gets_and_puts_are_timed_by_result(tier: LiveServer) -> None:
+    """A GET is timed from its command to its reply, by the result gets_total counts it
+    under; a PUT by the writer's store of the value, after the SET was answered."""
+    seconds = "cachekeeper_remote_cache_get_seconds"
+    hits, misses = metric(tier, seconds, result="hit"), metric(tier, seconds, result="miss")
+    stored = metric(tier, "cachekeeper_remote_cache_put_seconds", result="stored")
+    keys = tier.app.state.tier.totals()[0]
+    sock = connect(tier.resp_port or 0)
+    sock.sendall(command(b"AUTH", b"tier-write") + command(b"SET", b"timed-key", b"v" * 1000))
+    assert replies(sock, 2) == [b"+OK", b"+OK"]
+    wait_stored(tier, keys + 1)
+    sock.sendall(command(b"GET", b"timed-key") + command(b"GET", b"no-such-timed-key"))
+    assert replies(sock, 2) == [b"$1000 " + b"v" * 1000, b"$-1"]
+    sock.close()
+    assert metric(tier, seconds, result="hit") == hits + 1
+    assert metric(tier, seconds, result="miss") == misses + 1
+    assert metric(tier, "cachekeeper_remote_cache_put_seconds", result="stored") == stored + 1
+    text = httpx.get(f"{tier.url}/metrics", headers={"Authorization": "Bearer tier-read"}).text
+    assert sample(text, seconds + "_bucket", result="hit", le="+Inf") == hits + 1
 
 
 def test_a_server_without_the_port_serves_no_tier(tmp_path: Path) -> None:

@@ -97,6 +97,7 @@ def test_an_older_servers_digests_and_agents_are_migrated_once(tmp_path: Path) -
             [_old_agent_id("builder", old_shell), old_shell, json.dumps(BY_AFFINITY), LATER],
         )
         db.execute("DROP TABLE migrations")
+        db.execute("PRAGMA user_version = 0")  # a catalog from before schema versions
     assert db.execute("SELECT COUNT(*) FROM agents").fetchone() == (2,)
     db.close()
 
