@@ -1,7 +1,7 @@
 """server/metrics.py: /metrics on prometheus_client, as the hand-written one showed it, plus
 the histograms of what nodes and builders wait on.
 
-``data/metrics-before.txt`` is the hand-written module's exposition (main at d398f4e) for
+``data/metrics-before.txt`` is the hand-written module's exposition (main before the r5-libs merge) for
 ``exercise()`` below: every metric it had, with its callers' labels. The new one must parse
 to the same families (name, type, help, every sample's labels and value).
 """
