@@ -87,7 +87,8 @@ def _text_bytes(*values: str | None) -> int:
 
 
 def report_bytes(report: JobReport) -> int:
-    """What a job report's row weighs (``REPORT_BYTES_SQL`` for older rows: the same sum)."""
+    """What a job report's row weighs (``REPORT_BYTES_SQL`` for rows from before the
+    budgets: the same sum, less the per-key tier's fields, which those rows never had)."""
     return 160 + _text_bytes(
         report.workload,
         report.node,

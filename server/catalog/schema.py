@@ -289,8 +289,6 @@ REPORT_BYTES_SQL = (
     " + LENGTH(CAST(COALESCE(reason_code, '') AS BLOB))"
     " + LENGTH(CAST(COALESCE(started_at, '') AS BLOB))"
     " + LENGTH(CAST(COALESCE(finished_at, '') AS BLOB)) + LENGTH(CAST(COALESCE(job, '') AS BLOB))"
-    " + LENGTH(CAST(COALESCE(tier, '') AS BLOB))"
-    " + LENGTH(CAST(COALESCE(tier_problem, '') AS BLOB))"
 )
 EVENT_BYTES_SQL = (
     "200 + LENGTH(CAST(COALESCE(workload, '') AS BLOB)) + LENGTH(CAST(COALESCE(detail, '') AS BLOB))"
@@ -455,8 +453,8 @@ _SCHEMA_STEPS: list[Callable[[sqlite_utils.Database], None]] = [
     _add_workload_digest_column,
     _add_job_column,
     _create_archive_objects,
-    _add_tier_report_columns,  # before the budget's weights, which read its columns
     _add_budget_columns,
+    _add_tier_report_columns,
     _create_migrations,
     _identity_digests,
 ]

@@ -49,8 +49,8 @@ SHIPPED = [
     "_add_workload_digest_column",
     "_add_job_column",
     "_create_archive_objects",
-    "_add_tier_report_columns",
     "_add_budget_columns",
+    "_add_tier_report_columns",
     "_create_migrations",
     "_identity_digests",
 ]
