@@ -17,16 +17,16 @@ One round (``run_round``):
    cold, then a verify run; each ``[[command]]`` once cold, then again in a fresh copy),
    push only when verified, and report ``built``, ``cold_compile_broken`` (with the
    traceback tail) or ``failed``. One workload's crash or timeout never stops the others.
-3. Code runs only when this builder's operator allowed it (``cachekeeper.allowlist``,
+3. Code runs only when this builder's operator allowed it (``cachekeeper.builder.allowlist``,
    ``agent --allow`` / ``--allow-file``): a workload whose command (program, arguments,
    env, cwd) or import path no entry admits is reported ``refused`` with why and what to
    allow, and nothing of it runs. Every process of a build runs under a supervisor that
-   reaps its whole tree (``cachekeeper.confine``); an import path must name a def or class
+   reaps its whole tree (``cachekeeper.builder.confine``); an import path must name a def or class
    of its module; with ``--sign-key`` the key is read once, before any build, and hidden
-   from every build's processes (``cachekeeper.landlock``): a host that cannot hide it is
+   from every build's processes (``cachekeeper.builder.landlock``): a host that cannot hide it is
    refused at start (``BuildsUnconfined``) unless the operator passed ``--unconfined-builds``.
 4. Promotion, under the rule that **a builder signs only bytes it compiled itself in
-   that round; a harvest is at most a hint of what to compile** (``cachekeeper.harvest``):
+   that round; a harvest is at most a hint of what to compile** (``cachekeeper.builder.harvest``):
    a warm workload with a ``[[command]]`` whose snapshot has harvested deltas
    (``postjob --push`` from training nodes, same fingerprint digest) is built again, cold,
    in a fresh empty dir, like any build; no delta is ever restored or loaded here, only
@@ -72,30 +72,31 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from cachekeeper import config, landlock, remote_tier, wire
+from cachekeeper import config, remote_tier, wire
 from cachekeeper._proc import pid_alive
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import child_cpu_state
-from cachekeeper.confine import Confinement
+from cachekeeper.builder import landlock
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import child_cpu_state
+from cachekeeper.builder.confine import Confinement
+from cachekeeper.builder.harvest import HarvestJudgement, judge
+from cachekeeper.builder.prewarm import prewarm
+from cachekeeper.builder.verdicts import CommandRun, DeviceRun
+from cachekeeper.builder.workload import Workload, parse_workload
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import BuildsUnconfined, CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, with_cpu
-from cachekeeper.harvest import HarvestJudgement, judge
 from cachekeeper.manifest import Manifest
-from cachekeeper.prewarm import prewarm
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu
 from cachekeeper.scan import scan_dir
 from cachekeeper.signing import SigningKey, TrustedKey, public_key_of, signature_problem
 from cachekeeper.store import LocalStore
-from cachekeeper.verdicts import CommandRun, DeviceRun
-from cachekeeper.workload import Workload, parse_workload
 
 from .push import push
 
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient, Resolution
 
-    from cachekeeper.verdicts import PrewarmReport, ProgressEvent
+    from cachekeeper.builder.verdicts import PrewarmReport, ProgressEvent
 
 __all__ = [
     "DEFAULT_BUILD_TIMEOUT_S",

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from cachekeeper import config
-from cachekeeper.allowlist import Allowlist
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.cli._common import (
     PathParam,
     device_option,

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from cachekeeper.builder.workload import parse_workload
 from cachekeeper.errors import Forbidden, InsufficientStorage, WorkloadInvalid, WorkloadNotFound
 from cachekeeper.wire import WorkloadInfo, WorkloadList
-from cachekeeper.workload import parse_workload
 
 __all__ = ["router"]
 

@@ -17,8 +17,8 @@ from cachekeeper.client.agent import (
 )
 from cachekeeper.client.api import CacheClient
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import child_cpu_state
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.signing import generate_keypair
 from cachekeeper.snapshot import snapshot_dir

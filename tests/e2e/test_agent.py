@@ -34,7 +34,7 @@ from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.allowlist import Allowlist
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.signing import generate_keypair
 from tests.helpers.live_server import LiveServer, start_server

@@ -27,14 +27,14 @@ from cachekeeper.client.agent import AgentOptions, prepare_options, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import run_children, work_area
-from cachekeeper.commands import run_command
-from cachekeeper.confine import Confinement
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import run_children, work_area
+from cachekeeper.builder.commands import run_command
+from cachekeeper.builder.confine import Confinement
+from cachekeeper.builder.verify import verify
+from cachekeeper.builder.workload import Command, parse_workload
 from cachekeeper.errors import BuildsUnconfined
 from cachekeeper.signing import generate_keypair
-from cachekeeper.verify import verify
-from cachekeeper.workload import Command, parse_workload
 from tests.helpers import seccomp
 from tests.helpers.live_server import start_server
 

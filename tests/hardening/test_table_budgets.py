@@ -21,7 +21,7 @@ from cachekeeper.client.api import CacheClient
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.allowlist import Allowlist
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.fingerprint import digest_of
 from tests.helpers.live_server import LiveServer, start_server
 

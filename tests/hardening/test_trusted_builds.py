@@ -49,7 +49,7 @@ from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.allowlist import Allowlist
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
 from tests.hardening.conftest import sha

@@ -32,8 +32,8 @@ from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import child_cpu_state
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.errors import SignatureInvalid
 from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.manifest import Manifest

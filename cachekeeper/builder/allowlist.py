@@ -63,8 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachekeeper.builder.workload import CodeRef, Command, Workload
 from cachekeeper.errors import WorkloadInvalid
-from cachekeeper.workload import CodeRef, Command, Workload
 
 __all__ = [
     "Allowlist",

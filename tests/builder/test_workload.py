@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cachekeeper.builder.workload import load_workload, parse_workload
 from cachekeeper.errors import WorkloadInvalid
-from cachekeeper.workload import load_workload, parse_workload
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "workloads"
@@ -273,8 +273,8 @@ def test_load_workload_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_parser_and_mods_import_no_torch() -> None:
     code = (
-        "import sys, cachekeeper.workload, cachekeeper.mods, cachekeeper.prewarm, "
-        "cachekeeper.verify, cachekeeper.verdicts, cachekeeper.devices, cachekeeper.children, "
+        "import sys, cachekeeper.builder.workload, cachekeeper.mods, cachekeeper.builder.prewarm, "
+        "cachekeeper.builder.verify, cachekeeper.builder.verdicts, cachekeeper.devices, cachekeeper.builder.children, "
         "cachekeeper.cli.prewarm, cachekeeper.cli.verify\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

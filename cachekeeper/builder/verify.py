@@ -1,14 +1,14 @@
 """Verify: prove a cache dir is effective for a workload, in fresh processes.
 
 ``[[attention]]`` and ``[[entrypoint]]`` run in a fresh child per device against the cache
-dir itself (``cachekeeper.children``). Each ``[[command]]`` runs in a fresh *copy* of the
+dir itself (``cachekeeper.builder.children``). Each ``[[command]]`` runs in a fresh *copy* of the
 cache dir, made with the restore rules (``merge_tree``: verified, ``.cachekeeper/`` left
 out) in a work area next to it: so the run sees the cache as a node restores it, at
 another path, and whatever a missing run compiles never lands in the cache dir. The
 verdict on each device's and each compiling process's counters is
-``cachekeeper.verdicts.is_effective``.
+``cachekeeper.builder.verdicts.is_effective``.
 
-The verdict is also judged from outside the processes under test (``cachekeeper.cache_watch``):
+The verdict is also judged from outside the processes under test (``cachekeeper.builder.cache_watch``):
 the device runs' cache dir, and each command's copy, must gain no FX graph or AOTAutograd
 entry while they run, and at least one entry of a command's copy must be read; a command's
 processes must all be accounted for (a start record with no end is a gap).
@@ -20,15 +20,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cachekeeper.cache_watch import Watch
-from cachekeeper.children import run_children, work_area
-from cachekeeper.commands import run_command
-from cachekeeper.confine import Confinement
+from cachekeeper.builder.cache_watch import Watch
+from cachekeeper.builder.children import run_children, work_area
+from cachekeeper.builder.commands import run_command
+from cachekeeper.builder.confine import Confinement
+from cachekeeper.builder.verdicts import CommandRun, DeviceRun, Progress, VerifyReport
+from cachekeeper.builder.workload import Workload
 from cachekeeper.errors import PrewarmFailed
 from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.restore import merge_tree
-from cachekeeper.verdicts import CommandRun, DeviceRun, Progress, VerifyReport
-from cachekeeper.workload import Workload
 
 __all__ = ["verify", "built_devices"]
 
@@ -48,7 +48,7 @@ def verify(
     workload has none); commands choose their own. What a device run that misses
     compiles is written into ``cache_dir`` by Inductor itself (it only adds entries); a
     command's run writes into its copy only. ``confinement`` is what every process of the
-    verify is held to (``cachekeeper.confine``).
+    verify is held to (``cachekeeper.builder.confine``).
     """
     cache_dir = Path(cache_dir).absolute()
     if not cache_dir.is_dir():

@@ -1,6 +1,6 @@
 """The fresh process a prewarm or verify runs a workload in, on one device.
 
-    TORCHINDUCTOR_CACHE_DIR=DIR python -m cachekeeper._child \
+    TORCHINDUCTOR_CACHE_DIR=DIR python -m cachekeeper.builder._child \
         --workload FILE --source NAME --device cuda:3 --mode prewarm --result OUT.json
 
 The cache dir must be in the environment before torch is imported (Inductor reads it
@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
-from cachekeeper.allowlist import check_defined
+from cachekeeper.builder.allowlist import check_defined
+from cachekeeper.builder.workload import Entrypoint, Regime, Workload, parse_workload
 from cachekeeper.errors import WorkloadInvalid
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.mods import build_mask_mod, build_score_mod, load_object
-from cachekeeper.workload import Entrypoint, Regime, Workload, parse_workload
 
 PROGRESS_PREFIX = "@@cachekeeper-progress "
 FAKE_CUDA_ENV = config.TEST_FAKE_CUDA
@@ -278,7 +278,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
-    parser = argparse.ArgumentParser(prog="python -m cachekeeper._child")
+    parser = argparse.ArgumentParser(prog="python -m cachekeeper.builder._child")
     parser.add_argument("--workload", required=True, type=Path)
     parser.add_argument("--source", required=True)
     parser.add_argument("--device", required=True)

@@ -7,15 +7,15 @@ against it sees ``fxgraph_cache_miss == 0``, ``fxgraph_cache_bypass == 0`` and
 that is installed but not used must never pass.
 
 Those counters are what the process under test says about itself. The judge also looks from
-outside (``CacheWatch``, made by ``cachekeeper.cache_watch``): a verify whose cache dir
+outside (``CacheWatch``, made by ``cachekeeper.builder.cache_watch``): a verify whose cache dir
 gained or changed an FX graph or AOTAutograd entry missed, whatever any process reported;
 a command's verify in which no entry was read hit nothing; and every process of a command
 that imported ``torch._dynamo`` must have left its end record (``CommandRun.gaps``).
 
-The runs themselves happen in ``cachekeeper.prewarm`` and ``cachekeeper.verify`` (through
-``cachekeeper.children`` and ``cachekeeper.commands``); this module only reads their
+The runs themselves happen in ``cachekeeper.builder.prewarm`` and ``cachekeeper.builder.verify`` (through
+``cachekeeper.builder.children`` and ``cachekeeper.builder.commands``); this module only reads their
 results, so it imports neither torch nor subprocess machinery. Their text for people:
-``cachekeeper.report_text``.
+``cachekeeper.builder.report_text``.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ _COUNTED = (
 @dataclass(frozen=True)
 class ProcessEvidence:
     """One Python process a command started, as cachekeeper's evidence hook recorded it at
-    exit (``cachekeeper/_evidence_hook/sitecustomize.py``)."""
+    exit (``cachekeeper/builder/_evidence_hook/sitecustomize.py``)."""
 
     pid: int
     rank: int | None
@@ -277,7 +277,7 @@ class ProcessEvidence:
 
 @dataclass(frozen=True)
 class CacheWatch:
-    """A cache dir seen from outside the processes of a verify (``cachekeeper.cache_watch``):
+    """A cache dir seen from outside the processes of a verify (``cachekeeper.builder.cache_watch``):
     the FX graph and AOTAutograd entries it had, those it gained or that changed (a miss
     writes one), and how many were read (None: not measured, because the dir is not the
     verify's own copy or its filesystem does not record reads)."""

@@ -2,26 +2,26 @@
 
 ``prewarm(workload, cache_dir, devices=[...])``:
 
-1. For each device, one fresh child process (``python -m cachekeeper._child``) with an
+1. For each device, one fresh child process (``python -m cachekeeper.builder._child``) with an
    empty staging ``TORCHINDUCTOR_CACHE_DIR`` compiles every regime in order, then every
    entrypoint. GPUs run in parallel, one process each, on their real index (all GPUs stay
    visible: the device index is part of Inductor's key). The CPU is one process.
 2. Then each ``[[command]]``, in order, runs once with its own empty staging dir
-   (``cachekeeper.commands``): the site's launcher picks its own devices and ranks, and
+   (``cachekeeper.builder.commands``): the site's launcher picks its own devices and ranks, and
    every Python process it starts reports its counters.
 3. If any child's workload raised, or a command exited non-zero, the cold compile is
    broken: the report says ``cold_compile_broken`` with the exception (or the command's
    last output lines), and nothing is merged; a command that exited non-zero having
-   compiled nothing is ``command_failed`` instead (``cachekeeper.commands``). Any other failure (crash, timeout, an import
+   compiled nothing is ``command_failed`` instead (``cachekeeper.builder.commands``). Any other failure (crash, timeout, an import
    path that does not resolve, a command that cannot start) is ``failed``; nothing is
    merged either.
 4. Otherwise every staging dir is merged into ``cache_dir`` with the restore rules
    (``cachekeeper.restore.merge_tree``: never delete, verified, atomic).
-5. Then ``cachekeeper.verify.verify``: a fresh child per device against ``cache_dir``, and
+5. Then ``cachekeeper.builder.verify.verify``: a fresh child per device against ``cache_dir``, and
    each command again in a fresh copy of ``cache_dir`` (as a node restores it), judged by
-   ``cachekeeper.verdicts.is_effective`` per device and per process.
+   ``cachekeeper.builder.verdicts.is_effective`` per device and per process.
 
-The children and their work area: ``cachekeeper.children``.
+The children and their work area: ``cachekeeper.builder.children``.
 """
 
 from __future__ import annotations
@@ -33,17 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import remote_tier
-from cachekeeper.children import child_cpu_state, run_children, slug, work_area
-from cachekeeper.commands import run_command
-from cachekeeper.confine import Confinement
+from cachekeeper.builder.children import child_cpu_state, run_children, slug, work_area
+from cachekeeper.builder.commands import run_command
+from cachekeeper.builder.confine import Confinement
+from cachekeeper.builder.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
+from cachekeeper.builder.verify import verify
+from cachekeeper.builder.workload import Workload
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
 from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import merge_tree
 from cachekeeper.restore.marker import unusable_reason
-from cachekeeper.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
-from cachekeeper.verify import verify
-from cachekeeper.workload import Workload
 
 __all__ = ["prewarm", "compiled_cpu_state"]
 
@@ -66,7 +66,7 @@ def prewarm(
     ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
     and each command run. ``devices`` are where ``[[attention]]`` and ``[[entrypoint]]``
     run; a command's ranks choose their own. ``confinement`` is what every process of the
-    build is held to (``cachekeeper.confine``; the agent hides its signing key).
+    build is held to (``cachekeeper.builder.confine``; the agent hides its signing key).
     """
     cache_dir = Path(cache_dir).absolute()
     # Before minutes of compiling: a dir the merge could not fill fails now, naming it.

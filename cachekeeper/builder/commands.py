@@ -1,7 +1,7 @@
 """Run a workload's ``[[command]]`` (the site's own launcher) and collect per-process evidence.
 
 ``run_command(command, cache_dir=..., work=...)`` starts ``command.argv`` without a shell,
-in ``command.cwd``, under a supervisor (``cachekeeper.confine``), with the builder's
+in ``command.cwd``, under a supervisor (``cachekeeper.builder.confine``), with the builder's
 environment (less ``CACHEKEEPER_TOKEN``: a build never holds the agent's token) plus exactly::
 
     command.env                          # what the workload says
@@ -12,9 +12,9 @@ environment (less ``CACHEKEEPER_TOKEN``: a build never holds the agent's token) 
     PYTHONPATH=<evidence hook>:$PYTHONPATH
     CACHEKEEPER_EVIDENCE_DIR=<work>/evidence-<mode>-<index>/
 
-The program is the file ``cachekeeper.allowlist.program_path`` finds (the one the allowlist
+The program is the file ``cachekeeper.builder.allowlist.program_path`` finds (the one the allowlist
 judged); ``argv[0]`` stays as written. The evidence hook
-(``cachekeeper/_evidence_hook/sitecustomize.py``) makes every Python process that imports
+(``cachekeeper/builder/_evidence_hook/sitecustomize.py``) makes every Python process that imports
 ``torch._dynamo`` write a start record, then its rank, device, cache counters and ending
 at exit; ``read_evidence`` pairs them, and a start without an end is a gap the verdict
 counts (docs/workloads.md says why this and not torch's structured trace). Output (stdout
@@ -42,10 +42,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cachekeeper import config, remote_tier
-from cachekeeper.allowlist import program_path
-from cachekeeper.confine import Confinement, start
-from cachekeeper.verdicts import CommandRun, ErrorInfo, ProcessEvidence, Progress, ProgressEvent
-from cachekeeper.workload import Command
+from cachekeeper.builder.allowlist import program_path
+from cachekeeper.builder.confine import Confinement, start
+from cachekeeper.builder.verdicts import (
+    CommandRun,
+    ErrorInfo,
+    ProcessEvidence,
+    Progress,
+    ProgressEvent,
+)
+from cachekeeper.builder.workload import Command
 
 __all__ = [
     "EVIDENCE_HOOK",
