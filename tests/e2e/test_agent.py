@@ -30,10 +30,10 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.builder.agent import AgentOptions, RoundReport, StopSignal, run_agent
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.signing import generate_keypair
@@ -305,7 +305,7 @@ def test_once_without_a_server_exits_non_zero(tmp_path: Path) -> None:
 
 
 def test_sweep_removes_only_marked_build_dirs_of_dead_agents(tmp_path: Path) -> None:
-    from cachekeeper.client.agent import MARKER, sweep_stale_builds
+    from cachekeeper.builder.agent import MARKER, sweep_stale_builds
 
     gone = subprocess.Popen(["true"])  # once it is waited for, its pid names no process
     gone.wait()

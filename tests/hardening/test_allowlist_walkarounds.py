@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, WorkloadOutcome, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.builder.agent import AgentOptions, WorkloadOutcome, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from tests.helpers.live_server import start_server
 

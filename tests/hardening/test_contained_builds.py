@@ -23,10 +23,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, prepare_options, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.builder.agent import AgentOptions, prepare_options, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import run_children, work_area
 from cachekeeper.builder.commands import run_command

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from cachekeeper.client.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.builder.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.fingerprint import digest_of
 from tests.helpers.live_server import LiveServer, start_server

@@ -43,12 +43,12 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, RoundReport, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.builder.agent import AgentOptions, RoundReport, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest

@@ -27,11 +27,11 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.builder.agent import AgentOptions, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.errors import SignatureInvalid

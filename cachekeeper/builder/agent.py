@@ -82,6 +82,7 @@ from cachekeeper.builder.harvest import HarvestJudgement, judge
 from cachekeeper.builder.prewarm import prewarm
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun
 from cachekeeper.builder.workload import Workload, parse_workload
+from cachekeeper.client.push import push
 from cachekeeper.devices import format_devices
 from cachekeeper.errors import BuildsUnconfined, CachekeeperError, ServerUnavailable
 from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, with_cpu
@@ -91,12 +92,9 @@ from cachekeeper.scan import scan_dir
 from cachekeeper.signing import SigningKey, TrustedKey, public_key_of, signature_problem
 from cachekeeper.store import LocalStore
 
-from .push import push
-
 if TYPE_CHECKING:
-    from cachekeeper.client.api import CacheClient, Resolution
-
     from cachekeeper.builder.verdicts import PrewarmReport, ProgressEvent
+    from cachekeeper.client.api import CacheClient, Resolution
 
 __all__ = [
     "DEFAULT_BUILD_TIMEOUT_S",

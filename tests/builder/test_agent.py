@@ -1,4 +1,4 @@
-"""client/agent.py without compiles: the daemon loop against a real server with nothing
+"""cachekeeper/builder/agent.py without compiles: the daemon loop against a real server with nothing
 registered (every round registers and lists, builds nothing), and a signing agent's notion
 of warm. The builds themselves are tests/e2e/test_agent.py's."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from cachekeeper.client.agent import (
+from cachekeeper.client.api import CacheClient
+
+from cachekeeper.builder.agent import (
     KEEP_REPORTS,
     AgentOptions,
     RoundReport,
@@ -15,8 +17,6 @@ from cachekeeper.client.agent import (
     run_agent,
     run_round,
 )
-from cachekeeper.client.api import CacheClient
-
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.fingerprint import collect, with_cpu
