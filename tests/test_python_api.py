@@ -33,7 +33,7 @@ MODULES = [
     "cachekeeper.client.pull",
     "cachekeeper.client.push",
     "cachekeeper.fingerprint",
-    "cachekeeper.builder.workload",
+    "cachekeeper.workload",
     "cachekeeper.errors",
 ]
 
