@@ -1,4 +1,4 @@
-"""cachekeeper/builder/agent.py without compiles: the daemon loop against a real server with nothing
+"""cachekeeper/builder/agent/ without compiles: the daemon loop against a real server with nothing
 registered (every round registers and lists, builds nothing), and a signing agent's notion
 of warm. The builds themselves are tests/e2e/test_agent.py's."""
 

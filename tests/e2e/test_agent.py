@@ -305,7 +305,7 @@ def test_once_without_a_server_exits_non_zero(tmp_path: Path) -> None:
 
 
 def test_sweep_removes_only_marked_build_dirs_of_dead_agents(tmp_path: Path) -> None:
-    from cachekeeper.builder.agent import MARKER, sweep_stale_builds
+    from cachekeeper.builder.agent.keep_warm import MARKER, sweep_stale_builds
 
     gone = subprocess.Popen(["true"])  # once it is waited for, its pid names no process
     gone.wait()

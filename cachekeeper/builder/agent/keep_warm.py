@@ -1,39 +1,5 @@
-"""The builder agent: keep every registered workload warm for this node's environment.
-
-One round (``run_round``):
-
-1. Collect the fingerprint again (a torch, Triton, CUDA wheel or driver upgrade changes its
-   digest) and register with the server; the agent is one per name (its id is its name's),
-   so registering is idempotent and a changed environment updates the same agent.
-2. List the registered workloads. For each, in name order: ask the server to resolve it
-   for the fingerprint its build compiles under (the agent's, with the CPU state of the
-   workload's ``[process] omp_num_threads``: what the snapshot carries and the workload's
-   events name) and these devices. A *verified* snapshot built from the same
-   workload text counts as warm: report ``skipped`` and compile nothing. A signing agent
-   (``--sign-key``) asks with its own public key as the node's trust (resolve's
-   ``trusted_keys``) and checks the answer's signature itself: a snapshot its own key did
-   not sign, or whose "verified" its key did not sign, is not warm. Otherwise build:
-   report ``building``, prewarm on every selected device (one fresh process per device,
-   cold, then a verify run; each ``[[command]]`` once cold, then again in a fresh copy),
-   push only when verified, and report ``built``, ``cold_compile_broken`` (with the
-   traceback tail) or ``failed``. One workload's crash or timeout never stops the others.
-3. Code runs only when this builder's operator allowed it (``cachekeeper.builder.allowlist``,
-   ``agent --allow`` / ``--allow-file``): a workload whose command (program, arguments,
-   env, cwd) or import path no entry admits is reported ``refused`` with why and what to
-   allow, and nothing of it runs. Every process of a build runs under a supervisor that
-   reaps its whole tree (``cachekeeper.builder.confine``); an import path must name a def or class
-   of its module; with ``--sign-key`` the key is read once, before any build, and hidden
-   from every build's processes (``cachekeeper.builder.landlock``): a host that cannot hide it is
-   refused at start (``BuildsUnconfined``) unless the operator passed ``--unconfined-builds``.
-4. Promotion, under the rule that **a builder signs only bytes it compiled itself in
-   that round; a harvest is at most a hint of what to compile** (``cachekeeper.builder.harvest``):
-   a warm workload with a ``[[command]]`` whose snapshot has harvested deltas
-   (``postjob --push`` from training nodes, same fingerprint digest) is built again, cold,
-   in a fresh empty dir, like any build; no delta is ever restored or loaded here, only
-   their manifests are read. When its own run compiled harvested entries the snapshot
-   lacks, its own build is pushed (signed, verified) and reported ``built`` saying how
-   many; the rest are kept back with why, and nothing is published when none was
-   compiled here (``skipped``). A set of deltas is judged once per agent process.
+"""One round's work for one workload: resolve, then skip, promote a harvest, refuse or
+build, then report (``KeepWarm``); and the build folders it makes and always removes.
 
 Each build happens in a folder this agent creates and always removes, so the work dir
 never fills the disk::
@@ -45,269 +11,51 @@ never fills the disk::
       store/                        # the local blob store push snapshots into
 
 Folders with the marker whose pid is gone (an agent killed with SIGKILL) are removed at
-the next start; nothing without the marker is ever touched.
-
-Stopping (``StopSignal``): SIGTERM/SIGINT set a flag. Between rounds the agent wakes at
-once. During a build the signal abandons it: the exception raised in the main thread
-unwinds prewarm, whose ``finally`` kills every child process group, and the push, whose
-publish is its last request, so no half-pushed snapshot is ever published. The abandoned
-build is reported as ``failed`` and the agent returns cleanly.
+the next start (``sweep_stale_builds``); nothing without the marker is ever touched.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from cachekeeper import config, remote_tier, wire
 from cachekeeper._proc import pid_alive
-from cachekeeper.builder import landlock
-from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.agent.options import AgentMemory, AgentOptions, Log
+from cachekeeper.builder.agent.outcomes import OutcomeStatus, WorkloadOutcome
+from cachekeeper.builder.agent.stop import AgentStopped, StopSignal
 from cachekeeper.builder.children import child_cpu_state
-from cachekeeper.builder.confine import Confinement
 from cachekeeper.builder.harvest import HarvestJudgement, judge
 from cachekeeper.builder.prewarm import prewarm
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun
 from cachekeeper.builder.workload import Workload, parse_workload
 from cachekeeper.client.push import push
 from cachekeeper.devices import format_devices
-from cachekeeper.errors import BuildsUnconfined, CachekeeperError, ServerUnavailable
-from cachekeeper.fingerprint import CpuState, Fingerprint, collect, digest_of, with_cpu
+from cachekeeper.errors import CachekeeperError
+from cachekeeper.fingerprint import CpuState, Fingerprint, digest_of, with_cpu
 from cachekeeper.manifest import Manifest
 from cachekeeper.provenance import load_prewarm_record, recorded_cpu
 from cachekeeper.scan import scan_dir
-from cachekeeper.signing import SigningKey, TrustedKey, public_key_of, signature_problem
+from cachekeeper.signing import TrustedKey, signature_problem
 from cachekeeper.store import LocalStore
 
 if TYPE_CHECKING:
     from cachekeeper.builder.verdicts import PrewarmReport, ProgressEvent
     from cachekeeper.client.api import CacheClient, Resolution
 
-__all__ = [
-    "DEFAULT_BUILD_TIMEOUT_S",
-    "AgentMemory",
-    "AgentOptions",
-    "AgentStopped",
-    "RoundReport",
-    "StopSignal",
-    "WorkloadOutcome",
-    "prepare_options",
-    "run_agent",
-    "run_round",
-    "sweep_stale_builds",
-]
-
-OutcomeStatus = Literal["built", "skipped", "cold_compile_broken", "failed", "refused"]
-Log = Callable[[str], None]
+__all__ = ["MARKER", "KeepWarm", "sweep_stale_builds"]
 
 MARKER = ".cachekeeper-agent-build"
 _TAIL_LINES = 20
 _TAIL_LINE_CHARS = 500
 _DETAIL_CHARS = 4000
-KEEP_REPORTS = 16  # round reports run_agent keeps in memory (the newest)
-# A build's default bound (``agent --build-timeout``): a cold compile of a real workload
-# takes minutes (torchtitan's flex_attention with max-autotune, the most expensive we
-# measured, 69 s per regime), so an hour per child is far past any honest build and ends
-# one that a registered workload made endless (100,000 sequence lengths kept an agent busy).
-DEFAULT_BUILD_TIMEOUT_S = 3600.0
-
-
-class AgentStopped(BaseException):
-    """Raised in the main thread by a stop signal to abandon a build or a wait.
-
-    A BaseException, so that no ``except Exception`` on the way up swallows it.
-    """
-
-
-class StopSignal:
-    """A stop request: set by SIGTERM/SIGINT (``install``) or by ``set()`` from any thread.
-
-    Inside ``abandonable()`` (main thread), a signal also raises ``AgentStopped`` at once.
-    ``set()`` from another thread only stops the agent between workloads and rounds.
-    """
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._signalled = False  # set by the handler: no locks in a signal handler
-        self._depth = 0
-        self._raised = False
-
-    def is_set(self) -> bool:
-        return self._signalled or self._event.is_set()
-
-    def set(self) -> None:
-        self._event.set()
-
-    def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this (the main) thread."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self._signalled = True
-        # Raise once only: a second signal must not interrupt the unwinding of the first
-        # (prewarm's ``finally`` that kills the children).
-        if self._depth > 0 and not self._raised:
-            self._raised = True
-            raise AgentStopped(signal.Signals(signum).name)
-
-    @contextlib.contextmanager
-    def abandonable(self) -> Iterator[None]:
-        """A block a signal interrupts (raising AgentStopped) instead of waiting for."""
-        self._depth += 1
-        try:
-            if self.is_set():
-                raise AgentStopped("stop requested")
-            yield
-        finally:
-            self._depth -= 1
-
-    def sleep(self, seconds: float) -> None:
-        """Wait ``seconds``, or less if a stop comes (returns, never raises)."""
-        try:
-            with self.abandonable():
-                self._event.wait(seconds)
-        except AgentStopped:
-            pass
-
-
-@dataclass(frozen=True)
-class AgentOptions:
-    """What the agent builds, where, and for how long (``cachekeeper agent``'s options)."""
-
-    devices: tuple[str, ...]
-    work_dir: Path
-    name: str = field(default_factory=socket.gethostname)
-    # Each prewarm or verify child, and each command run, is killed past this (a command's
-    # own ``timeout`` wins when shorter); the build is then reported ``failed``, "timeout".
-    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S
-    push_workers: int = 4
-    heartbeat_s: float = 60.0  # heartbeats while a build runs
-    sign_key: Path | SigningKey | None = None  # Ed25519 PREFIX.key: every push is signed
-    allow: Allowlist = field(default_factory=Allowlist)  # the code this builder may run
-    unconfined: bool = False  # sign even where builds cannot be kept from the key
-
-    @property
-    def confinement(self) -> Confinement:
-        """What every process of a build is held to: reaped; an import path defined in its
-        module; the signing key hidden where this host can (``prepare_options`` refused
-        the rest unless ``unconfined``)."""
-        hidden: tuple[Path, ...] = ()
-        if self.sign_key is not None and landlock.unavailable_reason() is None:
-            hidden = (Path(self.sign_key).absolute(),)
-        return Confinement(hidden=hidden, defined_imports=True)
-
-
-def prepare_options(options: AgentOptions, *, log: Log | None = None) -> AgentOptions:
-    """Read the signing key into memory (before any build runs), and refuse to sign where
-    a build could read it: BuildsUnconfined, unless ``options.unconfined`` (then a warning).
-
-    Idempotent: a key already read is not read again.
-    """
-    key = options.sign_key
-    if key is None:
-        return options
-    if not isinstance(key, SigningKey):
-        key = SigningKey.load(Path(key).absolute())
-    problem = landlock.unavailable_reason() or landlock.hidden_file_problem(key.path)
-    if problem is not None and not options.allow.empty:
-        message = (
-            f"--sign-key {key.path}: builds run admitted code, and this builder cannot keep"
-            f" the key from it: {problem}"
-        )
-        if not options.unconfined:
-            raise BuildsUnconfined(
-                message + "; sign elsewhere, run the agent where Landlock works (Linux >= 5.19),"
-                " or pass --unconfined-builds to accept that the code you admit can read it"
-            )
-        if log is not None:
-            log(f"warning: {message} (--unconfined-builds)")
-    return replace(options, sign_key=key)
-
-
-@dataclass
-class AgentMemory:
-    """What an agent process remembers between rounds: the harvests it judged (the warm
-    snapshot's id and its deltas' ids), so that each set costs one build."""
-
-    judged_harvests: set[tuple[str, frozenset[str]]] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class WorkloadOutcome:
-    """What one round did for one workload, and whether the server heard about it."""
-
-    workload: str
-    status: OutcomeStatus
-    fingerprint_digest: str
-    prewarm_ran: bool
-    seconds: float
-    snapshot_id: str | None = None
-    detail: str = ""
-    traceback_tail: tuple[str, ...] = ()
-    reported: bool = False
-    abandoned: bool = False
-    prewarm: dict[str, Any] | None = None  # PrewarmReport.to_dict() when a prewarm ran
-
-    def to_dict(self) -> dict[str, Any]:
-        return wire.to_dict(self)
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    """One round: the environment it ran for and each workload's outcome."""
-
-    agent_id: str
-    name: str
-    fingerprint_digest: str
-    fingerprint_changed: bool  # the digest differs from the previous round's
-    devices: tuple[str, ...]
-    started_at: str
-    seconds: float
-    outcomes: tuple[WorkloadOutcome, ...]
-    stopped: bool  # a stop request ended the round early
-
-    @property
-    def prewarms_run(self) -> int:
-        return sum(o.prewarm_ran for o in self.outcomes)
-
-    @property
-    def all_reported(self) -> bool:
-        """Every outcome reached the server (the ``--once`` success condition)."""
-        return all(o.reported for o in self.outcomes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "agent_id": self.agent_id,
-            "name": self.name,
-            "fingerprint_digest": self.fingerprint_digest,
-            "fingerprint_changed": self.fingerprint_changed,
-            "devices": list(self.devices),
-            "started_at": self.started_at,
-            "seconds": self.seconds,
-            "stopped": self.stopped,
-            "prewarms_run": self.prewarms_run,
-            "all_reported": self.all_reported,
-            "outcomes": [o.to_dict() for o in self.outcomes],
-        }
-
-
-def _utc_now() -> str:
-    # Not wire.utc_now: a round's started_at is `agent --json` output, in whole seconds.
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def sweep_stale_builds(work_dir: Path) -> list[Path]:
@@ -327,85 +75,7 @@ def sweep_stale_builds(work_dir: Path) -> list[Path]:
     return removed
 
 
-# -- one round ------------------------------------------------------------------------------
-
-
-def run_round(
-    options: AgentOptions,
-    *,
-    client: CacheClient,
-    stop: StopSignal | None = None,
-    log: Log | None = None,
-    previous_digest: str | None = None,
-    memory: AgentMemory | None = None,
-) -> RoundReport:
-    """Register, then make every registered workload warm for this environment.
-
-    Raises ServerUnavailable (or the server's error) when registering or listing the
-    workloads fails; a failure while building one workload is that workload's outcome.
-    """
-    stop = stop or StopSignal()
-    say = log or (lambda line: None)
-    options = prepare_options(options)
-    started = time.monotonic()
-    started_at = _utc_now()
-    # This process runs with the remote-cache switches nodes get (two are in torch's keys):
-    # its prewarm/verify children inherit them, and its fingerprint records them.
-    offer = client.remote_cache()
-    remote_tier.set_builder_switches(os.environ, {} if offer is None else offer.switches)
-    fingerprint = collect()
-    digest = digest_of(fingerprint)
-    changed = previous_digest is not None and previous_digest != digest
-    agent = client.register_agent(
-        name=options.name,
-        fingerprint=fingerprint,
-        fingerprint_digest=digest,
-        devices=list(options.devices),
-        gpus=[dict(gpu) for gpu in fingerprint["gpus"]],
-        version=config.package_version(),
-    )
-    agent_id = agent.id
-    note = " (environment changed: building for the new fingerprint)" if changed else ""
-    say(
-        f"agent {options.name} [{agent_id}] fingerprint {digest[:12]} on"
-        f" {','.join(options.devices)}{note}"
-    )
-    workloads = sorted(client.list_workloads(), key=lambda w: w.name)
-    # A signing agent trusts its own key only: what it did not sign is not warm for it.
-    own_key = None if options.sign_key is None else public_key_of(options.sign_key)
-    builder = _Builder(
-        options=options,
-        client=client,
-        stop=stop,
-        say=say,
-        agent_id=agent_id,
-        fingerprint=fingerprint,
-        digest=digest,
-        memory=memory or AgentMemory(),
-        own_key=own_key,
-    )
-    outcomes: list[WorkloadOutcome] = []
-    for entry in workloads:
-        if stop.is_set():
-            break
-        outcome = builder.keep_warm(entry.name)
-        outcomes.append(outcome)
-        if outcome.abandoned:
-            break
-    return RoundReport(
-        agent_id=agent_id,
-        name=options.name,
-        fingerprint_digest=digest,
-        fingerprint_changed=changed,
-        devices=tuple(options.devices),
-        started_at=started_at,
-        seconds=round(time.monotonic() - started, 3),
-        outcomes=tuple(outcomes),
-        stopped=stop.is_set(),
-    )
-
-
-class _Builder:
+class KeepWarm:
     """One round's per-workload work: resolve, then skip or build, then report."""
 
     def __init__(
@@ -772,64 +442,3 @@ class _Builder:
             self.say(f"{name}: could not report {fields['status']!r}: {exc.detail}")
             return False
         return True
-
-
-# -- the daemon -----------------------------------------------------------------------------
-
-
-def run_agent(
-    options: AgentOptions,
-    *,
-    client: CacheClient,
-    interval_s: float,
-    once: bool = False,
-    stop: StopSignal | None = None,
-    log: Log | None = None,
-    on_round: Callable[[RoundReport], None] | None = None,
-    keep_reports: int = KEEP_REPORTS,
-) -> list[RoundReport]:
-    """Run rounds every ``interval_s`` until ``stop`` (or one round with ``once``).
-
-    With ``once``, a round that cannot reach the server raises; the daemon logs it and
-    tries again next interval. Returns the last ``keep_reports`` rounds' reports (a daemon
-    runs for months: every round goes to ``on_round``, and only these stay in memory).
-    """
-    stop = stop or StopSignal()
-    say = log or (lambda line: None)
-    options = prepare_options(options, log=say)  # the key is read here, before any build
-    hidden = options.confinement.hidden
-    if hidden:
-        say(f"builds cannot read {', '.join(map(str, hidden))} (Landlock)")
-    removed = sweep_stale_builds(options.work_dir)
-    if removed:
-        say(f"removed {len(removed)} build dir(s) a previous agent left in {options.work_dir}")
-    reports: collections.deque[RoundReport] = collections.deque(maxlen=max(1, keep_reports))
-    previous: str | None = None
-    memory = AgentMemory()
-    while not stop.is_set():
-        try:
-            report = run_round(
-                options,
-                client=client,
-                stop=stop,
-                log=say,
-                previous_digest=previous,
-                memory=memory,
-            )
-        except CachekeeperError as exc:
-            if once:
-                raise
-            say(f"round failed: {exc.detail} [{exc.code}]; next try in {interval_s:g} s")
-        else:
-            previous = report.fingerprint_digest
-            reports.append(report)
-            if on_round is not None:
-                on_round(report)
-            if once:
-                if not report.all_reported and not report.stopped:
-                    raise ServerUnavailable(
-                        "the server stopped answering: some outcomes were not reported"
-                    )
-                break
-        stop.sleep(interval_s)
-    return list(reports)
