@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
-    from cachekeeper.fingerprint import CpuState
+if TYPE_CHECKING:  # types only: at run time this module stays stdlib (the hook imports it)
+    from cachekeeper.fingerprint_shape import CpuState
 
 __all__ = ["state", "differences", "thread_advice", "COMPARED", "PROVENANCE", "THREAD_VARIABLES"]
 

@@ -29,6 +29,7 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.devices import select_devices
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
+from cachekeeper.fingerprint import visible_gpus
 
 __all__ = ["prewarm_cmd", "progress_to_stderr", "run_with_site_switches"]
 
@@ -120,7 +121,7 @@ def prewarm_cmd(
         report = prewarm(
             parsed,
             cache_dir,
-            devices=select_devices(device),
+            devices=select_devices(device, visible=visible_gpus),
             progress=progress_to_stderr,  # stderr even with --json: stdout is the report
             timeout_s=timeout_s,
         )
