@@ -39,10 +39,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cachekeeper.cli.local_snapshot:inspect_cmd",
         "Show a snapshot archive's manifest summary.",
     ),
-    "ls": ("cachekeeper.cli.store:ls_cmd", "List snapshots in the local store."),
-    "rm": ("cachekeeper.cli.store:rm_cmd", "Remove snapshots from the local store."),
+    "ls": ("cachekeeper.cli.local:ls_cmd", "List snapshots in the local store."),
+    "rm": ("cachekeeper.cli.local:rm_cmd", "Remove snapshots from the local store."),
     "gc": (
-        "cachekeeper.cli.store:gc_cmd",
+        "cachekeeper.cli.local:gc_cmd",
         "Delete local blobs no stored snapshot references (--server: the server's GC).",
     ),
     "workload": (

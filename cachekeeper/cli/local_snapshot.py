@@ -1,7 +1,7 @@
 """The local snapshot commands: ``snapshot`` (create an archive), ``restore``, ``inspect``.
 
 The server's snapshots (``cachekeeper snapshots ls/pin/unpin/rm``) are
-``cli/server_snapshots.py``; the local store's ``ls``/``rm``/``gc`` are ``cli/store.py``.
+``cli/server_snapshots.py``; the local store's ``ls``/``rm``/``gc`` are ``cli/local.py``.
 Each parses, makes one library call, and prints (``--json`` for scripts). A snapshot is
 named by an archive file path or by a local store id (or a unique id prefix).
 Restore conflicts (a different file already at a snapshot path, kept as it was) are

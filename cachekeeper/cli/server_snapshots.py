@@ -1,6 +1,6 @@
 """``cachekeeper snapshots ls`` / ``pin`` / ``unpin`` / ``rm``: the server's snapshots.
 
-The local store has its own ``ls`` / ``rm`` (``cli/store.py``), and the local snapshot
+The local store has its own ``ls`` / ``rm`` (``cli/local.py``), and the local snapshot
 commands are ``cli/local_snapshot.py``; these talk to the server (--server/--token).
 A snapshot is named by its id or a unique prefix of at least 4 characters, resolved
 against the server's list.

@@ -1,4 +1,4 @@
-"""The local snapshot and store commands (cli/local_snapshot.py, cli/store.py), through click against
+"""The local snapshot and store commands (cli/local_snapshot.py, cli/local.py), through click against
 a real store and real archives; the help check also covers cli/fingerprint.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.cli.conftest import run
 
 LOCAL_MODULES = (
     "cachekeeper.cli.local_snapshot:",
-    "cachekeeper.cli.store:",
+    "cachekeeper.cli.local:",
     "cachekeeper.cli.fingerprint:",
 )
 OWNED = {name for name, (target, _) in COMMANDS.items() if target.startswith(LOCAL_MODULES)}
