@@ -193,7 +193,12 @@ def test_operator_commands_give_up_on_a_hung_server_at_the_timeout(tmp_path: Pat
     hung.listen(16)  # connections complete in the backlog; nothing ever answers
     url = f"http://127.0.0.1:{hung.getsockname()[1]}"
     try:
-        for command in (["snapshots", "ls"], ["status"], ["workload", "ls"], ["snapshots", "gc", "--server"]):
+        for command in (
+            ["snapshots", "ls"],
+            ["status"],
+            ["workload", "ls"],
+            ["snapshots", "gc", "--server"],
+        ):
             args = [*command] if command[-1] == "--server" else [*command, "--server"]
             proc = ck(*args, url, "--timeout", "1", cwd=tmp_path)  # ck: a 300 s hang guard
             assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
