@@ -36,8 +36,8 @@ from cachekeeper.cli._common import (
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
 from cachekeeper.manifest import Manifest
-from cachekeeper.repair import plan_set_aside
 from cachekeeper.restore import RestoreReport, restore, restore_archive
+from cachekeeper.restore.repair import plan_set_aside
 from cachekeeper.snapshot import read_archive_manifest, snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 

@@ -27,9 +27,9 @@ from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import CacheDirChanged, LinkInCacheDir
 from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry
-from cachekeeper.node_cache import plan_prune, scan_node_dirs
-from cachekeeper.repair import plan_set_aside
 from cachekeeper.restore import merge_tree, restore_archive
+from cachekeeper.restore.node_cache import plan_prune, scan_node_dirs
+from cachekeeper.restore.repair import plan_set_aside
 from cachekeeper.restore.writer import is_present
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
