@@ -29,8 +29,8 @@ from cachekeeper.builder import landlock  # noqa: E402
 from cachekeeper.builder.confine import Confinement  # noqa: E402
 from cachekeeper.builder.prewarm import prewarm  # noqa: E402
 from cachekeeper.builder.workload import load_workload  # noqa: E402
-from cachekeeper.devices import select_devices  # noqa: E402
-from cachekeeper.fingerprint import visible_gpus  # noqa: E402
+from cachekeeper.environment.devices import select_devices  # noqa: E402
+from cachekeeper.environment.fingerprint import visible_gpus  # noqa: E402
 from cachekeeper.signing import generate_keypair  # noqa: E402
 
 

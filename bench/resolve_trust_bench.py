@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench._server import serve  # noqa: E402
-from cachekeeper.fingerprint import collect  # noqa: E402
+from cachekeeper.environment.fingerprint import collect  # noqa: E402
 from cachekeeper.manifest import FileEntry, Manifest  # noqa: E402
 from cachekeeper.signing import generate_keypair, load_public_key, sign_manifest  # noqa: E402
 

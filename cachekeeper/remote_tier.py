@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
 if TYPE_CHECKING:  # types only: at run time this module stays stdlib (the hook imports it)
-    from cachekeeper.fingerprint_shape import Fingerprint
+    from cachekeeper.environment.shape import Fingerprint
 
 __all__ = [
     "AOTAUTOGRAD",

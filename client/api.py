@@ -76,7 +76,7 @@ from .transport import StreamReader, http_client, read_answer, send
 if TYPE_CHECKING:
     import httpx
 
-    from cachekeeper.fingerprint import Fingerprint
+    from cachekeeper.environment.fingerprint import Fingerprint
     from cachekeeper.signing import TrustedKey
 
 __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]

@@ -51,7 +51,7 @@ from .tier_stats import TierJob
 from .tier_stats import collect as collect_tier
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
-    from cachekeeper.fingerprint import Fingerprint
+    from cachekeeper.environment.fingerprint import Fingerprint
 
 __all__ = [
     "KINDS",
@@ -318,7 +318,7 @@ def postjob(
     (``pushed_snapshot_id``; a failure is a ``warning``). Nothing is pushed after a cold
     start (no parent) or when nothing new was compiled.
     """
-    from cachekeeper.fingerprint import collect, digest_of  # the hook's start-up budget
+    from cachekeeper.environment.fingerprint import collect, digest_of  # the hook's start-up budget
 
     started = time.monotonic()
     started_at = utc_now()

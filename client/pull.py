@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from cachekeeper.archive import read_manifest_member
+from cachekeeper.environment.fingerprint import Fingerprint, collect, format_mismatches
 from cachekeeper.errors import (
     CachekeeperError,
     NoMatchingSnapshot,
     ServerError,
 )
-from cachekeeper.fingerprint import Fingerprint, collect, format_mismatches
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import restore_snapshot
 from cachekeeper.restore.sources import Blobs, archive_blobs

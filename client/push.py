@@ -33,7 +33,7 @@ from .api import CacheClient, Deadline
 from .direct import ObjectStore
 
 if TYPE_CHECKING:
-    from cachekeeper.fingerprint import Fingerprint
+    from cachekeeper.environment.fingerprint import Fingerprint
 
 __all__ = [
     "PUBLISH_BYTES_PER_S",

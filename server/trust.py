@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from cachekeeper.fingerprint import canonical_json
+from cachekeeper.environment.fingerprint import canonical_json
 from cachekeeper.manifest import claims_verified
 from cachekeeper.signing import TrustedKey, signature_problem_of, trusted_key_from_wire
 from cachekeeper.wire import Summary

@@ -39,8 +39,8 @@ from cachekeeper.builder.confine import Confinement
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import Workload
+from cachekeeper.environment.fingerprint import CpuState
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
-from cachekeeper.fingerprint import CpuState
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import merge_tree
 from cachekeeper.restore.marker import unusable_reason

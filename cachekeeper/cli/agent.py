@@ -36,8 +36,8 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.cli.keys import sign_key_option
 from cachekeeper.client.api import CacheClient
-from cachekeeper.devices import select_devices
-from cachekeeper.fingerprint import visible_gpus
+from cachekeeper.environment.devices import select_devices
+from cachekeeper.environment.fingerprint import visible_gpus
 
 __all__ = ["agent_cmd"]
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import click
 
-from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.cli._common import (
     PathParam,
     echo_err,
@@ -34,6 +33,7 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
+from cachekeeper.environment import fingerprint as fingerprint_mod
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import RestoreReport, restore, restore_archive

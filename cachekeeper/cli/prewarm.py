@@ -27,9 +27,9 @@ from cachekeeper.cli._common import (
     server_option,
     token_option,
 )
-from cachekeeper.devices import select_devices
+from cachekeeper.environment.devices import select_devices
+from cachekeeper.environment.fingerprint import visible_gpus
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
-from cachekeeper.fingerprint import visible_gpus
 
 __all__ = ["prewarm_cmd", "progress_to_stderr", "run_with_site_switches"]
 

@@ -24,8 +24,8 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.prewarm import progress_to_stderr, run_with_site_switches
-from cachekeeper.devices import select_devices
-from cachekeeper.fingerprint import visible_gpus
+from cachekeeper.environment.devices import select_devices
+from cachekeeper.environment.fingerprint import visible_gpus
 from cachekeeper.restore.marker import recorded_conflicts
 from cachekeeper.store import LocalStore
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from cachekeeper.server.records import StatusFacts
 
-from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.environment.fingerprint import Fingerprint
 from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats, utc_now
 
 from .base import Reads, Writes, chunks

@@ -74,8 +74,8 @@ from collections.abc import Callable
 
 import sqlite_utils
 
+from cachekeeper.environment.fingerprint import digest_of
 from cachekeeper.errors import CatalogTooNew
-from cachekeeper.fingerprint import digest_of
 from cachekeeper.wire import utc_now
 
 from .fleet import agent_id_for

@@ -21,7 +21,8 @@ from cachekeeper.server.deps import StorageDep
 from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Path, Query
 
-from cachekeeper.devices import requested_devices
+from cachekeeper.environment.devices import requested_devices
+from cachekeeper.environment.fingerprint import digest_of, json_digest, parse
 from cachekeeper.errors import (
     AgentNotFound,
     CachekeeperError,
@@ -29,7 +30,6 @@ from cachekeeper.errors import (
     InvalidManifest,
     InvalidRequest,
 )
-from cachekeeper.fingerprint import digest_of, json_digest, parse
 from cachekeeper.wire import (
     DIGEST_PATTERN,
     AgentEvent,

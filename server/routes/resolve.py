@@ -19,8 +19,8 @@ from cachekeeper.server.tier import offer_for
 from cachekeeper.server.trust import parse_trusted_keys
 from fastapi import APIRouter, Request
 
+from cachekeeper.environment.fingerprint import parse
 from cachekeeper.errors import InvalidManifest, InvalidRequest, NotFound
-from cachekeeper.fingerprint import parse
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
 __all__ = ["router"]

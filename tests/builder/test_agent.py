@@ -19,7 +19,7 @@ from cachekeeper.builder.agent import (
 )
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
-from cachekeeper.fingerprint import collect, with_cpu
+from cachekeeper.environment.fingerprint import collect, with_cpu
 from cachekeeper.signing import generate_keypair
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cachekeeper.builder.harvest import entries, entry_of, judge
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.manifest import FileEntry, Manifest
 
 FP = collect()

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachekeeper.cli import cli
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.restore import restore
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore

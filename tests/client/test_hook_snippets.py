@@ -29,7 +29,7 @@ from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server

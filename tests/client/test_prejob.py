@@ -244,7 +244,7 @@ def test_download_cut_off_leaves_no_partial_file_and_rerun_completes(served, rel
 
 
 def test_default_cache_dir_is_per_fingerprint_under_home(served, tmp_path):
-    from cachekeeper.fingerprint import collect, digest_of
+    from cachekeeper.environment.fingerprint import collect, digest_of
 
     url = served.live.url
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}

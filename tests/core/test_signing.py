@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import CachekeeperError, SignatureInvalid
-from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.signing import (
     generate_keypair,

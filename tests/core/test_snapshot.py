@@ -13,9 +13,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachekeeper import cpu
+from cachekeeper.environment import cpu
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import LinkInCacheDir
-from cachekeeper.fingerprint import collect
 from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import restore, restore_archive
 from cachekeeper.snapshot import (

@@ -23,7 +23,7 @@ from cachekeeper.client.prejob import prejob
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.restore import is_restored
 from tests.conftest import PROBE
 from tests.helpers.live_server import TOKENS, start_server

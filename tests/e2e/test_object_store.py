@@ -22,8 +22,8 @@ from cachekeeper.client.push import push
 from cachekeeper.server.s3store import S3BlobStore, checksum_b64
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import BlobMissing
-from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore

@@ -29,7 +29,7 @@ from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder.children import child_cpu_state
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.environment.fingerprint import collect, digest_of
 from tests.conftest import run_probe
 from tests.helpers.live_server import start_server
 

@@ -29,7 +29,7 @@ from cachekeeper.builder.prewarm import prewarm
 from cachekeeper.builder.verdicts import PrewarmReport, ProgressEvent
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import load_workload, parse_workload
-from cachekeeper.devices import parse_devices
+from cachekeeper.environment.devices import parse_devices
 from tests.helpers.requires import require
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children

@@ -24,8 +24,8 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper import scan
 from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import CacheDirChanged, LinkInCacheDir
-from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry
 from cachekeeper.restore import merge_tree, restore_archive
 from cachekeeper.restore.node_cache import plan_prune, scan_node_dirs

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.restore.triton_groups import is_group_path, rewrite_group
 from cachekeeper.snapshot import snapshot_dir, write_archive

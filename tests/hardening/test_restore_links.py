@@ -20,8 +20,8 @@ import pytest
 import zstandard
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import UnsafePath
-from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import is_restored, restore, restore_archive
 from cachekeeper.signing import generate_keypair, load_public_key, sign_manifest

@@ -17,7 +17,7 @@ from cachekeeper.client.push import push
 from cachekeeper.server.s3store import parse_s3_url
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from tests.hardening.conftest import visible_files
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from cachekeeper.server.settings import Settings, load_settings
 
+from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.errors import ConfigInvalid
-from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli

@@ -22,7 +22,7 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
 from cachekeeper.builder.allowlist import Allowlist
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.environment.fingerprint import digest_of
 from tests.helpers.live_server import LiveServer, start_server
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "cpu-tiny.toml"

@@ -34,8 +34,8 @@ from cachekeeper.server.settings import Settings
 from cachekeeper.builder.agent import AgentOptions, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
+from cachekeeper.environment.fingerprint import collect, with_cpu
 from cachekeeper.errors import SignatureInvalid
-from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.manifest import Manifest
 from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
 from cachekeeper.snapshot import snapshot_dir

@@ -4,7 +4,7 @@ inside) and ``parse``, its check. Nothing else.
 It is its own module so that the fingerprint's parts can name it one way: ``cpu`` (the
 ``cpu`` field), ``remote_tier`` (which adds its key switches to a fingerprint) and
 ``fingerprint`` (which collects and compares) import it, and it imports none of them.
-``cachekeeper.fingerprint`` re-exports every name here: users import them from there.
+``cachekeeper.environment.fingerprint`` re-exports every name here: users import them from there.
 
 The shape (``Fingerprint``, with ``Gpu`` and ``CpuState`` inside) is a TypedDict, not a
 frozen dataclass, because a fingerprint *is* its JSON: its digest is the sha256 of its
@@ -13,7 +13,7 @@ it as JSON. A TypedDict types that JSON for mypy and leaves it as it is, so
 
 - ``parse`` (a fingerprint from a manifest or the wire) checks the fields this version
   knows and returns the very object it was given: its canonical JSON and digest cannot
-  move (tests/core/test_fingerprint_digests.py pins them);
+  move (tests/environment/test_fingerprint_digests.py pins them);
 - a field this version does not know (a newer cachekeeper's, at any depth) is kept, so it
   stays in the digest, and a newer schema still parses;
 - an absent field stays absent and a ``null`` stays ``null`` (their digests differ):
@@ -50,7 +50,7 @@ class Gpu(TypedDict):
 
 class CpuState(TypedDict):
     """The fingerprint's ``cpu`` field (schema 2): what changes Inductor's CPU kernels
-    (``cachekeeper.cpu``). ``threads_from`` says where the count came from; it is shown,
+    (``cachekeeper.environment.cpu``). ``threads_from`` says where the count came from; it is shown,
     never compared (``cpu.COMPARED``) and not in the digest (``PROVENANCE``)."""
 
     threads: ReadOnly[int]

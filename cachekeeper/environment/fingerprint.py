@@ -11,7 +11,7 @@ that does not answer in time raises ``FingerprintUnavailable``: a fingerprint wi
 GPUs would be a wrong one, never a safe guess.
 
 The ``cpu`` field (schema 2) is the process state that changes what Inductor compiles for
-the CPU: the thread count, the vector ISA (``cachekeeper.cpu``). It is compared only for
+the CPU: the thread count, the vector ISA (``cachekeeper.environment.cpu``). It is compared only for
 snapshots that cover the ``cpu`` device; a fingerprint without it (schema 1) is not a
 mismatch, and ``unchecked`` names it so ``explain`` can say it was not checked.
 
@@ -30,8 +30,8 @@ policy (``"newer"``) accepts a node driver at least as new as the builder's, sin
 built by a newer ptxas can fail to load on an older driver, and no Inductor key holds it.
 
 The shape (``Fingerprint``, ``Gpu``, ``CpuState``) and its check (``parse``) are
-``cachekeeper.fingerprint_shape``'s, which ``cpu`` and ``remote_tier`` import too; this module
-re-exports them, the names users import.
+``cachekeeper.environment.shape``'s, which ``cpu`` and ``remote_tier`` type against too; this
+module re-exports them. A user's script imports all of it as ``cachekeeper.fingerprint``.
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from cachekeeper import config, cpu, remote_tier
-from cachekeeper.devices import coverage_advice
+from cachekeeper import config, remote_tier
+from cachekeeper.environment import cpu
+from cachekeeper.environment.devices import coverage_advice
+from cachekeeper.environment.shape import CpuState, Fingerprint, Gpu, parse
 from cachekeeper.errors import FingerprintUnavailable
-from cachekeeper.fingerprint_shape import CpuState, Fingerprint, Gpu, parse
 from cachekeeper.wire import Mismatch
 
 __all__ = [
@@ -361,7 +362,7 @@ def collect(
 
 def visible_gpus() -> list[int]:
     """The CUDA indices this process can see (``collect``'s ``gpus``, no torch import): what
-    ``cachekeeper.devices.select_devices`` checks a ``--device`` against."""
+    ``cachekeeper.environment.devices.select_devices`` checks a ``--device`` against."""
     return [gpu["index"] for gpu in collect()["gpus"]]
 
 
@@ -476,7 +477,7 @@ def describe_mismatch(mismatch: Mismatch) -> str:
     advice for those two fields."""
     if mismatch.field == "devices":  # node: the devices asked for; snapshot: those it covers
         return coverage_advice(covered=mismatch.snapshot, wanted=mismatch.node)
-    if mismatch.field == "cpu":  # node / snapshot: cachekeeper.cpu.state() of each
+    if mismatch.field == "cpu":  # node / snapshot: cachekeeper.environment.cpu.state() of each
         found = cpu.differences(mismatch.node, mismatch.snapshot, built_by=mismatch.built_by)
         return "cpu: " + "; ".join(found)
     if mismatch.field == "signature":  # node: the key ids it trusts; snapshot: why not (server)
