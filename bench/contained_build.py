@@ -31,7 +31,7 @@ from cachekeeper.builder.prewarm import prewarm  # noqa: E402
 from cachekeeper.builder.workload import load_workload  # noqa: E402
 from cachekeeper.environment.devices import select_devices  # noqa: E402
 from cachekeeper.environment.fingerprint import visible_gpus  # noqa: E402
-from cachekeeper.signing import generate_keypair  # noqa: E402
+from cachekeeper.snapshot.signing import generate_keypair  # noqa: E402
 
 
 def main() -> int:

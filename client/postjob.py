@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable, PlaintextRefused
 from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
-from cachekeeper.scan import scan_files
+from cachekeeper.snapshot.scan import scan_files
 from cachekeeper.wire import JobReport
 
 from .calls import Deadline, plaintext_allowed, refuse_plaintext
@@ -124,7 +124,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     Raises OSError (and LinkInCacheDir) when the dir cannot be read.
     """
     root = Path(cache_dir)
-    # Sizes as the scan saw them (cachekeeper.scan, through descriptors): nothing is
+    # Sizes as the scan saw them (cachekeeper.snapshot.scan, through descriptors): nothing is
     # reached by a path again, so a file swapped for a link meanwhile is never followed.
     present = {f.rel: f.size_bytes for f in scan_files(root)}
     baseline: set[str] = set()

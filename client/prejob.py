@@ -75,7 +75,7 @@ from cachekeeper.errors import (
 )
 from cachekeeper.fsutil import atomic_write_secret, unwritable_dir
 from cachekeeper.restore.marker import held_snapshot, is_restored
-from cachekeeper.signing import load_trusted_keys
+from cachekeeper.snapshot.signing import load_trusted_keys
 from cachekeeper.wire import (
     JobReport,
     RemoteCacheOffer,

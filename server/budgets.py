@@ -66,7 +66,7 @@ from cachekeeper.wire import JobReport
 from .catalog.budget import KEPT_EVENTS_SQL
 
 if TYPE_CHECKING:
-    from cachekeeper.manifest import Manifest
+    from cachekeeper.snapshot.manifest import Manifest
 
     from .catalog import Transaction
     from .settings import Settings

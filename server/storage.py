@@ -38,8 +38,8 @@ from cachekeeper.errors import (
     SnapshotNotFound,
     WorkloadNotFound,
 )
-from cachekeeper.manifest import Manifest
-from cachekeeper.signing import TrustedKey
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.signing import TrustedKey
 from cachekeeper.wire import (
     AgentInfo,
     EventOut,

@@ -35,10 +35,10 @@ from cachekeeper.cli._common import (
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
 from cachekeeper.environment import fingerprint as fingerprint_mod
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
-from cachekeeper.manifest import Manifest
 from cachekeeper.restore import RestoreReport, restore, restore_archive
 from cachekeeper.restore.repair import plan_set_aside
-from cachekeeper.snapshot import read_archive_manifest, snapshot_dir, write_archive
+from cachekeeper.snapshot.make import read_archive_manifest, snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.store import LocalStore
 
 __all__ = ["snapshot_cmd", "restore_cmd", "inspect_cmd", "load_manifest", "archive_path"]

@@ -41,7 +41,7 @@ from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 
 from cachekeeper.environment.fingerprint import Fingerprint
 from cachekeeper.errors import CatalogCorrupt, InsufficientStorage
-from cachekeeper.manifest import Manifest, built_by
+from cachekeeper.snapshot.manifest import Manifest, built_by
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
 from .base import BATCH, chunks

@@ -386,7 +386,7 @@ def _identity_digests(db: sqlite_utils.Database) -> None:
     fingerprint had it (``map``), and kept otherwise (a node's cold report whose
     fingerprint the server never held). Agents of one name merge into the one seen last,
     their events kept under its id. Snapshot ids and manifests do not change (a manifest's
-    ``fingerprint_digest`` key keeps its meaning: cachekeeper/manifest.py).
+    ``fingerprint_digest`` key keeps its meaning: cachekeeper/snapshot/manifest.py).
     """
     name = "identity-digests"
     if db.execute("SELECT 1 FROM migrations WHERE name = ?", [name]).fetchone():

@@ -25,8 +25,8 @@ from cachekeeper.errors import (
     UnsupportedFormat,
 )
 from cachekeeper.integrity import DIGEST_PATTERN
-from cachekeeper.manifest import Manifest
-from cachekeeper.signing import load_trusted_keys, verify_manifest
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.signing import load_trusted_keys, verify_manifest
 from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
 
 __all__ = ["router"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cachekeeper.builder.harvest import entries, entry_of, judge
 from cachekeeper.environment.fingerprint import collect
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 
 FP = collect()
 

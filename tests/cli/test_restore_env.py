@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachekeeper.cli import cli
-from cachekeeper.provenance import record_prewarm
+from cachekeeper.snapshot.provenance import record_prewarm
 from tests.cli.conftest import run
 
 OTHER = {"torch": "2.99.0+cu999", "cuda": "99.9", "python": "2.7"}

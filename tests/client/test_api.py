@@ -233,7 +233,7 @@ def test_expired_deadline_sends_nothing():
 
 
 def test_manifest_with_another_id_is_refused():
-    from cachekeeper.manifest import Manifest
+    from cachekeeper.snapshot.manifest import Manifest
 
     manifest = Manifest(files=(), fingerprint=FP)
 

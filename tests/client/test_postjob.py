@@ -22,7 +22,7 @@ from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.environment.fingerprint import collect
-from cachekeeper.signing import generate_keypair
+from cachekeeper.snapshot.signing import generate_keypair
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 

@@ -28,8 +28,8 @@ from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import CacheDirUnusable
-from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer, start_server

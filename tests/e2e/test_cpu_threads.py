@@ -23,8 +23,8 @@ from cachekeeper.builder.workload import parse_workload
 from cachekeeper.cli import cli
 from cachekeeper.environment import cpu
 from cachekeeper.environment.fingerprint import collect, compare, format_mismatches, unchecked
-from cachekeeper.provenance import load_prewarm_record
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
+from cachekeeper.snapshot.provenance import load_prewarm_record
 from cachekeeper.store import LocalStore
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children

@@ -25,7 +25,7 @@ from cachekeeper.server.settings import Settings
 from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import BlobMissing
 from cachekeeper.restore import is_restored
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe
 from tests.e2e.conftest import ck, counter

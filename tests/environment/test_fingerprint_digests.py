@@ -33,7 +33,7 @@ from cachekeeper.environment.fingerprint import (
     json_digest,
     parse,
 )
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 
 # This dev VM's ``collect(environ={})`` at 7a8883a (torch 2.13.0+cpu, no GPU, schema 2).
 DEV_VM: dict[str, Any] = {

@@ -17,8 +17,8 @@ import pytest
 import zstandard
 
 from cachekeeper.errors import InvalidManifest, UnsafePath
-from cachekeeper.manifest import MAX_FILES, FileEntry, Manifest
 from cachekeeper.restore import restore_archive
+from cachekeeper.snapshot.manifest import MAX_FILES, FileEntry, Manifest
 from tests.hardening.conftest import visible_files
 from tests.helpers.live_server import start_server
 

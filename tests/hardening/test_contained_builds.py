@@ -34,7 +34,7 @@ from cachekeeper.builder.confine import Confinement
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import Command, parse_workload
 from cachekeeper.errors import BuildsUnconfined
-from cachekeeper.signing import generate_keypair
+from cachekeeper.snapshot.signing import generate_keypair
 from tests.helpers import seccomp
 from tests.helpers.live_server import start_server
 

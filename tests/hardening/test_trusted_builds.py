@@ -50,8 +50,8 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder.agent import AgentOptions, RoundReport, run_round
 from cachekeeper.builder.allowlist import Allowlist
-from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.signing import generate_keypair, load_public_key, verify_manifest
 from tests.hardening.conftest import sha
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from tests.helpers.in_process import InProcessServer, in_process
 from tests.helpers.live_server import LiveServer, start_server
 

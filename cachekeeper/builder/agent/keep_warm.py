@@ -40,10 +40,10 @@ from cachekeeper.client.push import push
 from cachekeeper.environment.devices import format_devices
 from cachekeeper.environment.fingerprint import CpuState, Fingerprint, digest_of, with_cpu
 from cachekeeper.errors import CachekeeperError
-from cachekeeper.manifest import Manifest
-from cachekeeper.provenance import load_prewarm_record, recorded_cpu
-from cachekeeper.scan import scan_dir
-from cachekeeper.signing import TrustedKey, signature_problem
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.provenance import load_prewarm_record, recorded_cpu
+from cachekeeper.snapshot.scan import scan_dir
+from cachekeeper.snapshot.signing import TrustedKey, signature_problem
 from cachekeeper.store import LocalStore
 
 if TYPE_CHECKING:

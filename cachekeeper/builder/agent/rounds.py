@@ -17,7 +17,7 @@ from cachekeeper.builder.agent.outcomes import RoundReport, WorkloadOutcome
 from cachekeeper.builder.agent.stop import StopSignal
 from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
-from cachekeeper.signing import public_key_of
+from cachekeeper.snapshot.signing import public_key_of
 
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient
