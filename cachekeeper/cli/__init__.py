@@ -110,7 +110,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # An old spelling -> its new one; "NAME --server" when that option picks another noun. Each
 # runs the command it always ran (``COMMANDS``), with one line on stderr (never on stdout,
-# where --json goes) naming the new spelling. Drop them in the release after 0.x (issue 33).
+# where --json goes) naming the new spelling. They go in the release after the one that
+# brought the nouns (issue 33; docs/cli.md).
 ALIASES: dict[str, str] = {
     "ls": "local ls",
     "rm": "local rm",
