@@ -59,11 +59,11 @@ def metrics(request: Request, storage: StorageDep) -> PlainTextResponse:
     if packed > 0:
         registry.inc("cachekeeper_archive_packs_total", packed)
     budgets = storage.budgets
-    for name, counts in (
+    for name, by_reason in (
         ("cachekeeper_catalog_refusals_total", budgets.refused()),
         ("cachekeeper_catalog_pruned_total", budgets.pruned()),
     ):
-        for (table, reason), count in counts.items():
+        for (table, reason), count in by_reason.items():
             added = count - registry.value(name, table=table, reason=reason)
             if added > 0:
                 registry.inc(name, added, table=table, reason=reason)
