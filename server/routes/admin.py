@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from cachekeeper.server.auth import AdminScope, require
-from cachekeeper.server.deps import StorageDep, metrics_of
-from cachekeeper.server.metrics import CONTENT_TYPE
-from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from cachekeeper.errors import CatalogCorrupt
+from cachekeeper.server.auth import AdminScope, require
+from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.metrics import CONTENT_TYPE
+from cachekeeper.server.responses import error_responses
 from cachekeeper.wire import GcAnswer, GcRequest, Health
 
 __all__ = ["router"]

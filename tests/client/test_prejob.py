@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
+from cachekeeper.server.settings import Settings
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer, start_server
