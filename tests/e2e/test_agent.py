@@ -30,12 +30,12 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
-from cachekeeper.client.api import CacheClient
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.allowlist import Allowlist
+from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
+from cachekeeper.client.api import CacheClient
 from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
