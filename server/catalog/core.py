@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import sqlite_utils
-from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 
 from cachekeeper.environment.fingerprint import Fingerprint
 from cachekeeper.errors import CatalogCorrupt, InsufficientStorage
+from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 from cachekeeper.snapshot.manifest import Manifest, built_by
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.client.api import CacheClient
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder.agent import AgentOptions, RoundReport, StopSignal, run_agent
 from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.client.api import CacheClient
 from cachekeeper.environment.fingerprint import collect, digest_of
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.signing import generate_keypair
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
@@ -197,11 +197,13 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
             on_round=between_rounds,
         )
     first, second = rounds
-    assert [(o.workload, o.status) for o in first.outcomes] == [("cpu-tiny", "skipped")]
-    assert first.prewarms_run == 0 and not first.fingerprint_changed
+    # The first build's snapshot is unsigned: not warm for a signing agent (issue 32: only a
+    # verified snapshot its own key signed is), so round 1 builds it again, sandboxed.
+    assert [(o.workload, o.status) for o in first.outcomes] == [("cpu-tiny", "built")]
+    assert first.prewarms_run == 1 and not first.fingerprint_changed
     new_digest = digest_of(collect())
     assert second.fingerprint_changed and second.fingerprint_digest == new_digest != old_digest
-    assert second.agent_id != first.agent_id  # a new environment registers anew
+    assert second.agent_id == first.agent_id  # one agent per name, whatever its environment
     broken, tiny = second.outcomes  # name order: the broken one ran first
     assert broken.workload == "broken" and broken.status == "cold_compile_broken"
     assert "symbolically trace a dynamo-optimized" in broken.detail
@@ -222,7 +224,7 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
     assert status[("broken", old_digest)]["status"] == "missing"  # never built there
     with CacheClient(base_url=fleet.url) as client:
         agents = {a.id: a for a in client.list_agents()}
-        assert {first.agent_id, second.agent_id} <= set(agents)
+        assert second.agent_id in agents
         assert agents[second.agent_id].fingerprint["triton"] == "9.9.9"
         found = client.resolve(collect(), workload="cpu-tiny", devices=["cpu"])
         assert found.verified and found.snapshot_id == tiny.snapshot_id
@@ -260,7 +262,7 @@ def test_a_hang_times_out_and_sigterm_abandons_a_build_cleanly(tmp_path: Path) -
         outcomes = _by_name(report)
         for name in ("hang-a", "hang-b"):  # the first hang did not stop the second
             assert outcomes[name]["status"] == "failed", outcomes[name]
-            assert "Timeout" in outcomes[name]["detail"] and outcomes[name]["reported"]
+            assert outcomes[name]["detail"].startswith("timeout: ") and outcomes[name]["reported"]
         assert list(work.iterdir()) == [leftover]
 
         proc = _agent_cli("--server", live.url, "--device", "cpu", "--work-dir", str(work),
@@ -287,7 +289,7 @@ def test_a_hang_times_out_and_sigterm_abandons_a_build_cleanly(tmp_path: Path) -
         rows = {w: r for (w, _d), r in _status(live).items()}
         assert rows["hang-a"]["status"] == "failed"
         assert "abandoned" in rows["hang-a"]["last_event"]["detail"]
-        assert rows["hang-b"]["last_event"]["detail"].startswith("Timeout")  # not reached
+        assert rows["hang-b"]["last_event"]["detail"].startswith("timeout: ")  # round 1
 
 
 def test_once_without_a_server_exits_non_zero(tmp_path: Path) -> None:

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.client.api import CacheClient
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder.agent import AgentOptions, prepare_options, run_round
 from cachekeeper.builder.allowlist import Allowlist
@@ -33,7 +31,9 @@ from cachekeeper.builder.commands import run_command
 from cachekeeper.builder.confine import Confinement
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import Command, parse_workload
+from cachekeeper.client.api import CacheClient
 from cachekeeper.errors import BuildsUnconfined
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.signing import generate_keypair
 from tests.helpers import seccomp
 from tests.helpers.live_server import start_server

@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import start_server

@@ -18,11 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import UnsafePath
 from cachekeeper.restore import is_restored, restore, restore_archive
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.make import snapshot_dir, write_archive
 from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from cachekeeper.snapshot.signing import generate_keypair, load_public_key, sign_manifest

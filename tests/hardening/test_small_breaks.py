@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings, load_settings
 
 from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.errors import ConfigInvalid
+from cachekeeper.server.settings import Settings, load_settings
 from cachekeeper.snapshot.make import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli

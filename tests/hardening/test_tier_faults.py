@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import pytest
-from cachekeeper.client.prejob import prejob
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import remote_tier
+from cachekeeper.client.prejob import prejob
+from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import REPO, ServerProcess
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.moto_server import start_moto
@@ -122,12 +122,20 @@ def test_a_server_frozen_before_the_job_is_probed_and_left_out(
         os.kill(server.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
         # The hook itself cannot reach the frozen server: give it the offer a live one made.
         from cachekeeper.client.tier import tier_exports as choose
-
         from cachekeeper.wire import RemoteCacheOffer
 
         offer = RemoteCacheOffer(port=resp, use=True, writable=True, switches=SWITCHES)
         started = time.monotonic()
-        choice = choose(offer, server=server.url, token="node-write", wish="auto", client_name="n")
+        # The stock path probes before it exports (cachekeeper's own backend needs no probe:
+        # its circuit breaker is proven in test_tier_backend).
+        choice = choose(
+            offer,
+            server=server.url,
+            token="node-write",
+            wish="auto",
+            client_name="n",
+            backend="redis",
+        )
         assert time.monotonic() - started < 2
         assert not choice.used and "did not answer" in (choice.reason or "")
         assert choice.exports == {

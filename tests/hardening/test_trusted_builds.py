@@ -43,13 +43,13 @@ from typing import Any
 
 import httpx
 import pytest
+
+from cachekeeper.builder.agent import AgentOptions, RoundReport, run_round
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
-
-from cachekeeper.builder.agent import AgentOptions, RoundReport, run_round
-from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from cachekeeper.snapshot.signing import generate_keypair, load_public_key, verify_manifest
 from tests.hardening.conftest import sha
@@ -116,7 +116,7 @@ def _round(live: LiveServer, work: Path, key: Path) -> RoundReport:
         work_dir=work,
         name="builder",
         sign_key=key,
-        allow=Allowlist((sys.executable,)),
+        allow=Allowlist.load([f"{sys.executable} ..."]),  # the program, any arguments
     )
     with CacheClient(base_url=live.url, token="builder-tok") as client:
         return run_round(options, client=client)

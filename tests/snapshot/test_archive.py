@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from cachekeeper.server.archive import archive_chunks
 
 from cachekeeper.errors import BlobMissing
+from cachekeeper.server.archive import archive_chunks
 from cachekeeper.snapshot.archive import (
     BLOCK,
     BlobSlot,
