@@ -44,6 +44,7 @@ from pathlib import Path
 from cachekeeper import config, remote_tier
 from cachekeeper.builder.allowlist import program_path
 from cachekeeper.builder.confine import Confinement, start
+from cachekeeper.builder.kinds.command import Command
 from cachekeeper.builder.verdicts import (
     CommandRun,
     ErrorInfo,
@@ -51,7 +52,6 @@ from cachekeeper.builder.verdicts import (
     Progress,
     ProgressEvent,
 )
-from cachekeeper.builder.workload import Command
 
 __all__ = [
     "EVIDENCE_HOOK",

@@ -323,7 +323,8 @@ class CacheWatch:
 
 @dataclass(frozen=True)
 class CommandRun:
-    """One run of a ``[[command]]``: its exit, its log's tail, and every process's evidence.
+    """One run of a process kind's table (a ``[[command]]``): its exit, its log's tail, and
+    every process's evidence; ``table`` is the kind's table name (``name``: ``command[0]``).
 
     ``gaps`` are what the evidence folder does not account for (a start record with no end,
     an end record with no start); ``watch`` is the verify's outside view of its cache copy;
@@ -344,10 +345,11 @@ class CommandRun:
     watch: CacheWatch | None = None
     left_running: tuple[str, ...] = ()
     sandbox: str = ""
+    table: str = "command"
 
     @property
     def name(self) -> str:
-        return f"command[{self.index}]"
+        return f"{self.table}[{self.index}]"
 
     @property
     def compiling(self) -> tuple[ProcessEvidence, ...]:
