@@ -13,14 +13,15 @@
 3. If any child's workload raised, or a command exited non-zero, the cold compile is
    broken: the report says ``cold_compile_broken`` with the exception (or the command's
    last output lines), and nothing is merged; a command that exited non-zero having
-   compiled nothing is ``command_failed`` instead (``cachekeeper.builder.commands``). Any other failure (crash, timeout, an import
-   path that does not resolve, a command that cannot start) is ``failed``; nothing is
-   merged either.
+   compiled nothing is ``command_failed`` instead (``cachekeeper.builder.commands``). Any
+   other failure (crash, timeout, an import path that does not resolve, a command that
+   cannot start) is ``failed``; nothing is merged either.
 4. Otherwise every staging dir is merged into ``cache_dir`` with the restore rules
    (``cachekeeper.restore.merge_tree``: never delete, verified, atomic).
-5. Then ``cachekeeper.builder.verify.verify``: a fresh child per device against ``cache_dir``, and
-   each command again in a fresh copy of ``cache_dir`` (as a node restores it), judged by
-   ``cachekeeper.builder.verdicts.is_effective`` per device and per process.
+5. Then ``cachekeeper.builder.verify.verify``: a fresh child per device against
+   ``cache_dir``, and each command again in a fresh copy of ``cache_dir`` (as a node
+   restores it), judged by ``cachekeeper.builder.verdicts.is_effective`` per device and per
+   process.
 
 The children and their work area: ``cachekeeper.builder.children``.
 """
@@ -64,10 +65,11 @@ def prewarm(
     Never raises for what the workload does (see ``PrewarmReport.status``); raises
     CacheDirUnusable, before anything is compiled, when ``cache_dir`` cannot be filled
     (``marker.unusable_reason``: a file created, written and renamed in it and in its
-    ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
-    and each command run. ``devices`` are where the device kinds' tables
-    (``[[attention]]``, ``[[entrypoint]]``) run; a command's ranks choose their own. ``confinement`` is what every process of the
-    build is held to (``cachekeeper.builder.confine``; the agent hides its signing key).
+    ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created.
+    ``timeout_s`` bounds each child and each command run. ``devices`` are where the device
+    kinds' tables (``[[attention]]``, ``[[entrypoint]]``) run; a command's ranks choose
+    their own. ``confinement`` is what every process of the build is held to
+    (``cachekeeper.builder.confine``; the agent hides its signing key).
     """
     cache_dir = Path(cache_dir).absolute()
     # Before minutes of compiling: a dir the merge could not fill fails now, naming it.

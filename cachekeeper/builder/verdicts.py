@@ -12,9 +12,10 @@ gained or changed an FX graph or AOTAutograd entry missed, whatever any process 
 a command's verify in which no entry was read hit nothing; and every process of a command
 that imported ``torch._dynamo`` must have left its end record (``CommandRun.gaps``).
 
-The runs themselves happen in ``cachekeeper.builder.prewarm`` and ``cachekeeper.builder.verify`` (through
-``cachekeeper.builder.children`` and ``cachekeeper.builder.commands``); this module only reads their
-results, so it imports neither torch nor subprocess machinery. Their text for people:
+The runs themselves happen in ``cachekeeper.builder.prewarm`` and
+``cachekeeper.builder.verify`` (through ``cachekeeper.builder.children`` and
+``cachekeeper.builder.commands``); this module only reads their results, so it imports
+neither torch nor subprocess machinery. Their text for people:
 ``cachekeeper.builder.report_text``.
 """
 
@@ -277,10 +278,11 @@ class ProcessEvidence:
 
 @dataclass(frozen=True)
 class CacheWatch:
-    """A cache dir seen from outside the processes of a verify (``cachekeeper.builder.cache_watch``):
-    the FX graph and AOTAutograd entries it had, those it gained or that changed (a miss
-    writes one), and how many were read (None: not measured, because the dir is not the
-    verify's own copy or its filesystem does not record reads)."""
+    """A cache dir seen from outside the processes of a verify
+    (``cachekeeper.builder.cache_watch``): the FX graph and AOTAutograd entries it had,
+    those it gained or that changed (a miss writes one), and how many were read (None: not
+    measured, because the dir is not the verify's own copy or its filesystem does not record
+    reads)."""
 
     entries: int
     gained: tuple[str, ...] = ()  # relative paths, the first few

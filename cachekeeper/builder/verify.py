@@ -2,16 +2,18 @@
 
 The tables of the device kinds (``[[attention]]``, ``[[entrypoint]]``) run in a fresh
 child per device against the cache dir itself (``cachekeeper.builder.children``). Each
-table of a process kind (``[[command]]``) runs in a fresh *copy* of the cache dir, made with the restore rules (``merge_tree``: verified, ``.cachekeeper/`` left
-out) in a work area next to it: so the run sees the cache as a node restores it, at
-another path, and whatever a missing run compiles never lands in the cache dir. The
+table of a process kind (``[[command]]``) runs in a fresh *copy* of the cache dir, made
+with the restore rules (``merge_tree``: verified, ``.cachekeeper/`` left out) in a work
+area next to it: so the run sees the cache as a node restores it, at another path, and
+whatever a missing run compiles never lands in the cache dir. The
 verdict on each device's and each compiling process's counters is
 ``cachekeeper.builder.verdicts.is_effective``.
 
-The verdict is also judged from outside the processes under test (``cachekeeper.builder.cache_watch``):
-the device runs' cache dir, and each command's copy, must gain no FX graph or AOTAutograd
-entry while they run, and at least one entry of a command's copy must be read; a command's
-processes must all be accounted for (a start record with no end is a gap).
+The verdict is also judged from outside the processes under test
+(``cachekeeper.builder.cache_watch``): the device runs' cache dir, and each command's copy,
+must gain no FX graph or AOTAutograd entry while they run, and at least one entry of a
+command's copy must be read; a command's processes must all be accounted for (a start record
+with no end is a gap).
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ def verify(
 ) -> VerifyReport:
     """Run ``workload`` against ``cache_dir`` in fresh processes; judge the counters.
 
-    ``devices`` are where the device kinds' tables (``[[attention]]``,
-    ``[[entrypoint]]``) run (ignored when the workload has none); commands choose their own. What a device run that misses
-    compiles is written into ``cache_dir`` by Inductor itself (it only adds entries); a
-    command's run writes into its copy only. ``confinement`` is what every process of the
-    verify is held to (``cachekeeper.builder.confine``).
+    ``devices`` are where the device kinds' tables (``[[attention]]``, ``[[entrypoint]]``)
+    run (ignored when the workload has none); commands choose their own. What a device run
+    that misses compiles is written into ``cache_dir`` by Inductor itself (it only adds
+    entries); a command's run writes into its copy only. ``confinement`` is what every
+    process of the verify is held to (``cachekeeper.builder.confine``).
     """
     cache_dir = Path(cache_dir).absolute()
     if not cache_dir.is_dir():

@@ -26,10 +26,10 @@ A workload is a TOML file (format in docs/workloads.md)::
 Each table is read by its kind (``cachekeeper.builder.kinds``: one module per table name,
 ``[[attention]]``, ``[[entrypoint]]``, ``[[command]]``); this module reads the file itself
 (its size, ``name``, ``[process]``) and which tables it holds, and never asks what a kind
-does with them. A workload is bounded (``LIMITS`` lists it all): its text, and through each kind's
-``limits`` its tables, the sequence lengths of a regime and of the whole file (each one a
-cold compile), a command's argv and env. A file past one is refused naming the field and
-the limit, so no registered workload can keep a builder compiling for days (the agent's
+does with them. A workload is bounded (``LIMITS`` lists it all): its text, and through each
+kind's ``limits`` its tables, the sequence lengths of a regime and of the whole file (each
+one a cold compile), a command's argv and env. A file past one is refused naming the field
+and the limit, so no registered workload can keep a builder compiling for days (the agent's
 build timeout bounds what is left).
 
 This module never imports torch, user code or what runs a build: the server validates
@@ -155,7 +155,8 @@ def parse_workload(text: str, *, source: str) -> Workload:
     size = len(text.encode("utf-8", errors="surrogatepass"))
     if size > _FILE_LIMITS["bytes"]:
         raise WorkloadInvalid(
-            f"{source}: the file is {size} bytes; a workload file is at most {_FILE_LIMITS['bytes']}"
+            f"{source}: the file is {size} bytes; "
+            f"a workload file is at most {_FILE_LIMITS['bytes']}"
         )
     try:
         data = tomllib.loads(text)
