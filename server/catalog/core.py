@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import sqlite_utils
-from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 
 from cachekeeper.errors import CatalogCorrupt, InsufficientStorage
 from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.manifest import Manifest, built_by
+from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
 from .base import BATCH, chunks

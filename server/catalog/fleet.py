@@ -12,9 +12,8 @@ import hashlib
 import json
 from typing import Any
 
-from cachekeeper.server.records import StatusFacts
-
 from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.server.records import StatusFacts
 from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats, utc_now
 
 from .base import Reads, Writes, chunks

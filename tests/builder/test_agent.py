@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from cachekeeper.client.api import CacheClient
 
 from cachekeeper.builder.agent import (
     KEEP_REPORTS,
@@ -19,6 +18,7 @@ from cachekeeper.builder.agent import (
 )
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
+from cachekeeper.client.api import CacheClient
 from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.signing import generate_keypair
 from cachekeeper.snapshot import snapshot_dir

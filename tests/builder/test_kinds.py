@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder import kinds
 from cachekeeper.builder.allowlist import Allowlist
@@ -28,6 +27,7 @@ from cachekeeper.builder.kinds.base import is_import_path
 from cachekeeper.builder.verdicts import CommandRun, Progress
 from cachekeeper.builder.workload import parse_workload
 from cachekeeper.errors import WorkloadInvalid
+from cachekeeper.server.settings import Settings
 from cachekeeper.workload import LIMITS
 from tests.helpers.in_process import in_process
 

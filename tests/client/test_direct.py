@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
+
 from cachekeeper.client.direct import DirectUnavailable, ObjectStore
 from cachekeeper.server.s3store import S3BlobStore
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cachekeeper.server.s3store import S3BlobStore, S3Location
 
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import BlobTooLarge, DigestMismatch, InvalidDigest, InvalidRequest
@@ -22,6 +21,7 @@ from cachekeeper.integrity import (
     require_digest,
     verify_bytes,
 )
+from cachekeeper.server.s3store import S3BlobStore, S3Location
 
 GOOD = hashlib.sha256(b"x").hexdigest()
 MALFORMED = ["", "abc", GOOD.upper(), GOOD[:-1], GOOD + "0", f"../{GOOD[3:]}", GOOD[:-1] + "g"]

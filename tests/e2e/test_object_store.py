@@ -15,16 +15,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.direct import ObjectStore
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.errors import BlobMissing
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
+from cachekeeper.server.s3store import S3BlobStore, checksum_b64
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.client.api import CacheClient
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.builder.agent import AgentOptions, prepare_options, run_round
 from cachekeeper.builder.allowlist import Allowlist
@@ -34,7 +32,9 @@ from cachekeeper.builder.confine import Confinement
 from cachekeeper.builder.kinds.command import Command
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import parse_workload
+from cachekeeper.client.api import CacheClient
 from cachekeeper.errors import BuildsUnconfined
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair
 from tests.helpers import seccomp
 from tests.helpers.live_server import start_server

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.server.app import open_storage
 from cachekeeper.server.budgets import report_bytes
 from cachekeeper.server.settings import Settings
-
 from cachekeeper.wire import JobReport, utc_now
 from tests.hardening.conftest import ServerProcess, child_env, cli
 from tests.helpers.live_server import start_server

@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import start_server
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
+from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ports import free_port

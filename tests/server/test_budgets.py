@@ -10,13 +10,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
+from cachekeeper.errors import ConfigInvalid
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.budgets import Budgets, event_bytes, report_bytes
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.catalog.schema import EVENT_BYTES_SQL, REPORT_BYTES_SQL
 from cachekeeper.server.settings import Settings, load_settings
-
-from cachekeeper.errors import ConfigInvalid
 from cachekeeper.wire import JobReport
 
 FP = {"schema": 1, "torch": "2.13.0+cpu", "python": "3.11", "gpus": [], "env": {}}

@@ -6,10 +6,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from cachekeeper.server.catalog import Catalog
 
 from cachekeeper.errors import InsufficientStorage
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.server.catalog import Catalog
 
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
 

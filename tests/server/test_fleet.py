@@ -11,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 
 from cachekeeper.server.fleet import STALE_AFTER_S, fleet_status
 from cachekeeper.server.records import StatusFacts
-
 from cachekeeper.wire import EventOut
 
 A, B = "a" * 64, "b" * 64  # two fingerprint digests

@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64, parse_s3_url
 
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import BlobMissing, BlobTooLarge, ConfigInvalid, DigestMismatch
+from cachekeeper.server.s3store import S3BlobStore, checksum_b64, parse_s3_url
 
 
 def _digest(data: bytes) -> str:

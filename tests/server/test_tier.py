@@ -7,11 +7,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.catalog.tier import ROW_BYTES
 from cachekeeper.server.tier import TierStore
-
-from cachekeeper.blobstore import LocalBlobStore
 
 WRITER = {"client": "ck:n:1", "scope": "write"}
 
