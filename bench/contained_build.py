@@ -25,12 +25,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cachekeeper import landlock  # noqa: E402
-from cachekeeper.confine import Confinement  # noqa: E402
+from cachekeeper.builder import landlock  # noqa: E402
+from cachekeeper.builder.confine import Confinement  # noqa: E402
+from cachekeeper.builder.prewarm import prewarm  # noqa: E402
+from cachekeeper.builder.workload import load_workload  # noqa: E402
 from cachekeeper.devices import select_devices  # noqa: E402
-from cachekeeper.prewarm import prewarm  # noqa: E402
 from cachekeeper.signing import generate_keypair  # noqa: E402
-from cachekeeper.workload import load_workload  # noqa: E402
 
 
 def main() -> int:

@@ -173,7 +173,7 @@ class Server:
 
 
 def workload_name(path: Path) -> str:
-    from cachekeeper.workload import load_workload
+    from cachekeeper.builder.workload import load_workload
 
     return load_workload(path).name
 

@@ -129,7 +129,7 @@ def bench(workload: Path, *, device: str, runs: int, work: Path) -> dict[str, An
     }
     env.pop("TRITON_CACHE_DIR", None)
     env.update(CACHEKEEPER_HOME=str(work / "home"), **_redis_path())
-    from cachekeeper.workload import load_workload
+    from cachekeeper.builder.workload import load_workload
 
     name = load_workload(workload).name
     resp_port = free_port()

@@ -196,7 +196,7 @@ def bench(
 
 
 def _load_name(workload: Path) -> str:
-    from cachekeeper.workload import load_workload
+    from cachekeeper.builder.workload import load_workload
 
     return load_workload(workload).name
 

@@ -3,7 +3,7 @@
     TTFS_SPAWN_AT=<time.time() at spawn> TORCHINDUCTOR_CACHE_DIR=DIR \
         python bench/ttfs_step.py --workload W.toml --device cuda:0 [--load-mega F] [--save-mega F]
 
-Runs every regime of the workload exactly as prewarm does (cachekeeper._child.run: the
+Runs every regime of the workload exactly as prewarm does (cachekeeper.builder._child.run: the
 same traced calls, forward + backward on GPU, forward only on CPU) and prints one JSON
 line: seconds from the parent's spawn to the end of the step (``ttfs_s``, so interpreter
 start and ``import torch`` count, as they do for a training job), the import time, the
@@ -33,8 +33,8 @@ def main() -> int:
     t0 = time.time()
     import torch
 
-    from cachekeeper._child import run
-    from cachekeeper.workload import load_workload
+    from cachekeeper.builder._child import run
+    from cachekeeper.builder.workload import load_workload
 
     import_s = time.time() - t0
     load_s = 0.0

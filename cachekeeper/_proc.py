@@ -1,5 +1,5 @@
 """Process helpers: whether a process is alive (the restore's and the agent's cleanup of what
-dead runs left), and a process's live descendants (the build supervisor, cachekeeper/_supervisor.py)."""
+dead runs left), and a process's live descendants (the build supervisor, cachekeeper/builder/_supervisor.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ Layout under the home::
 
     $CACHEKEEPER_HOME/
       blobs/ snapshots/       # the local store (cachekeeper.store)
-      agent/                  # the agent's builds (cachekeeper.client.agent)
+      agent/                  # the agent's builds (cachekeeper.builder.agent)
       server/                 # the server's data dir (cachekeeper.server.settings)
       inductor/<fp16>/        # prejob's cache dir when TORCHINDUCTOR_CACHE_DIR is unset
       tier/token-<id>         # the token a job's tier backend reads (0600, folder 0700)

@@ -28,7 +28,7 @@ Who calls what:
   torch takes as "no remote cache"), so it hits the snapshots built with them;
 - the agent: ``set_builder_switches(os.environ, switches)``, so its children and its
   fingerprint run as nodes do;
-- prewarm and verify children (``cachekeeper.children.child_environ``) and a workload's
+- prewarm and verify children (``cachekeeper.builder.children.child_environ``) and a workload's
   commands: ``isolated(environ)``, the builder's switches with every URL replaced by
   ``OFF_URL`` (whether a switch is on or not) and cachekeeper's own backend switched off
   (``CACHEKEEPER_TIER_*`` dropped), so verify proves the local dir alone, prewarm compiles

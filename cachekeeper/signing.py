@@ -20,7 +20,7 @@ the keys a node sends, never against a key id a manifest claims (``signature_pro
 
 What a signature vouches for: every field of the manifest but the signature itself, the
 verify statistics (``stats``, so ``verified``) and ``source`` included. A builder signs
-only what it compiled itself in that round (``cachekeeper.harvest``); ``snapshot_dir``
+only what it compiled itself in that round (``cachekeeper.builder.harvest``); ``snapshot_dir``
 refuses to sign a dir holding bytes a restore put there.
 """
 
@@ -134,7 +134,7 @@ class SigningKey:
     """A private key read once into memory, with the file it came from.
 
     The agent reads its key before it runs any build, and builds cannot read the file
-    (``cachekeeper.landlock``). A ``SigningKey`` is a path-like naming that file, so it goes
+    (``cachekeeper.builder.landlock``). A ``SigningKey`` is a path-like naming that file, so it goes
     wherever a key path does (``push``, ``snapshot_dir``), and ``load_signing_key`` returns
     the key it holds instead of reading the file again.
     """

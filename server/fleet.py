@@ -42,7 +42,7 @@ training nodes' devices, the ones it does not cover (``uncovered``) and a ``note
 ``harvested`` counts the pair's harvested deltas (``postjob --push``), and ``harvest_note``
 says plainly whether nodes get them: a server run with ``serve_harvested`` offers them
 after the snapshot; otherwise no node does, and only an agent's own rebuild (a workload
-with a ``[[command]]``, whose run compiles the same entries: ``cachekeeper.harvest``)
+with a ``[[command]]``, whose run compiles the same entries: ``cachekeeper.builder.harvest``)
 turns them into a snapshot nodes get, with the builder's bytes.
 
 ``jobs`` adds up what training jobs reported for the pair (``POST /v1/reports``; a pair a

@@ -49,9 +49,10 @@ def test_base_install_needs_no_server_package() -> None:
     says what to install."""
     commands = sorted({entry[0].partition(":")[0] for entry in COMMANDS.values()})
     code = _BLOCKER + (
-        "import cachekeeper, cachekeeper.client, cachekeeper.cli\n"
+        "import cachekeeper, cachekeeper.builder, cachekeeper.client, cachekeeper.cli\n"
         "from cachekeeper.cli import main\n"
         "names = [f'cachekeeper.{m.name}' for m in pkgutil.iter_modules([cachekeeper.__path__[0]]) if m.name != '__main__']\n"
+        "names += [m.name for m in pkgutil.walk_packages(cachekeeper.builder.__path__, 'cachekeeper.builder.')]\n"
         "names += [f'cachekeeper.client.{m.name}' for m in pkgutil.iter_modules(cachekeeper.client.__path__)]\n"
         f"names += {commands!r}\n"
         "for name in names:\n"

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
         "cachekeeper.server.app",
         "cachekeeper.client",
         "cachekeeper.cli.transfer",
-        "cachekeeper.client.agent",
+        "cachekeeper.builder.agent",
         "cachekeeper.cli.serve",
     ],
 )

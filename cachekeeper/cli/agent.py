@@ -1,4 +1,4 @@
-"""``cachekeeper agent``: the builder daemon, a thin adapter over ``cachekeeper.client.agent``.
+"""``cachekeeper agent``: the builder daemon, a thin adapter over ``cachekeeper.builder.agent``.
 
 Exit codes: 0 after ``--once`` when every workload is warm or its outcome (built, broken,
 failed) was reported, and after SIGTERM/SIGINT; 1 when the server cannot be reached or
@@ -17,7 +17,14 @@ from pathlib import Path
 import click
 
 from cachekeeper import config
-from cachekeeper.allowlist import Allowlist
+from cachekeeper.builder.agent import (
+    DEFAULT_BUILD_TIMEOUT_S,
+    AgentOptions,
+    RoundReport,
+    StopSignal,
+    run_agent,
+)
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.cli._common import (
     PathParam,
     device_option,
@@ -28,13 +35,6 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option
-from cachekeeper.client.agent import (
-    DEFAULT_BUILD_TIMEOUT_S,
-    AgentOptions,
-    RoundReport,
-    StopSignal,
-    run_agent,
-)
 from cachekeeper.client.api import CacheClient
 from cachekeeper.devices import select_devices
 

@@ -1,4 +1,4 @@
-"""``cachekeeper prewarm``: a thin adapter over cachekeeper.prewarm.
+"""``cachekeeper prewarm``: a thin adapter over cachekeeper.builder.prewarm.
 
 Exit codes: 0 verified effective, 1 not effective, 2 error (bad workload, bad device,
 a cache dir it cannot fill, found before compiling; a child that crashed or timed out; a
@@ -14,6 +14,9 @@ from pathlib import Path
 import click
 
 from cachekeeper import remote_tier
+from cachekeeper.builder.prewarm import prewarm
+from cachekeeper.builder.report_text import format_prewarm
+from cachekeeper.builder.workload import load_workload
 from cachekeeper.cli._common import (
     PathParam,
     device_option,
@@ -26,9 +29,6 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.devices import select_devices
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
-from cachekeeper.prewarm import prewarm
-from cachekeeper.report_text import format_prewarm
-from cachekeeper.workload import load_workload
 
 __all__ = ["prewarm_cmd", "progress_to_stderr", "run_with_site_switches"]
 

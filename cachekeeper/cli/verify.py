@@ -1,4 +1,4 @@
-"""``cachekeeper verify``: a thin adapter over cachekeeper.verify.
+"""``cachekeeper verify``: a thin adapter over cachekeeper.builder.verify.
 
 Exit codes: 0 verified effective, 1 not effective, 2 error (bad workload, bad device,
 a child that crashed or timed out).
@@ -11,6 +11,9 @@ from pathlib import Path
 
 import click
 
+from cachekeeper.builder.report_text import format_verify
+from cachekeeper.builder.verify import verify
+from cachekeeper.builder.workload import load_workload
 from cachekeeper.cli._common import (
     PathParam,
     device_option,
@@ -22,11 +25,8 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.cli.prewarm import progress_to_stderr, run_with_site_switches
 from cachekeeper.devices import select_devices
-from cachekeeper.report_text import format_verify
 from cachekeeper.restore.marker import recorded_conflicts
 from cachekeeper.store import LocalStore
-from cachekeeper.verify import verify
-from cachekeeper.workload import load_workload
 
 __all__ = ["verify_cmd"]
 

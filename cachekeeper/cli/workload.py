@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from cachekeeper.builder.workload import load_workload
 from cachekeeper.cli._common import (
     PathParam,
     emit_json,
@@ -23,7 +24,6 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.wire import to_dict
-from cachekeeper.workload import load_workload
 
 __all__ = ["workload_cmd"]
 

@@ -10,13 +10,13 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from cachekeeper.builder.workload import parse_workload
 from cachekeeper.errors import Forbidden, InsufficientStorage, WorkloadInvalid, WorkloadNotFound
 from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
 from cachekeeper.server.deps import StorageDep, read_body, storage_of
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.storage import Storage
 from cachekeeper.wire import WorkloadInfo, WorkloadList
-from cachekeeper.workload import parse_workload
 
 __all__ = ["router"]
 

@@ -31,8 +31,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.client.agent import AgentOptions, RoundReport, StopSignal, run_agent
+from cachekeeper.builder.agent import AgentOptions, RoundReport, StopSignal, run_agent
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
 from cachekeeper.fingerprint import collect, digest_of
 from cachekeeper.server.settings import Settings
@@ -307,7 +307,7 @@ def test_once_without_a_server_exits_non_zero(tmp_path: Path) -> None:
 
 
 def test_sweep_removes_only_marked_build_dirs_of_dead_agents(tmp_path: Path) -> None:
-    from cachekeeper.client.agent import MARKER, sweep_stale_builds
+    from cachekeeper.builder.agent.keep_warm import MARKER, sweep_stale_builds
 
     gone = subprocess.Popen(["true"])  # once it is waited for, its pid names no process
     gone.wait()

@@ -18,14 +18,14 @@ import pytest
 from click.testing import CliRunner
 
 from cachekeeper import cpu
+from cachekeeper.builder.prewarm import prewarm
+from cachekeeper.builder.verify import verify
+from cachekeeper.builder.workload import parse_workload
 from cachekeeper.cli import cli
 from cachekeeper.fingerprint import collect, compare, format_mismatches, unchecked
-from cachekeeper.prewarm import prewarm
 from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
-from cachekeeper.verify import verify
-from cachekeeper.workload import parse_workload
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children
 

@@ -2,7 +2,7 @@
 
 No GPU here, so the GPUs are mocked, in two ways the suite already uses:
 ``CACHEKEEPER_TEST_FAKE_CUDA=1`` runs a ``cuda:N`` child on the CPU with N put into
-Inductor's key (as a real index is; see ``cachekeeper._child``), and
+Inductor's key (as a real index is; see ``cachekeeper.builder._child``), and
 ``CACHEKEEPER_FINGERPRINT_OVERRIDES`` gives this machine a fingerprint with two GPUs.
 The compiles, the verify runs, the server and every CLI call are real.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.prewarm import prewarm
-from cachekeeper.workload import load_workload
+from cachekeeper.builder.prewarm import prewarm
+from cachekeeper.builder.workload import load_workload
 from tests.helpers.live_server import LiveServer
 from tests.helpers.requires import require
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachekeeper.children import child_cpu_state
+from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.fingerprint import collect, digest_of

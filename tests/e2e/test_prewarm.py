@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from cachekeeper.builder.prewarm import prewarm
+from cachekeeper.builder.verdicts import PrewarmReport, ProgressEvent
+from cachekeeper.builder.verify import verify
+from cachekeeper.builder.workload import load_workload, parse_workload
 from cachekeeper.devices import parse_devices
-from cachekeeper.prewarm import prewarm
-from cachekeeper.verdicts import PrewarmReport, ProgressEvent
-from cachekeeper.verify import verify
-from cachekeeper.workload import load_workload, parse_workload
 from tests.helpers.requires import require
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children

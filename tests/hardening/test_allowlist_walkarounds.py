@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.client.agent import AgentOptions, WorkloadOutcome, run_round
+from cachekeeper.builder.agent import AgentOptions, WorkloadOutcome, run_round
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import start_server

@@ -24,17 +24,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import run_children, work_area
-from cachekeeper.client.agent import AgentOptions, prepare_options, run_round
+from cachekeeper.builder.agent import AgentOptions, prepare_options, run_round
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import run_children, work_area
+from cachekeeper.builder.commands import run_command
+from cachekeeper.builder.confine import Confinement
+from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.verify import verify
+from cachekeeper.builder.workload import parse_workload
 from cachekeeper.client.api import CacheClient
-from cachekeeper.commands import run_command
-from cachekeeper.confine import Confinement
 from cachekeeper.errors import BuildsUnconfined
 from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair
-from cachekeeper.verify import verify
-from cachekeeper.workload import Command, parse_workload
 from tests.helpers import seccomp
 from tests.helpers.live_server import start_server
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.client.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
+from cachekeeper.builder.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
 from cachekeeper.fingerprint import digest_of
 from cachekeeper.server.auth import token_id

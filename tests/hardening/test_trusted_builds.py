@@ -44,8 +44,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.client.agent import AgentOptions, RoundReport, run_round
+from cachekeeper.builder.agent import AgentOptions, RoundReport, run_round
+from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import child_cpu_state
-from cachekeeper.client.agent import AgentOptions, run_round
+from cachekeeper.builder.agent import AgentOptions, run_round
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.errors import SignatureInvalid

@@ -1,17 +1,17 @@
 """Run a workload in fresh child processes, one per device, and collect their results.
 
-Prewarm and verify both run here: each child is ``python -m cachekeeper._child`` with its
+Prewarm and verify both run here: each child is ``python -m cachekeeper.builder._child`` with its
 own ``TORCHINDUCTOR_CACHE_DIR`` (``TRITON_CACHE_DIR`` removed, so Triton's cache lands in
-``<cache dir>/triton/<index>``), under a supervisor (``cachekeeper.confine``: the child runs
+``<cache dir>/triton/<index>``), under a supervisor (``cachekeeper.builder.confine``: the child runs
 workload code, an entrypoint or a factory, so it is reaped and sandboxed as a command is).
 The work area is a temp folder next to the cache dir (same filesystem), removed when done::
 
     <cache_dir parent>/.cachekeeper-prewarm-XXXX/
       workload.toml               # the workload text the children read
       staging-cuda_0/             # prewarm: cuda:0's empty-at-start TORCHINDUCTOR_CACHE_DIR
-      result-<mode>-cuda_0.json   # cuda:0's result (see cachekeeper._child)
+      result-<mode>-cuda_0.json   # cuda:0's result (see cachekeeper.builder._child)
       stdout-<mode>-cuda_0.log    # what the workload printed
-      supervisor-<mode>-cuda_0.json  # how its process tree ended (cachekeeper.confine)
+      supervisor-<mode>-cuda_0.json  # how its process tree ended (cachekeeper.builder.confine)
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachekeeper import cpu, remote_tier
-from cachekeeper._child import PROGRESS_PREFIX
-from cachekeeper.commands import without_secrets
-from cachekeeper.confine import Confinement, start
+from cachekeeper.builder._child import PROGRESS_PREFIX
+from cachekeeper.builder.commands import without_secrets
+from cachekeeper.builder.confine import Confinement, start
+from cachekeeper.builder.verdicts import DeviceRun, ErrorInfo, Progress, ProgressEvent
+from cachekeeper.builder.workload import Workload
 from cachekeeper.errors import PrewarmFailed
-from cachekeeper.verdicts import DeviceRun, ErrorInfo, Progress, ProgressEvent
-from cachekeeper.workload import Workload
 
 if TYPE_CHECKING:
     from cachekeeper.fingerprint import CpuState
@@ -116,7 +116,7 @@ class _Child:
         env = child_environ(omp_num_threads)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
         command = [
-            sys.executable, "-m", "cachekeeper._child",
+            sys.executable, "-m", "cachekeeper.builder._child",
             "--workload", str(work / "workload.toml"), "--source", source,
             "--device", device, "--mode", mode, "--result", str(self.result_path),
         ]  # fmt: skip

@@ -1,9 +1,9 @@
-"""cachekeeper/harvest.py: what a builder's own run makes of harvested deltas (issue 32)."""
+"""cachekeeper/builder/harvest.py: what a builder's own run makes of harvested deltas (issue 32)."""
 
 from __future__ import annotations
 
+from cachekeeper.builder.harvest import entries, entry_of, judge
 from cachekeeper.fingerprint import collect
-from cachekeeper.harvest import entries, entry_of, judge
 from cachekeeper.manifest import FileEntry, Manifest
 
 FP = collect()

@@ -1,11 +1,11 @@
 """Prewarm and verify reports as text for people (``cachekeeper prewarm`` / ``verify``).
 
-The verdicts themselves are ``cachekeeper.verdicts``; this module only words them.
+The verdicts themselves are ``cachekeeper.builder.verdicts``; this module only words them.
 """
 
 from __future__ import annotations
 
-from cachekeeper.verdicts import CommandRun, DeviceRun, PrewarmReport, VerifyReport
+from cachekeeper.builder.verdicts import CommandRun, DeviceRun, PrewarmReport, VerifyReport
 
 __all__ = ["format_prewarm", "format_verify"]
 

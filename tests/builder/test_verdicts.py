@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cachekeeper.builder.verdicts import DeviceRun, PrewarmReport, VerifyReport, is_effective
 from cachekeeper.errors import ColdCompileBroken
-from cachekeeper.verdicts import DeviceRun, PrewarmReport, VerifyReport, is_effective
 
 
 def _run(mode: str, counters: dict[str, int], status: str = "ok") -> DeviceRun:

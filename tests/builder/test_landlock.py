@@ -1,4 +1,4 @@
-"""Hiding files from a build's processes (cachekeeper/landlock.py), in real child processes.
+"""Hiding files from a build's processes (cachekeeper/builder/landlock.py), in real child processes.
 
 This host has Landlock (Linux >= 5.19); the test of a host without it refuses the syscall
 with a seccomp filter (tests/helpers/seccomp.py), as an older kernel or a container does.
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cachekeeper import landlock
+from cachekeeper.builder import landlock
 from tests.helpers import seccomp
 
 _TRY = """
@@ -82,7 +82,7 @@ def test_a_hidden_file_cannot_be_read_written_or_moved(tmp_path: Path) -> None:
 
 def test_a_host_without_landlock_says_so() -> None:
     refuse = seccomp.refusing({"landlock_create_ruleset": errno.ENOSYS})
-    show = "from cachekeeper import landlock; print(landlock.unavailable_reason())"
+    show = "from cachekeeper.builder import landlock; print(landlock.unavailable_reason())"
     proc = subprocess.run(
         [sys.executable, "-c", show], capture_output=True, text=True, timeout=60,
         preexec_fn=refuse,  # noqa: PLW1509

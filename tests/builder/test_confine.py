@@ -1,4 +1,4 @@
-"""The build supervisor (cachekeeper/confine.py, cachekeeper/_supervisor.py), real processes.
+"""The build supervisor (cachekeeper/builder/confine.py, cachekeeper/builder/_supervisor.py), real processes.
 
 The reproducers of issue 32 (daemons that outlive a build, the signing key) are in
 tests/hardening/test_contained_builds.py; these are the supervisor's own contracts.
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from cachekeeper.confine import Confinement, start
+from cachekeeper.builder.confine import Confinement, start
 
 PY = sys.executable
 

@@ -22,7 +22,7 @@ A process that imports ``torch._dynamo`` writes, at that moment, a start record
      "threads", "torch", "counters": {"fxgraph_cache_hit", ...},
      "exit": {"status": "ok" | "exit" | "exception" | "os_exit", "code", "error"}}
 
-The judge (``cachekeeper.commands.read_evidence``) requires an end record for every start
+The judge (``cachekeeper.builder.commands.read_evidence``) requires an end record for every start
 record: a process that imported torch and was killed, or ended below Python, left a start
 without an end, and a verify with one is not verified. A forked child (a DataLoader or
 compile worker) belongs to its parent's record: it is disarmed at fork and writes nothing,

@@ -1,7 +1,7 @@
 """Run a workload's ``[[command]]`` (the site's own launcher) and collect per-process evidence.
 
 ``run_command(command, cache_dir=..., work=...)`` starts ``command.argv`` without a shell,
-in ``command.cwd``, under a supervisor (``cachekeeper.confine``), with the builder's
+in ``command.cwd``, under a supervisor (``cachekeeper.builder.confine``), with the builder's
 environment (less ``CACHEKEEPER_TOKEN``: a build never holds the agent's token) plus exactly::
 
     command.env                          # what the workload says
@@ -12,15 +12,16 @@ environment (less ``CACHEKEEPER_TOKEN``: a build never holds the agent's token) 
     PYTHONPATH=<evidence hook>:$PYTHONPATH
     CACHEKEEPER_EVIDENCE_DIR=<work>/evidence-<mode>-<index>/
 
-The program is the file ``cachekeeper.allowlist.program_path`` finds (the one the allowlist
+The program is the file ``cachekeeper.builder.allowlist.program_path`` finds (the one the allowlist
 judged); ``argv[0]`` stays as written. The evidence hook
-(``cachekeeper/_evidence_hook/sitecustomize.py``) makes every Python process that imports
+(``cachekeeper/builder/_evidence_hook/sitecustomize.py``) makes every Python process that imports
 ``torch._dynamo`` write a start record, then its rank, device, cache counters and ending
 at exit; ``read_evidence`` pairs them, and a start without an end is a gap the verdict
 counts (docs/workloads.md says why this and not torch's structured trace). Output (stdout
-and stderr together) goes to ``<work>/log-<mode>-<index>.log``; its last lines are kept in the result, and before them
-the first line that reads like an error when the tail no longer holds it (a launcher's
-traceback after a rank's ``error: unrecognized arguments`` pushes that line out of it).
+and stderr together) goes to ``<work>/log-<mode>-<index>.log``; its last lines are kept in
+the result, and before them the first line that reads like an error when the tail no longer
+holds it (a launcher's traceback after a rank's ``error: unrecognized arguments`` pushes
+that line out of it).
 
 A cold run that exits non-zero having compiled nothing (no process loaded torch's compiler,
 none raised, nothing in its cache dir: a usage error, a missing data file) is
@@ -42,10 +43,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cachekeeper import config, remote_tier
-from cachekeeper.allowlist import program_path
-from cachekeeper.confine import Confinement, start
-from cachekeeper.verdicts import CommandRun, ErrorInfo, ProcessEvidence, Progress, ProgressEvent
-from cachekeeper.workload import Command
+from cachekeeper.builder.allowlist import program_path
+from cachekeeper.builder.confine import Confinement, start
+from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.verdicts import (
+    CommandRun,
+    ErrorInfo,
+    ProcessEvidence,
+    Progress,
+    ProgressEvent,
+)
 
 __all__ = [
     "EVIDENCE_HOOK",

@@ -1,4 +1,4 @@
-"""The agent's allowlist (cachekeeper/allowlist.py): what a builder agrees to run.
+"""The agent's allowlist (cachekeeper/builder/allowlist.py): what a builder agrees to run.
 
 Programs here are real files in tmp_path (the allowlist resolves them); nothing runs. The
 walk-arounds of issue 32 (an argument-spanning ``*``, ``..`` in argv[0], loader variables,
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.allowlist import Allowlist, check_defined, is_loader_variable, program_path
+from cachekeeper.builder.allowlist import Allowlist, check_defined, is_loader_variable, program_path
+from cachekeeper.builder.workload import parse_workload
 from cachekeeper.errors import WorkloadInvalid
-from cachekeeper.workload import parse_workload
 
 
 def _bin(tmp_path: Path, *names: str) -> Path:

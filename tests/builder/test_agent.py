@@ -1,4 +1,4 @@
-"""client/agent.py without compiles: the daemon loop against a real server with nothing
+"""cachekeeper/builder/agent/ without compiles: the daemon loop against a real server with nothing
 registered (every round registers and lists, builds nothing), and a signing agent's notion
 of warm. The builds themselves are tests/e2e/test_agent.py's."""
 
@@ -8,9 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import child_cpu_state
-from cachekeeper.client.agent import (
+from cachekeeper.builder.agent import (
     KEEP_REPORTS,
     AgentOptions,
     RoundReport,
@@ -18,6 +16,8 @@ from cachekeeper.client.agent import (
     run_agent,
     run_round,
 )
+from cachekeeper.builder.allowlist import Allowlist
+from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.client.api import CacheClient
 from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.signing import generate_keypair

@@ -1,18 +1,19 @@
 """How the processes of a build are held: one supervisor per process tree, and what it hides.
 
-Every command run (``cachekeeper.commands``) and every prewarm or verify child
-(``cachekeeper.children``) is started through ``start()``: a supervisor process
-(``cachekeeper/_supervisor.py``) that is a child subreaper, so double-forked and ``setsid``
+Every command run (``cachekeeper.builder.commands``) and every prewarm or verify child
+(``cachekeeper.builder.children``) is started through ``start()``: a supervisor process
+(``cachekeeper/builder/_supervisor.py``) that is a child subreaper, so double-forked and ``setsid``
 daemons stay in its tree and are stopped at a timeout, at a stop, and when the command ends
 normally. ``Confinement`` says what else a build's processes are held to:
 
 - ``hidden``: files no process of the build may read or replace (the agent's signing key),
-  through Landlock (``cachekeeper.landlock``). Empty for ``cachekeeper prewarm`` run by hand.
+  through Landlock (``cachekeeper.builder.landlock``). Empty for ``cachekeeper prewarm``
+  run by hand.
   Every folder on the way to a hidden file is closed to new entries; when the temp folder
   (``$TMPDIR``, else ``/tmp``) is one of them, the build gets a ``TMPDIR`` of its own next
   to its status file (compilers and ``tempfile`` write there).
 - ``defined_imports``: an import path must name a ``def`` or ``class`` of its module
-  (``cachekeeper.allowlist.check_defined``, checked in the child before anything is
+  (``cachekeeper.builder.allowlist.check_defined``, checked in the child before anything is
   imported). The agent sets it: that is its allowlist's rule.
 
 The agent side of a supervised run is ``Supervised``: ``wait``, ``stop`` (SIGTERM to the
@@ -39,10 +40,10 @@ __all__ = ["Confinement", "Supervised", "SupervisorOutcome", "start"]
 _SUPERVISOR_SLACK_S = 20.0  # past the grace, how long the supervisor may take to clean up
 # The supervisor runs isolated (-I: the build's PYTHONPATH and loader variables never reach
 # its Python) from the very cachekeeper this process runs, installed or not.
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds cachekeeper/
 _RUN_SUPERVISOR = (
     "import sys; sys.path.insert(0, sys.argv.pop(1)); "
-    "from cachekeeper._supervisor import main; sys.exit(main(sys.argv[1:]))"
+    "from cachekeeper.builder._supervisor import main; sys.exit(main(sys.argv[1:]))"
 )
 
 

@@ -1,5 +1,5 @@
-"""Running a ``[[command]]`` (cachekeeper/commands.py) and its evidence hook
-(cachekeeper/_evidence_hook/sitecustomize.py), with real processes and no compiles.
+"""Running a ``[[command]]`` (cachekeeper/builder/commands.py) and its evidence hook
+(cachekeeper/builder/_evidence_hook/sitecustomize.py), with real processes and no compiles.
 
 The hook records a process only when it imported ``torch._dynamo``; the processes here
 import it for real (a few seconds each) and compile nothing, so their counters are zero.
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from cachekeeper import remote_tier
-from cachekeeper.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
+from cachekeeper.builder.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
+from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.report_text import format_prewarm, format_verify
+from cachekeeper.builder.verdicts import CommandRun, PrewarmReport, ProcessEvidence, VerifyReport
 from cachekeeper.errors import PrewarmFailed
-from cachekeeper.report_text import format_prewarm, format_verify
-from cachekeeper.verdicts import CommandRun, PrewarmReport, ProcessEvidence, VerifyReport
-from cachekeeper.workload import Command
 
 PY = sys.executable
 

@@ -1,17 +1,17 @@
 """The process that owns a build's process tree: reaps all of it, and sandboxes it.
 
-    python -I -m cachekeeper._supervisor --status OUT.json --parent PID --grace S \
+    python -I -m cachekeeper.builder._supervisor --status OUT.json --parent PID --grace S \
         [--hide FILE]... [--program PATH] -- ARGV...
 
-(``cachekeeper.confine.start`` runs ``main`` the same way through ``python -I -c``, with the
+(``cachekeeper.builder.confine.start`` runs ``main`` the same way through ``python -I -c``, with the
 folder of the agent's own ``cachekeeper`` first on ``sys.path``.)
 
-Started by ``cachekeeper.confine.start`` for every command run and every prewarm or verify
+Started by ``cachekeeper.builder.confine.start`` for every command run and every prewarm or verify
 child. It makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4,
 unprivileged), so every process the command starts, and every orphan of a double fork or a
 ``setsid`` daemon, stays its descendant. Then:
 
-1. with ``--hide``, it prepares a Landlock ruleset (``cachekeeper.landlock``) that hides
+1. with ``--hide``, it prepares a Landlock ruleset (``cachekeeper.builder.landlock``) that hides
    those files, and the command enters it between fork and exec: the command and all it
    starts can neither read nor replace them. The supervisor itself stays outside, so that
    (from Landlock ABI 6) no sandboxed process can signal or ptrace it;
@@ -29,7 +29,7 @@ unprivileged), so every process the command starts, and every orphan of a double
      "sandbox": "Landlock ABI 7, 1 path(s) hidden, 212 rules" | "", "error": ""}
 
 ``-I``: the command's environment (its ``PYTHONPATH`` and loader variables) never reaches
-the supervisor's own Python. Stdlib and ``cachekeeper.landlock`` / ``cachekeeper._proc``
+the supervisor's own Python. Stdlib and ``cachekeeper.builder.landlock`` / ``cachekeeper._proc``
 only: it starts in well under a second.
 """
 
@@ -46,8 +46,8 @@ import time
 from types import FrameType
 from typing import Any
 
-from cachekeeper import landlock
 from cachekeeper._proc import descendants, process_name
+from cachekeeper.builder import landlock
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -118,7 +118,7 @@ def _write(path: str, status: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cachekeeper._supervisor")
+    parser = argparse.ArgumentParser(prog="python -m cachekeeper.builder._supervisor")
     parser.add_argument("--status", required=True)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--grace", type=float, default=10.0)

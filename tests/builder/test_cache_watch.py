@@ -1,11 +1,11 @@
-"""The verify's outside view of a cache dir (cachekeeper/cache_watch.py), on real files."""
+"""The verify's outside view of a cache dir (cachekeeper/builder/cache_watch.py), on real files."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from cachekeeper.cache_watch import Watch
+from cachekeeper.builder.cache_watch import Watch
 
 
 def _entry(root: Path, rel: str, data: bytes = b"entry") -> Path:

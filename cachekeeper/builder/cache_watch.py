@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachekeeper.verdicts import CacheWatch
+from cachekeeper.builder.verdicts import CacheWatch
 
 __all__ = ["ENTRY_FOLDERS", "Watch", "entries_of"]
 
