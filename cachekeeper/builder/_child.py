@@ -28,21 +28,20 @@ that no code generation reads), so a cache built on fake ``cuda:0`` misses on ``
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cachekeeper import config
 from cachekeeper.builder.allowlist import check_defined
-from cachekeeper.builder.workload import Entrypoint, Regime, Workload, parse_workload
+from cachekeeper.builder.kinds.base import DeviceKind, SetupError
+from cachekeeper.builder.workload import Workload, parse_workload
 from cachekeeper.errors import WorkloadInvalid
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.mods import build_mask_mod, build_score_mod, load_object
 
 PROGRESS_PREFIX = "@@cachekeeper-progress "
 FAKE_CUDA_ENV = config.TEST_FAKE_CUDA
@@ -51,10 +50,6 @@ COUNTER_KEYS = {
     "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
 }
 TRACEBACK_LINES = 20
-
-
-class _SetupError(Exception):
-    """The workload could not be set up (wraps a WorkloadInvalid)."""
 
 
 def _progress(**event: Any) -> None:
@@ -72,15 +67,13 @@ def _counters() -> dict[str, int]:
     }
 
 
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {key: after[key] - before.get(key, 0) for key in after}
-
-
 class _Runner:
-    def __init__(self, workload: Workload, device: str, mode: str, *, started: float) -> None:
+    """What a device kind's step runs with (``kinds.base.StepContext``): the device, the
+    progress lines, the counters, and what a failure is reported in."""
+
+    def __init__(self, device: str, mode: str, *, started: float) -> None:
         import torch
 
-        self.workload = workload
         self.device_name = device
         self.mode = mode
         fake = os.environ.get(FAKE_CUDA_ENV) == "1" and device.startswith("cuda")
@@ -96,13 +89,19 @@ class _Runner:
         self.started = started  # the child's start: elapsed times include importing torch
         self.current = "setup"
 
-    def _sync(self) -> None:
+    def at(self, where: str) -> None:
+        self.current = where
+
+    def sync(self) -> None:
         import torch
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _emit(self, name: str, event: str, **extra: Any) -> None:
+    def counters(self) -> dict[str, int]:
+        return _counters()
+
+    def emit(self, name: str, event: str, **extra: Any) -> None:
         _progress(
             device=self.device_name,
             mode=self.mode,
@@ -111,105 +110,6 @@ class _Runner:
             elapsed_s=round(time.monotonic() - self.started, 3),
             **extra,
         )
-
-    def regime(self, index: int, regime: Regime) -> dict[str, Any]:
-        import torch
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        name = f"attention[{index}]"
-        try:
-            mask_mod = build_mask_mod(regime.mask, regime.mask_args, field=f"{name}.mask")
-            score_mod = build_score_mod(
-                regime.score_mod,
-                regime.score_args,
-                heads=regime.q_heads,
-                field=f"{name}.score_mod",
-            )
-        except WorkloadInvalid as exc:
-            raise _SetupError(exc.detail) from exc
-        dtype = getattr(torch, regime.dtype)
-        # flex_attention has no CPU backward: backward = true is ignored there.
-        backward = regime.backward and self.device.type != "cpu"
-        compiled = torch.compile(flex_attention, **regime.compile)
-        before = _counters()
-        seq_seconds: list[float] = []
-        for seq in regime.seq_lens:
-            self.current = f"{name} (seq {seq})"
-            self._emit(name, "start", label=regime.describe(seqs=False), seq=seq)
-            step_before = _counters()
-            t0 = time.monotonic()
-            block_mask = None
-            if mask_mod is not None:
-                block_mask = create_block_mask(
-                    mask_mod, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=self.device
-                )
-            shape = (regime.batch, regime.q_heads, seq, regime.head_dim)
-            kv_shape = (regime.batch, regime.kv_heads, seq, regime.head_dim)
-            q, k, v = (
-                torch.randn(*s, device=self.device, dtype=dtype, requires_grad=backward)
-                for s in (shape, kv_shape, kv_shape)
-            )
-            kwargs: dict[str, Any] = {
-                "score_mod": score_mod,
-                "block_mask": block_mask,
-                "enable_gqa": regime.enable_gqa,
-            }
-            if regime.kernel_options is not None:
-                kwargs["kernel_options"] = dict(regime.kernel_options)
-            if backward:
-                out = compiled(q, k, v, **kwargs)
-                out.sum().backward()
-            else:
-                with torch.no_grad():
-                    compiled(q, k, v, **kwargs)
-            self._sync()
-            seconds = time.monotonic() - t0
-            seq_seconds.append(round(seconds, 3))
-            self._emit(
-                name,
-                "done",
-                label=regime.describe(seqs=False),
-                seq=seq,
-                seconds=round(seconds, 3),
-                counters=_delta(_counters(), step_before),
-            )
-        return {
-            "name": name,
-            "label": regime.describe() + (" fwd+bwd" if backward else " fwd"),
-            "seconds": round(sum(seq_seconds), 3),
-            "seq_seconds": seq_seconds,
-            "counters": _delta(_counters(), before),
-        }
-
-    def entrypoint(self, index: int, entry: Entrypoint) -> dict[str, Any]:
-        name = f"entrypoint[{index}]"
-        try:
-            fn = load_object(entry.target, field=f"{name}.target")
-        except WorkloadInvalid as exc:
-            raise _SetupError(exc.detail) from exc
-        kwargs = dict(entry.kwargs)
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            params = {}  # type: ignore[assignment]
-        if "device" in params and "device" not in kwargs:
-            kwargs["device"] = str(self.device)
-        self.current = name
-        self._emit(name, "start", label=entry.target)
-        before = _counters()
-        t0 = time.monotonic()
-        fn(**kwargs)
-        self._sync()
-        seconds = round(time.monotonic() - t0, 3)
-        counters = _delta(_counters(), before)
-        self._emit(name, "done", label=entry.target, seconds=seconds, counters=counters)
-        return {
-            "name": name,
-            "label": entry.target,
-            "seconds": seconds,
-            "seq_seconds": [],
-            "counters": counters,
-        }
 
 
 def _error(exc: BaseException, where: str) -> dict[str, Any]:
@@ -230,7 +130,8 @@ def run(
     source: str = "workload",
     started: float | None = None,
 ) -> dict[str, Any]:
-    """Run every regime, then every entrypoint, in order; never raises for workload errors."""
+    """Run the tables of the device kinds in order (every regime, then every entrypoint);
+    never raises for workload errors."""
     started = time.monotonic() if started is None else started
     result: dict[str, Any] = {
         "device": device,
@@ -243,18 +144,13 @@ def run(
     where = "setup"
     runner: _Runner | None = None
     try:
-        runner = _Runner(workload, device, mode, started=started)
-        steps: list[tuple[str, Any]] = [
-            (f"attention[{i}]", lambda i=i, r=r: runner.regime(i, r))
-            for i, r in enumerate(workload.regimes)
-        ] + [
-            (f"entrypoint[{i}]", lambda i=i, e=e: runner.entrypoint(i, e))
-            for i, e in enumerate(workload.entrypoints)
-        ]
-        for where, step in steps:
-            result["regimes"].append(step())
+        runner = _Runner(device, mode, started=started)
+        for table in workload.device_tables:
+            where = table.name
+            kind = cast(DeviceKind, table.kind)
+            result["regimes"].append(kind.run_step(table.spec, name=table.name, child=runner))
             where = "teardown"
-    except _SetupError as exc:
+    except SetupError as exc:
         result["status"] = "invalid"
         result["error"] = {
             "type": "WorkloadInvalid",
@@ -297,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = parse_workload(args.workload.read_text("utf-8"), source=args.source)
         if args.defined_imports:  # before anything of the workload is imported
             for ref in workload.code:
-                if ref.kind == "import":
+                if ref.form == "import":
                     check_defined(ref.value, field=f"{args.source}: {ref.where}")
     except WorkloadInvalid as exc:
         result: dict[str, Any] = {

@@ -63,7 +63,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachekeeper.builder.workload import CodeRef, Command, Workload
+from cachekeeper.builder.kinds.base import CodeRef
+from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.workload import Workload
 from cachekeeper.errors import WorkloadInvalid
 
 __all__ = [
@@ -294,7 +296,7 @@ class Allowlist:
         return tuple(out)
 
     def _why_not(self, ref: CodeRef) -> str | None:
-        if ref.kind == "import":
+        if ref.form == "import":
             if any(rule.admits(ref.value) for rule in self.imports):
                 return None
             return "no import entry matches it"
@@ -322,11 +324,11 @@ class Allowlist:
         """One line saying what was refused, why, and how to admit it."""
         first = refused[0]
         ref = first.ref
-        what = "command" if ref.kind == "command" else "import path"
+        what = "command" if ref.form == "command" else "import path"
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         count = len(self.imports) + len(self.commands)
         how = "none was given" if self.empty else f"{count} entr{'y' if count == 1 else 'ies'}"
-        if ref.kind == "import":
+        if ref.form == "import":
             hint = f"agent --allow {ref.value!r}"
         elif ref.command is not None and (ref.command.env or ref.command.cwd):
             hint = "a [[command]] entry with its env and cwd in --allow-file (docs/security.md)"

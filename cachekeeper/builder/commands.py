@@ -18,9 +18,10 @@ judged); ``argv[0]`` stays as written. The evidence hook
 ``torch._dynamo`` write a start record, then its rank, device, cache counters and ending
 at exit; ``read_evidence`` pairs them, and a start without an end is a gap the verdict
 counts (docs/workloads.md says why this and not torch's structured trace). Output (stdout
-and stderr together) goes to ``<work>/log-<mode>-<index>.log``; its last lines are kept in the result, and before them
-the first line that reads like an error when the tail no longer holds it (a launcher's
-traceback after a rank's ``error: unrecognized arguments`` pushes that line out of it).
+and stderr together) goes to ``<work>/log-<mode>-<index>.log``; its last lines are kept in
+the result, and before them the first line that reads like an error when the tail no longer
+holds it (a launcher's traceback after a rank's ``error: unrecognized arguments`` pushes
+that line out of it).
 
 A cold run that exits non-zero having compiled nothing (no process loaded torch's compiler,
 none raised, nothing in its cache dir: a usage error, a missing data file) is
@@ -44,6 +45,7 @@ from pathlib import Path
 from cachekeeper import config, remote_tier
 from cachekeeper.builder.allowlist import program_path
 from cachekeeper.builder.confine import Confinement, start
+from cachekeeper.builder.kinds.command import Command
 from cachekeeper.builder.verdicts import (
     CommandRun,
     ErrorInfo,
@@ -51,7 +53,6 @@ from cachekeeper.builder.verdicts import (
     Progress,
     ProgressEvent,
 )
-from cachekeeper.builder.workload import Command
 
 __all__ = [
     "EVIDENCE_HOOK",

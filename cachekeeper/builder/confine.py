@@ -7,7 +7,8 @@ daemons stay in its tree and are stopped at a timeout, at a stop, and when the c
 normally. ``Confinement`` says what else a build's processes are held to:
 
 - ``hidden``: files no process of the build may read or replace (the agent's signing key),
-  through Landlock (``cachekeeper.builder.landlock``). Empty for ``cachekeeper prewarm`` run by hand.
+  through Landlock (``cachekeeper.builder.landlock``). Empty for ``cachekeeper prewarm``
+  run by hand.
   Every folder on the way to a hidden file is closed to new entries; when the temp folder
   (``$TMPDIR``, else ``/tmp``) is one of them, the build gets a ``TMPDIR`` of its own next
   to its status file (compilers and ``tempfile`` write there).

@@ -3,23 +3,25 @@
 ``prewarm(workload, cache_dir, devices=[...])``:
 
 1. For each device, one fresh child process (``python -m cachekeeper.builder._child``) with an
-   empty staging ``TORCHINDUCTOR_CACHE_DIR`` compiles every regime in order, then every
-   entrypoint. GPUs run in parallel, one process each, on their real index (all GPUs stay
-   visible: the device index is part of Inductor's key). The CPU is one process.
-2. Then each ``[[command]]``, in order, runs once with its own empty staging dir
-   (``cachekeeper.builder.commands``): the site's launcher picks its own devices and ranks, and
-   every Python process it starts reports its counters.
+   empty staging ``TORCHINDUCTOR_CACHE_DIR`` runs the tables of the device kinds in order
+   (every regime, then every entrypoint: ``cachekeeper.builder.kinds``). GPUs run in
+   parallel, one process each, on their real index (all GPUs stay visible: the device
+   index is part of Inductor's key). The CPU is one process.
+2. Then each table of a process kind (each ``[[command]]``), in order, runs once with its
+   own empty staging dir (``cachekeeper.builder.commands``): the site's launcher picks its
+   own devices and ranks, and every Python process it starts reports its counters.
 3. If any child's workload raised, or a command exited non-zero, the cold compile is
    broken: the report says ``cold_compile_broken`` with the exception (or the command's
    last output lines), and nothing is merged; a command that exited non-zero having
-   compiled nothing is ``command_failed`` instead (``cachekeeper.builder.commands``). Any other failure (crash, timeout, an import
-   path that does not resolve, a command that cannot start) is ``failed``; nothing is
-   merged either.
+   compiled nothing is ``command_failed`` instead (``cachekeeper.builder.commands``). Any
+   other failure (crash, timeout, an import path that does not resolve, a command that
+   cannot start) is ``failed``; nothing is merged either.
 4. Otherwise every staging dir is merged into ``cache_dir`` with the restore rules
    (``cachekeeper.restore.merge_tree``: never delete, verified, atomic).
-5. Then ``cachekeeper.builder.verify.verify``: a fresh child per device against ``cache_dir``, and
-   each command again in a fresh copy of ``cache_dir`` (as a node restores it), judged by
-   ``cachekeeper.builder.verdicts.is_effective`` per device and per process.
+5. Then ``cachekeeper.builder.verify.verify``: a fresh child per device against
+   ``cache_dir``, and each command again in a fresh copy of ``cache_dir`` (as a node
+   restores it), judged by ``cachekeeper.builder.verdicts.is_effective`` per device and per
+   process.
 
 The children and their work area: ``cachekeeper.builder.children``.
 """
@@ -30,12 +32,12 @@ import collections
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cachekeeper import remote_tier
 from cachekeeper.builder.children import child_cpu_state, run_children, slug, work_area
-from cachekeeper.builder.commands import run_command
 from cachekeeper.builder.confine import Confinement
+from cachekeeper.builder.kinds import ProcessKind
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import Workload
@@ -63,10 +65,11 @@ def prewarm(
     Never raises for what the workload does (see ``PrewarmReport.status``); raises
     CacheDirUnusable, before anything is compiled, when ``cache_dir`` cannot be filled
     (``marker.unusable_reason``: a file created, written and renamed in it and in its
-    ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created. ``timeout_s`` bounds each child
-    and each command run. ``devices`` are where ``[[attention]]`` and ``[[entrypoint]]``
-    run; a command's ranks choose their own. ``confinement`` is what every process of the
-    build is held to (``cachekeeper.builder.confine``; the agent hides its signing key).
+    ``.cachekeeper/``), and PrewarmFailed when the work area cannot be created.
+    ``timeout_s`` bounds each child and each command run. ``devices`` are where the device
+    kinds' tables (``[[attention]]``, ``[[entrypoint]]``) run; a command's ranks choose
+    their own. ``confinement`` is what every process of the build is held to
+    (``cachekeeper.builder.confine``; the agent hides its signing key).
     """
     cache_dir = Path(cache_dir).absolute()
     # Before minutes of compiling: a dir the merge could not fill fails now, naming it.
@@ -74,8 +77,7 @@ def prewarm(
     if problem is not None:
         raise CacheDirUnusable(f"cannot prewarm into {cache_dir}: {problem}; nothing was compiled")
     started = time.monotonic()
-    in_children = bool(workload.regimes or workload.entrypoints)
-    child_devices = list(devices) if in_children else []
+    child_devices = list(devices) if workload.device_tables else []
 
     def report(**fields: Any) -> PrewarmReport:
         return PrewarmReport(
@@ -103,13 +105,13 @@ def prewarm(
             )
         cold: list[CommandRun] = []
         if all(run.status == "ok" for run in runs):
-            for index, command in enumerate(workload.commands):
-                path = staging[f"command[{index}]"] = work / f"staging-command_{index}"
+            for table in workload.process_tables:
+                path = staging[table.name] = work / f"staging-{table.kind.table}_{table.index}"
                 path.mkdir()
                 cold.append(
-                    run_command(
-                        command,
-                        index=index,
+                    cast(ProcessKind, table.kind).run(
+                        table.spec,
+                        index=table.index,
                         mode="prewarm",
                         cache_dir=path,
                         work=work,

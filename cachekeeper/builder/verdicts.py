@@ -12,9 +12,10 @@ gained or changed an FX graph or AOTAutograd entry missed, whatever any process 
 a command's verify in which no entry was read hit nothing; and every process of a command
 that imported ``torch._dynamo`` must have left its end record (``CommandRun.gaps``).
 
-The runs themselves happen in ``cachekeeper.builder.prewarm`` and ``cachekeeper.builder.verify`` (through
-``cachekeeper.builder.children`` and ``cachekeeper.builder.commands``); this module only reads their
-results, so it imports neither torch nor subprocess machinery. Their text for people:
+The runs themselves happen in ``cachekeeper.builder.prewarm`` and
+``cachekeeper.builder.verify`` (through ``cachekeeper.builder.children`` and
+``cachekeeper.builder.commands``); this module only reads their results, so it imports
+neither torch nor subprocess machinery. Their text for people:
 ``cachekeeper.builder.report_text``.
 """
 
@@ -277,10 +278,11 @@ class ProcessEvidence:
 
 @dataclass(frozen=True)
 class CacheWatch:
-    """A cache dir seen from outside the processes of a verify (``cachekeeper.builder.cache_watch``):
-    the FX graph and AOTAutograd entries it had, those it gained or that changed (a miss
-    writes one), and how many were read (None: not measured, because the dir is not the
-    verify's own copy or its filesystem does not record reads)."""
+    """A cache dir seen from outside the processes of a verify
+    (``cachekeeper.builder.cache_watch``): the FX graph and AOTAutograd entries it had,
+    those it gained or that changed (a miss writes one), and how many were read (None: not
+    measured, because the dir is not the verify's own copy or its filesystem does not record
+    reads)."""
 
     entries: int
     gained: tuple[str, ...] = ()  # relative paths, the first few
@@ -323,7 +325,8 @@ class CacheWatch:
 
 @dataclass(frozen=True)
 class CommandRun:
-    """One run of a ``[[command]]``: its exit, its log's tail, and every process's evidence.
+    """One run of a process kind's table (a ``[[command]]``): its exit, its log's tail, and
+    every process's evidence; ``table`` is the kind's table name (``name``: ``command[0]``).
 
     ``gaps`` are what the evidence folder does not account for (a start record with no end,
     an end record with no start); ``watch`` is the verify's outside view of its cache copy;
@@ -344,10 +347,11 @@ class CommandRun:
     watch: CacheWatch | None = None
     left_running: tuple[str, ...] = ()
     sandbox: str = ""
+    table: str = "command"
 
     @property
     def name(self) -> str:
-        return f"command[{self.index}]"
+        return f"{self.table}[{self.index}]"
 
     @property
     def compiling(self) -> tuple[ProcessEvidence, ...]:

@@ -46,25 +46,27 @@ def _error(text: str) -> str:
 def test_examples_parse() -> None:
     gqa = load_workload(EXAMPLES / "gqa-doc-causal.toml")
     assert gqa.name == "gqa-doc-causal"
-    (regime,) = gqa.regimes
+    (regime,) = gqa.specs("attention")
     assert (regime.batch, regime.q_heads, regime.kv_heads, regime.head_dim) == (1, 32, 8, 128)
     assert regime.seq_lens == (4096, 8192)
     assert regime.mask == "document_causal" and regime.mask_args == {"doc_len": 1024}
     assert regime.dtype == "bfloat16" and regime.backward and regime.enable_gqa
     assert regime.compile == {"dynamic": False}
     drafter = load_workload(EXAMPLES / "drafter.toml")
-    masks = {r.mask for r in drafter.regimes}
+    masks = {r.mask for r in drafter.specs("attention")}
     assert {"sliding_window", "causal"} <= masks
-    assert any(r.score_mod == "softcap" for r in drafter.regimes)
+    assert any(r.score_mod == "softcap" for r in drafter.specs("attention"))
     tiny = load_workload(EXAMPLES / "cpu-tiny.toml")
-    assert tiny.regimes[0].dtype == "float32" and tiny.regimes[0].head_dim == 16
+    assert (
+        tiny.specs("attention")[0].dtype == "float32" and tiny.specs("attention")[0].head_dim == 16
+    )
 
 
 def test_digest_is_sha256_of_text_and_defaults() -> None:
     w = parse_workload(BASE, source="t.toml")
     assert w.digest == hashlib.sha256(BASE.encode()).hexdigest()
     assert w.text == BASE
-    r = w.regimes[0]
+    r = w.specs("attention")[0]
     assert (r.mask, r.score_mod, r.backward, r.compile, r.kernel_options) == (
         "none",
         "none",
@@ -72,7 +74,7 @@ def test_digest_is_sha256_of_text_and_defaults() -> None:
         {},
         None,
     )
-    no_kv = parse_workload(_with(drop="kv_heads"), source="t.toml").regimes[0]
+    no_kv = parse_workload(_with(drop="kv_heads"), source="t.toml").specs("attention")[0]
     assert no_kv.kv_heads == no_kv.q_heads and not no_kv.enable_gqa
 
 
@@ -253,13 +255,15 @@ def test_valid_variants_parse() -> None:
         '[[entrypoint]]\ntarget = "my_trainer.warmup:Step.run"\nkwargs = { seq_len = 4096 }\n'
     )
     w = parse_workload(text, source="t.toml")
-    r = w.regimes[0]
+    r = w.specs("attention")[0]
     assert r.mask == "pkg.masks:make" and r.mask_args == {"anything": [1, 2]}
     assert r.kernel_options == {"BLOCK_M": 64, "FORCE_USE_FLEX_ATTENTION": True}
-    assert w.entrypoints[0].target == "my_trainer.warmup:Step.run"
-    assert w.entrypoints[0].kwargs == {"seq_len": 4096}
+    assert w.specs("entrypoint")[0].target == "my_trainer.warmup:Step.run"
+    assert w.specs("entrypoint")[0].kwargs == {"seq_len": 4096}
     # non-power-of-two head dims are padded by Inductor and accepted
-    assert parse_workload(_with(replace=("head_dim = 16", "head_dim = 80")), source="t").regimes
+    assert parse_workload(_with(replace=("head_dim = 16", "head_dim = 80")), source="t").specs(
+        "attention"
+    )
 
 
 def test_load_workload_errors_name_the_file(tmp_path: Path) -> None:
@@ -324,15 +328,15 @@ def test_commands_parse_alone_or_beside_other_tables() -> None:
         'timeout = "30m"\n[[command]]\nargv = ["python", "eval.py"]\ntimeout = 90\n'
     )
     w = parse_workload(text, source="t.toml")
-    first, second = w.commands
+    first, second = w.specs("command")
     assert first.argv == ("torchrun", "--nproc-per-node", "8", "-m", "titan.train")
     assert first.env == {"WANDB_MODE": "disabled", "NCCL_DEBUG_LEVEL": "1"}  # ints as text
     assert (first.cwd, first.timeout_s) == ("/srv/t", 1800.0)
     assert (second.env, second.cwd, second.timeout_s) == ({}, None, 90.0)
     assert first.describe() == "torchrun --nproc-per-node 8 -m titan.train"
-    assert w.regimes == () and w.entrypoints == ()
+    assert w.specs("attention") == () and w.specs("entrypoint") == ()
     mixed = parse_workload(BASE + '[[command]]\nargv = ["a b", "c"]\n', source="t.toml")
-    assert len(mixed.regimes) == 1 and mixed.commands[0].describe() == "'a b' c"
+    assert len(mixed.specs("attention")) == 1 and mixed.specs("command")[0].describe() == "'a b' c"
 
 
 def test_code_lists_every_import_path_and_command() -> None:
@@ -342,7 +346,7 @@ def test_code_lists_every_import_path_and_command() -> None:
         '[[command]]\nargv = ["torchrun", "-m", "trainer.train"]\n'
     )
     refs = parse_workload(text, source="t.toml").code
-    assert [(r.kind, r.value, r.where, r.argv0) for r in refs] == [
+    assert [(r.form, r.value, r.where, r.argv0) for r in refs] == [
         ("import", "pkg.masks:make", "attention[0].mask", ""),
         ("import", "trainer.warmup:step", "entrypoint[0].target", ""),
         ("command", "torchrun -m trainer.train", "command[0].argv", "torchrun"),

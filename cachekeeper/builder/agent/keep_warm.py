@@ -16,6 +16,7 @@ the next start (``sweep_stale_builds``); nothing without the marker is ever touc
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -150,9 +151,10 @@ class KeepWarm:
             self.say(f"{name}: {detail}")
             return self._outcome(name, "refused", started, prewarm_ran=False, detail=detail)
         self._send_event(name, status="building")
-        where = ",".join(self.options.devices) if workload.regimes or workload.entrypoints else ""
-        commands = f"{len(workload.commands)} command(s)" if workload.commands else ""
-        self.say(f"{name}: building on {' and '.join(x for x in (where, commands) if x)}")
+        where = ",".join(self.options.devices) if workload.device_tables else ""
+        own = collections.Counter(t.kind.table for t in workload.process_tables)
+        counts = [f"{count} {table}(s)" for table, count in own.items()]  # "1 command(s)"
+        self.say(f"{name}: building on {' and '.join(x for x in (where, *counts) if x)}")
         return self._build(workload, started)
 
     def _resolve(self, name: str) -> Resolution:
@@ -176,7 +178,7 @@ class KeepWarm:
         """
         name = workload.name
         found = self._resolve(name)
-        if workload.commands and (found.snapshot_id is None or not found.verified):
+        if workload.process_tables and (found.snapshot_id is None or not found.verified):
             near = next(
                 (
                     n
@@ -211,7 +213,7 @@ class KeepWarm:
         """Build the workload again when its warm snapshot has harvested deltas (module
         docstring, 4): the harvest is a hint, never bytes we load. None when there is
         nothing to judge (the warm snapshot serves)."""
-        if not workload.commands:
+        if not workload.process_tables:
             return None
         name = workload.name
         deltas = tuple(
@@ -301,7 +303,7 @@ class KeepWarm:
                             detail=judged.describe(),
                             prewarm=report.to_dict(),
                         )
-                if workload.commands:  # its processes' CPU state: the snapshot's, the events'
+                if workload.process_tables:  # their CPU state: the snapshot's, the events'
                     compiled_under = recorded_cpu(load_prewarm_record(cache_dir, name))
                     if compiled_under is not None:
                         self._built_with(workload, compiled_under)
@@ -366,7 +368,7 @@ class KeepWarm:
             what = (
                 f"{timed_out.mode} on {timed_out.device}"
                 if isinstance(timed_out, DeviceRun)
-                else f"{timed_out.mode} of command[{timed_out.index}]"
+                else f"{timed_out.mode} of {timed_out.name}"
             )
             bound = self.options.build_timeout_s
             limit = "no build timeout" if bound is None else f"--build-timeout {bound:g} s"
