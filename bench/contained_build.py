@@ -29,8 +29,9 @@ from cachekeeper.builder import landlock  # noqa: E402
 from cachekeeper.builder.confine import Confinement  # noqa: E402
 from cachekeeper.builder.prewarm import prewarm  # noqa: E402
 from cachekeeper.builder.workload import load_workload  # noqa: E402
-from cachekeeper.devices import select_devices  # noqa: E402
-from cachekeeper.signing import generate_keypair  # noqa: E402
+from cachekeeper.environment.devices import select_devices  # noqa: E402
+from cachekeeper.environment.fingerprint import visible_gpus  # noqa: E402
+from cachekeeper.snapshot.signing import generate_keypair  # noqa: E402
 
 
 def main() -> int:
@@ -50,7 +51,7 @@ def main() -> int:
         print(json.dumps({"error": f"no sandbox on this host: {reason}"}))
         return 1
     workload = load_workload(Path(args.workload))
-    devices = select_devices(args.device)
+    devices = select_devices(args.device, visible=visible_gpus)
     ratios = []
     with tempfile.TemporaryDirectory(prefix="ck-contained-") as tmp:
         work = Path(tmp)

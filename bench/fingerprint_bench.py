@@ -34,7 +34,7 @@ _DROPPED = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")
 # One fresh process: the import and first collect(), then five more (ms, as JSON).
 _IN_PROCESS = (
     "import json, time; t0 = time.perf_counter();"
-    " from cachekeeper.fingerprint import collect; collect();"
+    " from cachekeeper.environment.fingerprint import collect; collect();"
     " first = (time.perf_counter() - t0) * 1000; later = []\n"
     "for _ in range(5):\n"
     "    t1 = time.perf_counter(); collect(); later.append((time.perf_counter() - t1) * 1000)\n"
@@ -98,7 +98,7 @@ def main() -> None:
         return
 
     t0 = time.perf_counter()
-    from cachekeeper.fingerprint import collect
+    from cachekeeper.environment.fingerprint import collect
 
     collect()
     first_ms = (time.perf_counter() - t0) * 1000

@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench._server import serve  # noqa: E402
-from cachekeeper.fingerprint import collect  # noqa: E402
-from cachekeeper.manifest import FileEntry, Manifest  # noqa: E402
-from cachekeeper.signing import generate_keypair, load_public_key, sign_manifest  # noqa: E402
+from cachekeeper.environment.fingerprint import collect  # noqa: E402
+from cachekeeper.snapshot.manifest import FileEntry, Manifest  # noqa: E402
+from cachekeeper.snapshot.signing import generate_keypair, load_public_key, sign_manifest  # noqa: E402
 
 
 def _common(files: int) -> tuple[tuple[FileEntry, ...], dict[str, bytes]]:

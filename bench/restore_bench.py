@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_cache import make_synthetic_cache  # noqa: E402
 
 from cachekeeper.restore import restore_archive  # noqa: E402
-from cachekeeper.snapshot import snapshot_dir, write_archive  # noqa: E402
+from cachekeeper.snapshot.make import snapshot_dir, write_archive  # noqa: E402
 from cachekeeper.store import LocalStore  # noqa: E402
 
 

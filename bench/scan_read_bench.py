@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
-from cachekeeper.scan import CacheTree, is_excluded  # noqa: E402
+from cachekeeper.snapshot.scan import CacheTree, is_excluded  # noqa: E402
 
 
 def _scan_by_paths(root: Path) -> list[tuple[str, Path, int]]:
-    """The scan as it was at 3a97f40 (cachekeeper/scan.py), links refused the same way."""
+    """The scan as it was at 3a97f40 (cachekeeper/snapshot/scan.py), links refused the same way."""
     found: list[tuple[str, Path, int]] = []
     stack: list[tuple[Path, str]] = [(root, "")]
     while stack:

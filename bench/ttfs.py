@@ -209,7 +209,7 @@ def _register(url: str, name: str, workload: Path) -> None:
 
 
 def _versions() -> dict[str, Any]:
-    from cachekeeper.fingerprint import collect
+    from cachekeeper.environment.fingerprint import collect
 
     fp = collect()
     return {k: fp.get(k) for k in ("torch", "triton", "cuda", "driver", "gpus", "python")}

@@ -25,7 +25,7 @@ file or a spool first. The callers:
   file found in place) or of bytes in memory (the per-key tier's values, ``server.tier``,
   named by it when stored and checked against it when read).
 
-Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).
+Stdlib only and light: the hook's modules import it (through ``cachekeeper.snapshot.manifest``).
 """
 
 from __future__ import annotations

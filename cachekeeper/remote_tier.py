@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
-if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
-    from cachekeeper.fingerprint import Fingerprint
+if TYPE_CHECKING:  # types only: at run time this module stays stdlib (the hook imports it)
+    from cachekeeper.environment.shape import Fingerprint
 
 __all__ = [
     "AOTAUTOGRAD",

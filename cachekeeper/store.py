@@ -31,7 +31,7 @@ from cachekeeper import config
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.errors import InvalidManifest, SnapshotNotFound
 from cachekeeper.fsutil import atomic_write_text
-from cachekeeper.manifest import Manifest
+from cachekeeper.snapshot.manifest import Manifest
 
 __all__ = ["LocalStore", "StoredSnapshot", "DeletePlan"]
 

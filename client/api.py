@@ -22,7 +22,6 @@ from urllib.parse import urlencode
 
 import zstandard
 
-from cachekeeper.archive import open_archive_stream
 from cachekeeper.errors import (
     CachekeeperError,
     Forbidden,
@@ -32,7 +31,8 @@ from cachekeeper.errors import (
     Unauthorized,
     error_for_code,
 )
-from cachekeeper.manifest import Manifest
+from cachekeeper.snapshot.archive import open_archive_stream
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.wire import (
     AgentEvent,
     AgentInfo,
@@ -76,8 +76,8 @@ from .transport import StreamReader, http_client, read_answer, send
 if TYPE_CHECKING:
     import httpx
 
-    from cachekeeper.fingerprint import Fingerprint
-    from cachekeeper.signing import TrustedKey
+    from cachekeeper.environment.fingerprint import Fingerprint
+    from cachekeeper.snapshot.signing import TrustedKey
 
 __all__ = ["CacheClient", "Deadline", "NearMiss", "Resolution", "server_root"]
 

@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from cachekeeper.archive import ReadAhead
 from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.errors import ServerUnavailable
+from cachekeeper.snapshot.archive import ReadAhead
 
 from .calls import Backoff, Deadline, redact_url
 from .transport import http_client, read_answer, send

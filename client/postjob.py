@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, FingerprintUnavailable, PlaintextRefused
 from cachekeeper.restore.marker import STATE_DIR, read_markers, state_dir
-from cachekeeper.scan import scan_files
+from cachekeeper.snapshot.scan import scan_files
 from cachekeeper.wire import JobReport
 
 from .calls import Deadline, plaintext_allowed, refuse_plaintext
@@ -51,7 +51,7 @@ from .tier_stats import TierJob
 from .tier_stats import collect as collect_tier
 
 if TYPE_CHECKING:  # loaded in postjob(), the hook's start-up budget
-    from cachekeeper.fingerprint import Fingerprint
+    from cachekeeper.environment.fingerprint import Fingerprint
 
 __all__ = [
     "KINDS",
@@ -124,7 +124,7 @@ def diff_cache(cache_dir: Path) -> CacheDiff:
     Raises OSError (and LinkInCacheDir) when the dir cannot be read.
     """
     root = Path(cache_dir)
-    # Sizes as the scan saw them (cachekeeper.scan, through descriptors): nothing is
+    # Sizes as the scan saw them (cachekeeper.snapshot.scan, through descriptors): nothing is
     # reached by a path again, so a file swapped for a link meanwhile is never followed.
     present = {f.rel: f.size_bytes for f in scan_files(root)}
     baseline: set[str] = set()
@@ -318,7 +318,7 @@ def postjob(
     (``pushed_snapshot_id``; a failure is a ``warning``). Nothing is pushed after a cold
     start (no parent) or when nothing new was compiled.
     """
-    from cachekeeper.fingerprint import collect, digest_of  # the hook's start-up budget
+    from cachekeeper.environment.fingerprint import collect, digest_of  # the hook's start-up budget
 
     started = time.monotonic()
     started_at = utc_now()

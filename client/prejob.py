@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from cachekeeper import config, remote_tier
+from cachekeeper.environment.fingerprint import GPU_TIMEOUT_S, Fingerprint, collect, digest_of
 from cachekeeper.errors import (
     CacheDirUnusable,
     CachekeeperError,
@@ -72,10 +73,9 @@ from cachekeeper.errors import (
     SignatureInvalid,
     Unauthorized,
 )
-from cachekeeper.fingerprint import GPU_TIMEOUT_S, Fingerprint, collect, digest_of
 from cachekeeper.fsutil import atomic_write_secret, unwritable_dir
 from cachekeeper.restore.marker import held_snapshot, is_restored
-from cachekeeper.signing import load_trusted_keys
+from cachekeeper.snapshot.signing import load_trusted_keys
 from cachekeeper.wire import (
     JobReport,
     RemoteCacheOffer,

@@ -19,17 +19,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from cachekeeper.archive import read_manifest_member
+from cachekeeper.environment.fingerprint import Fingerprint, collect, format_mismatches
 from cachekeeper.errors import (
     CachekeeperError,
     NoMatchingSnapshot,
     ServerError,
 )
-from cachekeeper.fingerprint import Fingerprint, collect, format_mismatches
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import restore_snapshot
 from cachekeeper.restore.sources import Blobs, archive_blobs
-from cachekeeper.signing import TrustedKey
+from cachekeeper.snapshot.archive import read_manifest_member
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.signing import TrustedKey
 from cachekeeper.wire import to_dict
 
 from .api import CacheClient, Deadline, Resolution

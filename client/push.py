@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from cachekeeper.errors import BlobMissing, Forbidden, Unauthorized, WorkloadNotFound
 from cachekeeper.integrity import CHUNK_BYTES
-from cachekeeper.manifest import Manifest
-from cachekeeper.provenance import load_prewarm_record, recorded_workloads
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.provenance import load_prewarm_record, recorded_workloads
 from cachekeeper.store import LocalStore
 from cachekeeper.wire import to_dict
 
@@ -33,7 +33,7 @@ from .api import CacheClient, Deadline
 from .direct import ObjectStore
 
 if TYPE_CHECKING:
-    from cachekeeper.fingerprint import Fingerprint
+    from cachekeeper.environment.fingerprint import Fingerprint
 
 __all__ = [
     "PUBLISH_BYTES_PER_S",

@@ -8,7 +8,7 @@ without the whole run.
 
 The tests in tests/hardening/ append one JSON row per fault or input they tried (to the
 file named by CACHEKEEPER_RELIABILITY_LOG) only after their assertions passed. Attacker
-inputs already tested in tests/core/test_restore.py and tests/server/test_roundtrip.py
+inputs already tested in tests/restore/test_restore.py and tests/server/test_roundtrip.py
 are run too and counted from their pytest outcomes (one try per passing case), so the
 numbers in the table are always what this run did. A failing test shows as FAILED.
 """
@@ -27,39 +27,39 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Existing tests counted as rows: node id prefix -> (area, what was tried, outcome).
 EXISTING = {
-    "tests/core/test_restore.py::test_bad_manifest_is_refused_before_writing": (
+    "tests/restore/test_restore.py::test_bad_manifest_is_refused_before_writing": (
         "attacker input",
         "archive manifest with traversal, absolute path, own state dir, duplicate entry, "
         "unknown format (restore)",
         "refused",
     ),
-    "tests/core/test_restore.py::test_bad_members_are_refused_before_writing": (
+    "tests/restore/test_restore.py::test_bad_members_are_refused_before_writing": (
         "attacker input",
         "archive member that is a symlink, hard link, device, traversal, absolute path, "
         "unknown blob, corrupt or too large (restore)",
         "refused",
     ),
-    "tests/core/test_restore.py::test_decompression_bomb_is_cut_off_at_the_declared_size": (
+    "tests/restore/test_restore.py::test_decompression_bomb_is_cut_off_at_the_declared_size": (
         "attacker input",
         "decompression bomb: 256 MiB under a blob declared as 1 byte (restore)",
         "refused",
     ),
-    "tests/core/test_restore.py::test_missing_blob_is_refused_naming_the_entry": (
+    "tests/restore/test_restore.py::test_missing_blob_is_refused_naming_the_entry": (
         "attacker input",
         "archive missing a blob its manifest lists (restore)",
         "refused",
     ),
-    "tests/core/test_restore.py::test_not_an_archive_is_refused": (
+    "tests/restore/test_restore.py::test_not_an_archive_is_refused": (
         "attacker input",
         "file that is not an archive (restore)",
         "refused",
     ),
-    "tests/core/test_restore.py::test_race_with_another_writer_never_clobbers": (
+    "tests/restore/test_restore.py::test_race_with_another_writer_never_clobbers": (
         "concurrency",
         "another writer creates a file mid-restore (never clobbered)",
         "kept",
     ),
-    "tests/core/test_restore.py::test_eight_concurrent_restores_serialize_and_reuse": (
+    "tests/restore/test_restore.py::test_eight_concurrent_restores_serialize_and_reuse": (
         "concurrency",
         "8 restore processes into one dir",
         "kept",

@@ -8,7 +8,7 @@ padding and the small blobs (recompressed together, which compresses them better
 frame each). Decoders must read across frames: ``zstd -d`` does, and so does
 ``zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)``.
 
-The tar inside is the format of ``cachekeeper.archive`` (member names, headers, order):
+The tar inside is the format of ``cachekeeper.snapshot.archive`` (member names, headers, order):
 this module only decides which pieces of its ``layout`` to compress and which blobs to pass
 through as stored.
 """
@@ -20,7 +20,7 @@ from typing import BinaryIO, Protocol
 
 import zstandard
 
-from cachekeeper.archive import layout
+from cachekeeper.snapshot.archive import layout
 
 __all__ = ["archive_chunks", "SPLICE_MIN_BYTES", "CHUNK_BYTES"]
 

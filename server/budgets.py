@@ -66,7 +66,7 @@ from cachekeeper.wire import JobReport
 from .catalog.budget import KEPT_EVENTS_SQL
 
 if TYPE_CHECKING:
-    from cachekeeper.manifest import Manifest
+    from cachekeeper.snapshot.manifest import Manifest
 
     from .catalog import Transaction
     from .settings import Settings
@@ -356,7 +356,7 @@ class Budgets:
             self._refuse("snapshots", "max_rows")
             raise InsufficientStorage(
                 f"the server holds {settings.max_snapshots} snapshots (max_snapshots): run GC"
-                " (cachekeeper gc) or remove some (cachekeeper rm) first",
+                " (cachekeeper snapshots gc) or remove some (cachekeeper snapshots rm) first",
                 extra={"table": "snapshots"},
             )
         if manifest.parent is not None and manifest.source == "harvest":
@@ -368,7 +368,7 @@ class Budgets:
                 raise InsufficientStorage(
                     f"snapshot {manifest.parent[:12]} already has {held} harvested deltas for"
                     f" this environment (max_harvested_deltas): an agent's promotion folds them"
-                    " into a new snapshot; or remove some (cachekeeper rm)",
+                    " into a new snapshot; or remove some (cachekeeper snapshots rm)",
                     extra={"table": "snapshots"},
                 )
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from cachekeeper.devices import coverage_advice
+from cachekeeper.environment.devices import coverage_advice
 from cachekeeper.wire import EventOut, StatusRow
 
 from .records import StatusFacts

@@ -5,7 +5,7 @@ one), nodes upload blobs straight to the store (presigned PUTs) and download one
 object per snapshot (a presigned GET). The store may or may not have
 checked a PUT's ``x-amz-checksum-sha256`` (moto does not), so the server checks here, at
 publish, before any row names the snapshot: ``pack_snapshot`` builds the snapshot's archive
-(the one format, ``cachekeeper.archive``, through ``server.archive.archive_chunks``) from the
+(the one format, ``cachekeeper.snapshot.archive``, through ``server.archive.archive_chunks``) from the
 blobs as the store holds them, each read through the integrity check
 (``cachekeeper.integrity.HashingReader``), into a temp file, and uploads
 it as ``archives/<id>.tar.zst``. A blob that is absent, of another size or of other bytes
@@ -21,7 +21,7 @@ Speed. A snapshot is thousands of blobs, mostly small, and each costs the store 
 (tens of ms of latency), so the blobs are read by a small bounded thread pool
 (``PACK_WORKERS``) at most ``PREFETCH_BYTES`` ahead of the writer, which still takes them in
 manifest order: the archive's members and their order are those of
-``cachekeeper.archive.layout``, unchanged. A worker reads one whole blob (up to
+``cachekeeper.snapshot.archive.layout``, unchanged. A worker reads one whole blob (up to
 ``INLINE_MAX_BYTES``), hashes it and, when the archive splices it as its own zstd frame,
 compresses that frame too (hashlib and zstandard release the GIL, so this runs in
 parallel). A larger blob is streamed by the writer itself, hashed as read, and compressed
@@ -56,7 +56,7 @@ import zstandard
 from cachekeeper.blobstore import BlobStat
 from cachekeeper.errors import BlobMissing, DigestMismatch
 from cachekeeper.integrity import HashingReader
-from cachekeeper.manifest import Manifest
+from cachekeeper.snapshot.manifest import Manifest
 
 from .archive import SPLICE_MIN_BYTES, archive_chunks
 from .backend import DirectAccess

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.environment.fingerprint import Fingerprint
 from cachekeeper.wire import EventOut, JobStats, Summary
 
 __all__ = ["BlobInfo", "BlobUsage", "Candidate", "Counts", "StatusFacts"]

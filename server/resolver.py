@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from cachekeeper.environment.fingerprint import DriverPolicy, Fingerprint, compare
 from cachekeeper.errors import did_you_mean
-from cachekeeper.fingerprint import DriverPolicy, Fingerprint, compare
 from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
 
 from .records import Candidate

@@ -31,8 +31,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachekeeper import config
 from cachekeeper.errors import ConfigInvalid
-from cachekeeper.manifest import MAX_FILES
-from cachekeeper.signing import load_trusted_keys
+from cachekeeper.snapshot.manifest import MAX_FILES
+from cachekeeper.snapshot.signing import load_trusted_keys
 from cachekeeper.units import parse_duration
 
 __all__ = [

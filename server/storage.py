@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 from cachekeeper import remote_tier
 from cachekeeper.blobstore import PutResult
+from cachekeeper.environment.fingerprint import DriverPolicy, Fingerprint
 from cachekeeper.errors import (
     AgentNotFound,
     BlobMissing,
@@ -37,9 +38,8 @@ from cachekeeper.errors import (
     SnapshotNotFound,
     WorkloadNotFound,
 )
-from cachekeeper.fingerprint import DriverPolicy, Fingerprint
-from cachekeeper.manifest import Manifest
-from cachekeeper.signing import TrustedKey
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.signing import TrustedKey
 from cachekeeper.wire import (
     AgentInfo,
     EventOut,

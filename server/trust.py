@@ -4,7 +4,7 @@ A node with a trust list sends the public keys it trusts with its resolve
 (``ResolveRequest.trusted_keys``: the keys themselves, not their ids). For each snapshot
 resolve considers, ``NodeTrust.problem`` reads the stored manifest and checks its
 signature against the node's key that the manifest's ``key_id`` names
-(``cachekeeper.signing.signature_problem_of``): a claimed key id earns nothing by itself,
+(``cachekeeper.snapshot.signing.signature_problem_of``): a claimed key id earns nothing by itself,
 and since the signature covers the manifest's ``stats`` and ``source``, a snapshot's
 ``verified`` is the key's claim too (a signed manifest whose verify statistics were
 changed no longer matches its signature). The catalog's ``signed`` column is read only to
@@ -30,9 +30,9 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from cachekeeper.fingerprint import canonical_json
-from cachekeeper.manifest import claims_verified
-from cachekeeper.signing import TrustedKey, signature_problem_of, trusted_key_from_wire
+from cachekeeper.environment.fingerprint import canonical_json
+from cachekeeper.snapshot.manifest import claims_verified
+from cachekeeper.snapshot.signing import TrustedKey, signature_problem_of, trusted_key_from_wire
 from cachekeeper.wire import Summary
 
 __all__ = ["NodeTrust", "Verdict", "Verdicts", "parse_trusted_keys"]

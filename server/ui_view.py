@@ -33,7 +33,7 @@ from datetime import datetime
 from html import escape
 from typing import Any
 
-from cachekeeper.fingerprint import Fingerprint, identity
+from cachekeeper.environment.fingerprint import Fingerprint, identity
 
 from .storage import Storage
 
@@ -83,7 +83,9 @@ class Environment:
     driver: str
     gpu: str
     fingerprint: Fingerprint | None
-    cpu: str = "-"  # threads and vector ISA: two hosts may differ only there (cachekeeper.cpu)
+    cpu: str = (
+        "-"  # threads and vector ISA: two hosts may differ only there (cachekeeper.environment.cpu)
+    )
     # what separates this column from the others with the same ``label`` (``distinct``)
     distinct: tuple[str, ...] = ()
 

@@ -28,16 +28,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachekeeper import cpu, remote_tier
+from cachekeeper import remote_tier
 from cachekeeper.builder._child import PROGRESS_PREFIX
 from cachekeeper.builder.commands import without_secrets
 from cachekeeper.builder.confine import Confinement, start
 from cachekeeper.builder.verdicts import DeviceRun, ErrorInfo, Progress, ProgressEvent
 from cachekeeper.builder.workload import Workload
+from cachekeeper.environment import cpu
 from cachekeeper.errors import PrewarmFailed
 
 if TYPE_CHECKING:
-    from cachekeeper.fingerprint import CpuState
+    from cachekeeper.environment.fingerprint import CpuState
 
 __all__ = ["work_area", "run_children", "slug", "child_environ", "child_cpu_state"]
 
@@ -84,7 +85,7 @@ def child_environ(omp_num_threads: int | None) -> dict[str, str]:
 
 
 def child_cpu_state(omp_num_threads: int | None) -> CpuState:
-    """The CPU state (``cachekeeper.cpu.state``) a child with ``omp_num_threads`` compiles
+    """The CPU state (``cachekeeper.environment.cpu.state``) a child with ``omp_num_threads`` compiles
     under: the ``cpu`` field of the fingerprint of every cache a prewarm of it builds."""
     return cpu.state(child_environ(omp_num_threads))
 

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachekeeper.manifest import Manifest
+from cachekeeper.snapshot.manifest import Manifest
 
 __all__ = ["ENTRY_DEPTH", "HarvestJudgement", "entries", "entry_of", "judge"]
 

@@ -41,11 +41,11 @@ from cachekeeper.builder.kinds import ProcessKind
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun, ErrorInfo, PrewarmReport, Progress
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import Workload
+from cachekeeper.environment.fingerprint import CpuState
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
-from cachekeeper.fingerprint import CpuState
-from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import merge_tree
 from cachekeeper.restore.marker import unusable_reason
+from cachekeeper.snapshot.provenance import record_prewarm
 
 __all__ = ["prewarm", "compiled_cpu_state"]
 

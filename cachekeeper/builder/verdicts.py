@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cachekeeper import wire
-from cachekeeper.devices import format_devices
+from cachekeeper.environment.devices import format_devices
 from cachekeeper.errors import ColdCompileBroken, PrewarmFailed
 
 __all__ = [

@@ -30,8 +30,8 @@ from cachekeeper.builder.kinds import ProcessKind
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun, Progress, VerifyReport
 from cachekeeper.builder.workload import Workload
 from cachekeeper.errors import PrewarmFailed
-from cachekeeper.provenance import load_prewarm_record
 from cachekeeper.restore import merge_tree
+from cachekeeper.snapshot.provenance import load_prewarm_record
 
 __all__ = ["verify", "built_devices"]
 
@@ -102,7 +102,7 @@ def verify(
 
 def built_devices(cache_dir: Path, workload: Workload) -> tuple[str, ...]:
     """The devices ``cache_dir`` was built on, as far as it shows: the record a prewarm of
-    this workload text left (``cachekeeper.provenance``), else its ``triton/<index>``
+    this workload text left (``cachekeeper.snapshot.provenance``), else its ``triton/<index>``
     folders (Triton keeps one per GPU index); ``()`` when neither says."""
     record = load_prewarm_record(cache_dir, workload.name)
     if record is not None and record.get("workload_digest") == workload.digest:

@@ -5,16 +5,24 @@ for people, ``--json`` for scripts). Commands live in modules of this package an
 imported only when invoked, so ``cachekeeper prejob`` does not pay for ``serve``'s FastAPI.
 Known errors become one line on stderr and the error's exit code; set
 ``CACHEKEEPER_DEBUG=1`` for the traceback.
+
+What a command acts on comes first, then the verb, as in ``hf cache ls``: ``local ls``,
+``snapshots rm``, ``cache prune``, ``workload register`` (docs/cli.md says why). The
+spellings before issue 33 (``ls``, ``rm``, ``gc``, ``gc --server``) are ``ALIASES`` for one
+release: they run as before and name their new spelling in one line on stderr.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib
 import sys
+from typing import Any
 
 import click
 
-__all__ = ["main", "cli"]
+__all__ = ["main", "cli", "ALIASES", "COMMANDS"]
 
 # command name -> "module:attribute" (a click.Command). Short help is kept here so that
 # `cachekeeper --help` lists every command without importing any of them.
@@ -39,11 +47,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cachekeeper.cli.local_snapshot:inspect_cmd",
         "Show a snapshot archive's manifest summary.",
     ),
-    "ls": ("cachekeeper.cli.store:ls_cmd", "List snapshots in the local store."),
-    "rm": ("cachekeeper.cli.store:rm_cmd", "Remove snapshots from the local store."),
+    "local": (
+        "cachekeeper.cli.local:local_cmd",
+        "List, remove and garbage-collect the local store's snapshots.",
+    ),
+    "ls": ("cachekeeper.cli.local:ls_cmd", "Old spelling of 'local ls' (until the next release)."),
+    "rm": ("cachekeeper.cli.local:rm_cmd", "Old spelling of 'local rm' (until the next release)."),
     "gc": (
-        "cachekeeper.cli.store:gc_cmd",
-        "Delete local blobs no stored snapshot references (--server: the server's GC).",
+        "cachekeeper.cli.local:gc_cmd",
+        "Old spelling of 'local gc' and 'snapshots gc' (until the next release).",
     ),
     "workload": (
         "cachekeeper.cli.workload:workload_cmd",
@@ -51,7 +63,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "snapshots": (
         "cachekeeper.cli.server_snapshots:snapshots_cmd",
-        "List, pin, unpin and remove the server's snapshots.",
+        "List, pin, unpin and remove the server's snapshots; run the server's GC.",
     ),
     "prewarm": (
         "cachekeeper.cli.prewarm:prewarm_cmd",
@@ -96,6 +108,46 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# An old spelling -> its new one; "NAME --server" when that option picks another noun. Each
+# runs the command it always ran (``COMMANDS``), with one line on stderr (never on stdout,
+# where --json goes) naming the new spelling. They go in the release after the one that
+# brought the nouns (issue 33; docs/cli.md).
+ALIASES: dict[str, str] = {
+    "ls": "local ls",
+    "rm": "local rm",
+    "gc": "local gc",
+    "gc --server": "snapshots gc",
+}
+
+
+def _old_spelling(command: click.Command, name: str) -> click.Command:
+    """``command`` run as the old spelling ``name``: the same options and output, and first
+    one stderr line naming the new spelling."""
+    callback = command.callback
+    assert callback is not None
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        used = f"{name} --server" if kwargs.get("server") is not None else name
+        new = ALIASES.get(used, ALIASES[name])
+        click.echo(
+            f"cachekeeper: '{used}' is now 'cachekeeper {new}'; the old spelling goes in the"
+            " next release",
+            err=True,
+        )
+        return callback(*args, **kwargs)
+
+    aliased = copy.copy(command)
+    aliased.callback = run
+    also = [
+        f"with {k.split(' ', 1)[1]}: 'cachekeeper {v}'"
+        for k, v in ALIASES.items()
+        if k.startswith(f"{name} ")
+    ]
+    spelled = f"'cachekeeper {ALIASES[name]}'" + (f" ({'; '.join(also)})" if also else "")
+    aliased.help = f"Old spelling of {spelled}, until the next release.\n\n{command.help or ''}"
+    return aliased
+
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -113,7 +165,9 @@ class LazyGroup(click.Group):
                 return _unavailable(cmd_name, entry[1])
             raise
         command = getattr(module, attr, None)
-        return command if command is not None else _unavailable(cmd_name, entry[1])
+        if command is None:
+            return _unavailable(cmd_name, entry[1])
+        return _old_spelling(command, cmd_name) if cmd_name in ALIASES else command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]

@@ -36,7 +36,8 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.cli.keys import sign_key_option
 from cachekeeper.client.api import CacheClient
-from cachekeeper.devices import select_devices
+from cachekeeper.environment.devices import select_devices
+from cachekeeper.environment.fingerprint import visible_gpus
 
 __all__ = ["agent_cmd"]
 
@@ -148,7 +149,7 @@ def agent_cmd(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--allow") from exc
     options = AgentOptions(
-        devices=tuple(select_devices(device)),
+        devices=tuple(select_devices(device, visible=visible_gpus)),
         work_dir=(work_dir or config.agent_work_dir(os.environ)).absolute(),
         name=name or socket.gethostname(),
         build_timeout_s=build_timeout_s,

@@ -1,6 +1,6 @@
 """``cachekeeper cache ls`` / ``cache prune``: the hook's per-fingerprint cache dirs on a node.
 
-A thin adapter over ``cachekeeper.node_cache`` (scan, plan, execute): ``prune`` shows its
+A thin adapter over ``cachekeeper.restore.node_cache`` (scan, plan, execute): ``prune`` shows its
 plan with the bytes it frees, asks unless ``--yes``, and ``--dry-run`` deletes nothing.
 """
 
@@ -11,7 +11,7 @@ import re
 import click
 
 from cachekeeper.cli._common import emit_json, handle_errors, json_option, mb
-from cachekeeper.node_cache import plan_prune, scan_node_dirs
+from cachekeeper.restore.node_cache import plan_prune, scan_node_dirs
 
 __all__ = ["cache_cmd"]
 

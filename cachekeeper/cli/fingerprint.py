@@ -17,9 +17,8 @@ from cachekeeper.cli._common import (
     timeout_option,
     token_option,
 )
-from cachekeeper.devices import requested_devices
-from cachekeeper.errors import CachekeeperError
-from cachekeeper.fingerprint import (
+from cachekeeper.environment.devices import requested_devices
+from cachekeeper.environment.fingerprint import (
     SCHEMA,
     CpuState,
     collect,
@@ -28,6 +27,7 @@ from cachekeeper.fingerprint import (
     digest_of,
     unchecked,
 )
+from cachekeeper.errors import CachekeeperError
 
 __all__ = ["fingerprint_cmd", "explain_cmd"]
 

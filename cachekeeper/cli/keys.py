@@ -10,10 +10,10 @@ import click
 
 from cachekeeper import config
 from cachekeeper.cli._common import PathParam, emit_json, handle_errors, json_option
-from cachekeeper.signing import generate_keypair, load_trusted_keys
+from cachekeeper.snapshot.signing import generate_keypair, load_trusted_keys
 
 if TYPE_CHECKING:
-    from cachekeeper.signing import TrustedKey
+    from cachekeeper.snapshot.signing import TrustedKey
 
 __all__ = ["keygen_cmd", "sign_key_option", "trust_option", "trust_paths", "trusted_keys"]
 

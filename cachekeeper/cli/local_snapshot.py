@@ -1,7 +1,7 @@
 """The local snapshot commands: ``snapshot`` (create an archive), ``restore``, ``inspect``.
 
 The server's snapshots (``cachekeeper snapshots ls/pin/unpin/rm``) are
-``cli/server_snapshots.py``; the local store's ``ls``/``rm``/``gc`` are ``cli/store.py``.
+``cli/server_snapshots.py``; the local store's ``ls``/``rm``/``gc`` are ``cli/local.py``.
 Each parses, makes one library call, and prints (``--json`` for scripts). A snapshot is
 named by an archive file path or by a local store id (or a unique id prefix).
 Restore conflicts (a different file already at a snapshot path, kept as it was) are
@@ -20,7 +20,6 @@ from typing import Any
 
 import click
 
-from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper.cli._common import (
     PathParam,
     echo_err,
@@ -34,11 +33,12 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.keys import sign_key_option, trust_option, trusted_keys
+from cachekeeper.environment import fingerprint as fingerprint_mod
 from cachekeeper.errors import NoMatchingSnapshot, SnapshotNotFound
-from cachekeeper.manifest import Manifest
-from cachekeeper.repair import plan_set_aside
 from cachekeeper.restore import RestoreReport, restore, restore_archive
-from cachekeeper.snapshot import read_archive_manifest, snapshot_dir, write_archive
+from cachekeeper.restore.repair import plan_set_aside
+from cachekeeper.snapshot.make import read_archive_manifest, snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.store import LocalStore
 
 __all__ = ["snapshot_cmd", "restore_cmd", "inspect_cmd", "load_manifest", "archive_path"]

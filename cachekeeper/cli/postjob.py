@@ -23,7 +23,7 @@ from cachekeeper.cli._common import (
 from cachekeeper.cli.keys import sign_key_option
 from cachekeeper.client.calls import redact_url
 from cachekeeper.client.postjob import REPORT_TIMEOUT_S, postjob, summary_line
-from cachekeeper.devices import requested_devices
+from cachekeeper.environment.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
 
 __all__ = ["postjob_cmd"]

@@ -27,7 +27,8 @@ from cachekeeper.cli._common import (
     server_option,
     token_option,
 )
-from cachekeeper.devices import select_devices
+from cachekeeper.environment.devices import select_devices
+from cachekeeper.environment.fingerprint import visible_gpus
 from cachekeeper.errors import CacheDirUnusable, CachekeeperError
 
 __all__ = ["prewarm_cmd", "progress_to_stderr", "run_with_site_switches"]
@@ -120,7 +121,7 @@ def prewarm_cmd(
         report = prewarm(
             parsed,
             cache_dir,
-            devices=select_devices(device),
+            devices=select_devices(device, visible=visible_gpus),
             progress=progress_to_stderr,  # stderr even with --json: stdout is the report
             timeout_s=timeout_s,
         )

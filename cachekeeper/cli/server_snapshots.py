@@ -1,6 +1,6 @@
-"""``cachekeeper snapshots ls`` / ``pin`` / ``unpin`` / ``rm``: the server's snapshots.
+"""``cachekeeper snapshots ls`` / ``pin`` / ``unpin`` / ``rm`` / ``gc``: the server's snapshots.
 
-The local store has its own ``ls`` / ``rm`` (``cli/store.py``), and the local snapshot
+The local store has its own ``local ls`` / ``rm`` / ``gc`` (``cli/local.py``), and the local snapshot
 commands are ``cli/local_snapshot.py``; these talk to the server (--server/--token).
 A snapshot is named by its id or a unique prefix of at least 4 characters, resolved
 against the server's list.
@@ -24,9 +24,9 @@ from cachekeeper.cli._common import (
 from cachekeeper.client.api import CacheClient
 from cachekeeper.errors import SnapshotNotFound
 from cachekeeper.integrity import is_digest
-from cachekeeper.wire import Summary, to_dict
+from cachekeeper.wire import GcAnswer, Summary, to_dict
 
-__all__ = ["snapshots_cmd", "resolve_server_id"]
+__all__ = ["snapshots_cmd", "resolve_server_id", "server_gc", "grace_line"]
 
 _MIN_PREFIX = 4
 
@@ -64,7 +64,7 @@ _HEADER = (
 
 @click.group("snapshots")
 def snapshots_cmd() -> None:
-    """List, pin, unpin and remove the server's snapshots."""
+    """List, pin, unpin and remove the server's snapshots, and run the server's GC."""
 
 
 @snapshots_cmd.command("ls")
@@ -142,9 +142,9 @@ def rm_cmd(
 ) -> None:
     """Remove snapshots (ids or unique prefixes) from the server. Needs the admin scope.
 
-    Their blobs that no other snapshot uses are freed by a server GC (`gc --server`) once
+    Their blobs that no other snapshot uses are freed by a server GC (`snapshots gc`) once
     they have been unused for the server's grace period (gc_grace_s, 1 h by default);
-    `gc --server --dry-run` says what it would free now and when the rest goes.
+    `snapshots gc --dry-run` says what it would free now and when the rest goes.
     """
     with open_client(server, token) as client:
         ids = [resolve_server_id(client, ref) for ref in snapshot_ids]
@@ -160,6 +160,54 @@ def rm_cmd(
     for snapshot_id in ids:
         click.echo(f"removed {snapshot_id}")
     click.echo(
-        "their blobs no other snapshot uses are freed by a `gc --server` once unused for the"
-        " server's grace period (1 h by default; `gc --server --dry-run` says when)"
+        "their blobs no other snapshot uses are freed by a `snapshots gc` once unused for the"
+        " server's grace period (1 h by default; `snapshots gc --dry-run` says when)"
+    )
+
+
+@snapshots_cmd.command("gc")
+@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@server_option
+@token_option
+@timeout_option
+@json_option
+@handle_errors
+def gc_cmd(dry_run: bool, server: str | None, token: str | None, as_json: bool) -> None:
+    """Run the server's GC. Needs the admin scope.
+
+    Evict least recently used unpinned snapshots down to the store cap, then delete blobs
+    no snapshot references and nothing used within the server's grace period (gc_grace_s,
+    1 h by default: an upload waiting for its publish, the blobs of a snapshot just
+    removed). It says what it keeps and when a later GC frees it, --dry-run too. --json
+    keys are those of POST /v1/gc. The local store's GC is `cachekeeper local gc`.
+    """
+    server_gc(server, token, dry_run=dry_run, as_json=as_json)
+
+
+def server_gc(server: str | None, token: str | None, *, dry_run: bool, as_json: bool) -> None:
+    """The server's GC and its report: ``cachekeeper snapshots gc`` (and the old ``gc --server``)."""
+    with open_client(server, token) as client:
+        answer = client.gc(dry_run=dry_run)
+        where = client.base_url
+    if as_json:
+        emit_json(to_dict(answer))
+        return
+    verb = "would free" if dry_run else "freed"
+    click.echo(
+        f"server gc ({where}): {len(answer.snapshots_evicted)} snapshots evicted, "
+        f"{answer.blobs_deleted} blobs; {verb} {mb(answer.bytes_freed)}"
+    )
+    if answer.blobs_in_grace:
+        click.echo(f"  {grace_line(answer)}")
+
+
+def grace_line(answer: GcAnswer) -> str:
+    """What a server GC keeps for now, and when a later one frees it."""
+    grace = f"{answer.grace_s / 3600:g} h" if answer.grace_s else "grace"
+    when = (answer.grace_ends_at or "?")[:19].replace("T", " ")
+    return (
+        f"kept: {answer.blobs_in_grace} unreferenced blobs ({mb(answer.bytes_in_grace)}) used"
+        f" within the last {grace} (the grace period, for uploads waiting to publish and"
+        f" snapshots just removed); a gc after {when} UTC frees them, unless a snapshot"
+        " references them again"
     )

@@ -36,7 +36,7 @@ from cachekeeper.cli._common import (
     timeout_option,
     token_option,
 )
-from cachekeeper.devices import format_devices, requested_devices
+from cachekeeper.environment.devices import format_devices, requested_devices
 from cachekeeper.errors import CachekeeperError, WorkloadNotFound, did_you_mean
 from cachekeeper.wire import JobStats, StatusRow, to_dict
 

@@ -30,7 +30,7 @@ from cachekeeper.cli._common import (
 )
 from cachekeeper.cli.keys import sign_key_option, trust_option, trust_paths, trusted_keys
 from cachekeeper.client.prejob import cold_line, export_lines, prejob, write_env_file
-from cachekeeper.devices import requested_devices
+from cachekeeper.environment.devices import requested_devices
 from cachekeeper.errors import CachekeeperError
 
 __all__ = ["push_cmd", "pull_cmd", "prejob_cmd"]

@@ -24,7 +24,8 @@ from cachekeeper.cli._common import (
     token_option,
 )
 from cachekeeper.cli.prewarm import progress_to_stderr, run_with_site_switches
-from cachekeeper.devices import select_devices
+from cachekeeper.environment.devices import select_devices
+from cachekeeper.environment.fingerprint import visible_gpus
 from cachekeeper.restore.marker import recorded_conflicts
 from cachekeeper.store import LocalStore
 
@@ -76,7 +77,7 @@ def verify_cmd(
     report = verify(
         parsed,
         cache_dir,
-        devices=select_devices(device),
+        devices=select_devices(device, visible=visible_gpus),
         timeout_s=timeout_s,
         progress=progress_to_stderr,  # stderr even with --json: stdout is the report
     )

@@ -12,6 +12,10 @@
     cachekeeper/restore/marker.py         the cache dir's ``.cachekeeper/`` folder, the
                                           restore marker and the fast ``is_restored`` check
     cachekeeper/restore/triton_groups.py  Triton group files rewritten to the new root
+    cachekeeper/restore/repair.py         ``restore --repair``: set aside what differs, then
+                                          restore
+    cachekeeper/restore/node_cache.py     the hook's per-environment cache dirs of this node
+                                          (``cache ls`` / ``cache prune``)
 
 The names below load on first use (PEP 562, ``cachekeeper._lazy``): the pre-job hook's
 no-op path imports ``cachekeeper.restore.marker`` (and through it ``triton_groups``) and

@@ -46,7 +46,7 @@ The rules, and how this module keeps them:
   ``.cachekeeper/lock``, taken once per restore); the later ones find the work done and
   skip it. The lock only avoids duplicate work: flock is a no-op on some NFS/Lustre
   mounts, and correctness never depends on it (link-without-clobber does).
-- **Signed snapshots** (``trusted_keys``, see ``cachekeeper.signing``): with a trust list,
+- **Signed snapshots** (``trusted_keys``, see ``cachekeeper.snapshot.signing``): with a trust list,
   the manifest's signature is checked before the target is touched at all (an unsigned,
   untrusted or tampered manifest raises ``SignatureInvalid``), and the restore becomes
   all-or-nothing: every blob is verified in staging first, and files appear only once
@@ -87,7 +87,6 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from cachekeeper.archive import TarFormatError
 from cachekeeper.errors import (
     BlobMissing,
     CacheDirUnusable,
@@ -95,7 +94,6 @@ from cachekeeper.errors import (
     InvalidManifest,
 )
 from cachekeeper.integrity import hash_file
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore.marker import (
     held_by_restores,
     is_restored,
@@ -112,8 +110,10 @@ from cachekeeper.restore.sources import (
     TarSource,
 )
 from cachekeeper.restore.writer import Progress, Writer, is_present, links_above
-from cachekeeper.scan import CacheTree, ScannedFile
-from cachekeeper.signing import TrustedKey, verify_manifest
+from cachekeeper.snapshot.archive import TarFormatError
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.scan import CacheTree, ScannedFile
+from cachekeeper.snapshot.signing import TrustedKey, verify_manifest
 
 # The package (cachekeeper.restore) is the public import path: it adds is_restored,
 # STATE_DIR (restore/marker.py) and the source protocols (restore/sources.py).
@@ -488,7 +488,7 @@ def restore_archive(
 
 def merge_tree(src_dir: Path, dst_dir: Path) -> RestoreReport:
     """Merge ``src_dir`` into ``dst_dir`` under exactly the restore rules."""
-    # Read relative to the scan's descriptors (cachekeeper.scan): a file of ``src_dir``
+    # Read relative to the scan's descriptors (cachekeeper.snapshot.scan): a file of ``src_dir``
     # swapped for a link, or rewritten, after it was hashed is refused, never followed.
     with CacheTree(Path(src_dir)) as tree:
         by_digest: dict[str, ScannedFile] = {}

@@ -8,7 +8,7 @@
       conflicts/<snapshot id>        # JSON: the paths a restore kept because they differ
                                      # from the manifest (their digest in the manifest)
       postjob.json                   # what postjob counted (cachekeeper.client.postjob)
-      prewarm/<workload>.json        # what a prewarm proved (cachekeeper.provenance)
+      prewarm/<workload>.json        # what a prewarm proved (cachekeeper.snapshot.provenance)
 
 **No link is ever followed in it** (``StateDir``). Another local user who can write in the
 cache dir could plant links there (``lock``, ``staging`` or ``restored`` pointing at
@@ -24,7 +24,7 @@ there, which replaces a link rather than following it. What is ours is made with
 the snapshot is in place and verified. A marker of ``merge_tree`` (prewarm merging its own
 staging dirs, verify copying a dir, under the restore rules) says ``"merged": true``, so
 that signing can tell bytes compiled here from bytes a restore brought
-(``cachekeeper.snapshot``). ``is_restored`` is the fast already-restored check
+(``cachekeeper.snapshot.make``). ``is_restored`` is the fast already-restored check
 that the pre-job hook runs before every job: it reads the marker and ``lstat``-s each path,
 checking that it is still a regular file with the size and the modification time the
 marker recorded (existence and mtime only for Triton group files, which a restore
@@ -66,7 +66,7 @@ from pathlib import Path
 
 from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.integrity import is_digest
-from cachekeeper.manifest import STATE_DIR, Manifest
+from cachekeeper.snapshot.manifest import STATE_DIR, Manifest
 
 __all__ = [
     "STATE_DIR",

@@ -19,14 +19,6 @@ from typing import BinaryIO, Protocol
 
 import zstandard
 
-from cachekeeper.archive import (
-    MANIFEST_MEMBER,
-    TarFormatError,
-    TarMember,
-    blob_digest,
-    iter_tar,
-    open_archive_stream,
-)
 from cachekeeper.errors import (
     BlobMissing,
     CacheDirChanged,
@@ -35,9 +27,17 @@ from cachekeeper.errors import (
     UnsafePath,
 )
 from cachekeeper.integrity import refuse_oversize
-from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.scan import CacheTree, ScannedFile
-from cachekeeper.snapshot import read_archive_manifest
+from cachekeeper.snapshot.archive import (
+    MANIFEST_MEMBER,
+    TarFormatError,
+    TarMember,
+    blob_digest,
+    iter_tar,
+    open_archive_stream,
+)
+from cachekeeper.snapshot.make import read_archive_manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.scan import CacheTree, ScannedFile
 
 __all__ = [
     "Blobs",
@@ -194,7 +194,7 @@ class ArchiveFileSource:
 
 class DirSource:
     """Blobs read from files of a scanned folder, by digest (``merge_tree``'s source),
-    each opened through ``tree`` as the file the scan saw (``cachekeeper.scan``)."""
+    each opened through ``tree`` as the file the scan saw (``cachekeeper.snapshot.scan``)."""
 
     def __init__(self, tree: CacheTree, by_digest: dict[str, ScannedFile]) -> None:
         self.tree = tree

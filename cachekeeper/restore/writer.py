@@ -43,10 +43,10 @@ from typing import Any, BinaryIO
 from cachekeeper._proc import pid_alive
 from cachekeeper.daemon_pool import DaemonPool
 from cachekeeper.integrity import CHUNK_BYTES, BlobCheck, hash_file, refuse_oversize, verify_bytes
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore.marker import FOLDER_MODE, STATE_DIR, StateDir
 from cachekeeper.restore.triton_groups import is_group_path, looks_rewritten, rewrite_group
-from cachekeeper.scan import open_nofollow
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.scan import open_nofollow
 
 __all__ = ["SAFE_MODE_MASK", "Writer", "is_present", "links_above"]
 

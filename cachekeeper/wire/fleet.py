@@ -24,7 +24,9 @@ class AgentRegistration:
     """``POST /v1/agents``."""
 
     name: Annotated[str, Check(pattern=AGENT_NAME_PATTERN)]
-    fingerprint: dict[str, Any]  # a cachekeeper.fingerprint.Fingerprint (the route parses it)
+    fingerprint: dict[
+        str, Any
+    ]  # a cachekeeper.environment.fingerprint.Fingerprint (the route parses it)
     fingerprint_digest: Annotated[str, Check(pattern=DIGEST_PATTERN)] | None = None
     gpus: Annotated[list[dict[str, Any]], Check(max_length=1024)] = field(default_factory=list)
     devices: Annotated[list[str], Check(max_length=1024)] = field(default_factory=list)

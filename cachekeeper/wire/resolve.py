@@ -56,7 +56,9 @@ class Summary:
 class ResolveRequest:
     """``POST /v1/resolve``."""
 
-    fingerprint: dict[str, Any]  # a cachekeeper.fingerprint.Fingerprint (the route parses it)
+    fingerprint: dict[
+        str, Any
+    ]  # a cachekeeper.environment.fingerprint.Fingerprint (the route parses it)
     workload: str | None = None
     driver_policy: DriverPolicy = "newer"
     devices: Annotated[list[str], Check(max_length=1024)] | None = None

@@ -38,10 +38,10 @@ from typing import Any, cast
 
 import sqlite_utils
 
+from cachekeeper.environment.fingerprint import Fingerprint
 from cachekeeper.errors import CatalogCorrupt, InsufficientStorage
-from cachekeeper.fingerprint import Fingerprint
-from cachekeeper.manifest import Manifest, built_by
 from cachekeeper.server.records import BlobInfo, BlobUsage, Candidate, Counts
+from cachekeeper.snapshot.manifest import Manifest, built_by
 from cachekeeper.wire import Summary, WorkloadInfo, utc_now
 
 from .base import BATCH, chunks

@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any
 
-from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.environment.fingerprint import Fingerprint
 from cachekeeper.server.records import StatusFacts
 from cachekeeper.wire import AgentInfo, EventOut, EventStatus, JobReport, JobStats, utc_now
 

@@ -74,8 +74,8 @@ from collections.abc import Callable
 
 import sqlite_utils
 
+from cachekeeper.environment.fingerprint import digest_of
 from cachekeeper.errors import CatalogTooNew
-from cachekeeper.fingerprint import digest_of
 from cachekeeper.wire import utc_now
 
 from .fleet import agent_id_for
@@ -386,7 +386,7 @@ def _identity_digests(db: sqlite_utils.Database) -> None:
     fingerprint had it (``map``), and kept otherwise (a node's cold report whose
     fingerprint the server never held). Agents of one name merge into the one seen last,
     their events kept under its id. Snapshot ids and manifests do not change (a manifest's
-    ``fingerprint_digest`` key keeps its meaning: cachekeeper/manifest.py).
+    ``fingerprint_digest`` key keeps its meaning: cachekeeper/snapshot/manifest.py).
     """
     name = "identity-digests"
     if db.execute("SELECT 1 FROM migrations WHERE name = ?", [name]).fetchone():

@@ -18,7 +18,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 
-from cachekeeper.devices import requested_devices
+from cachekeeper.environment.devices import requested_devices
+from cachekeeper.environment.fingerprint import digest_of, json_digest, parse
 from cachekeeper.errors import (
     AgentNotFound,
     CachekeeperError,
@@ -26,7 +27,6 @@ from cachekeeper.errors import (
     InvalidManifest,
     InvalidRequest,
 )
-from cachekeeper.fingerprint import digest_of, json_digest, parse
 from cachekeeper.server.auth import ReadScope, WriteScope
 from cachekeeper.server.deps import StorageDep
 from cachekeeper.server.responses import error_responses

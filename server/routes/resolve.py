@@ -14,8 +14,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from cachekeeper.environment.fingerprint import parse
 from cachekeeper.errors import InvalidManifest, InvalidRequest, NotFound
-from cachekeeper.fingerprint import parse
 from cachekeeper.server.auth import ReadScope
 from cachekeeper.server.deps import StorageDep, metrics_of
 from cachekeeper.server.responses import error_responses

@@ -21,12 +21,12 @@ from cachekeeper.errors import (
     UnsupportedFormat,
 )
 from cachekeeper.integrity import DIGEST_PATTERN
-from cachekeeper.manifest import Manifest
 from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
 from cachekeeper.server.deps import StorageDep, metrics_of, read_body, storage_of
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.storage import Storage
-from cachekeeper.signing import load_trusted_keys, verify_manifest
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.signing import load_trusted_keys, verify_manifest
 from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
 
 __all__ = ["router"]

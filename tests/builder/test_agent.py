@@ -19,9 +19,9 @@ from cachekeeper.builder.agent import (
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.client.api import CacheClient
-from cachekeeper.fingerprint import collect, with_cpu
-from cachekeeper.signing import generate_keypair
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.environment.fingerprint import collect, with_cpu
+from cachekeeper.snapshot.make import snapshot_dir
+from cachekeeper.snapshot.signing import generate_keypair
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cachekeeper.builder.harvest import entries, entry_of, judge
-from cachekeeper.fingerprint import collect
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.environment.fingerprint import collect
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 
 FP = collect()
 

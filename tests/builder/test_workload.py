@@ -278,7 +278,7 @@ def test_load_workload_errors_name_the_file(tmp_path: Path) -> None:
 def test_parser_and_mods_import_no_torch() -> None:
     code = (
         "import sys, cachekeeper.builder.workload, cachekeeper.mods, cachekeeper.builder.prewarm, "
-        "cachekeeper.builder.verify, cachekeeper.builder.verdicts, cachekeeper.devices, cachekeeper.builder.children, "
+        "cachekeeper.builder.verify, cachekeeper.builder.verdicts, cachekeeper.environment.devices, cachekeeper.builder.children, "
         "cachekeeper.cli.prewarm, cachekeeper.cli.verify\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from cachekeeper.cli import cli
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.restore import restore
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 

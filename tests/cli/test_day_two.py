@@ -148,7 +148,7 @@ def test_explain_and_inspect_take_the_servers_snapshot_id(
 def test_gc_says_what_it_keeps_in_the_grace_period_and_when_it_goes(
     open_server: LiveServer,
 ) -> None:
-    """`snapshots rm` then `gc --server` freed nothing for an hour (gc_grace_s) while the
+    """`snapshots rm` then `snapshots gc` (then `gc --server`) freed nothing for an hour (gc_grace_s) while the
     help said "at the next GC": both now say what GC frees and when, --dry-run too."""
     url = open_server.url
     snapshot_id = _publish(url, verified=True, workload_digest=None)
@@ -156,9 +156,9 @@ def test_gc_says_what_it_keeps_in_the_grace_period_and_when_it_goes(
         "snapshots", "rm", snapshot_id[:8], "--yes", "--server", url
     )
     for dry in (["--dry-run"], []):
-        text = run("gc", "--server", url, *dry)
+        text = run("snapshots", "gc", "--server", url, *dry)
         assert "1 unreferenced blobs" in text and "a gc after" in text, text
-        body = json.loads(run("gc", "--server", url, *dry, "--json"))
+        body = json.loads(run("snapshots", "gc", "--server", url, *dry, "--json"))
         assert (body["blobs_deleted"], body["blobs_in_grace"], body["grace_s"]) == (0, 1, 3600)
         assert body["grace_ends_at"] > utc_now(), body
 
@@ -170,7 +170,7 @@ def test_gc_and_ls_speak_one_vocabulary_locally_and_on_the_server(
     _publish(url, verified=True, workload_digest=None)
     run("snapshot", str(cache))
     local, server = (
-        json.loads(run("ls", "--json")),
+        json.loads(run("local", "ls", "--json")),
         json.loads(run("snapshots", "ls", "--server", url, "--json")),
     )
     assert local.keys() == server.keys() == {"snapshots"}
@@ -178,10 +178,10 @@ def test_gc_and_ls_speak_one_vocabulary_locally_and_on_the_server(
               "size_bytes", "file_count", "created_at"}  # fmt: skip
     assert shared <= local["snapshots"][0].keys() and shared <= server["snapshots"][0].keys()
     for dry in (["--dry-run"], []):
-        local_gc = json.loads(run("gc", *dry, "--json"))
-        server_gc = json.loads(run("gc", "--server", url, *dry, "--json"))
+        local_gc = json.loads(run("local", "gc", *dry, "--json"))
+        server_gc = json.loads(run("snapshots", "gc", "--server", url, *dry, "--json"))
         assert local_gc.keys() == server_gc.keys(), (local_gc, server_gc)
-    removed = json.loads(run("rm", local["snapshots"][0]["id"], "--yes", "--json"))
+    removed = json.loads(run("local", "rm", local["snapshots"][0]["id"], "--yes", "--json"))
     assert {"snapshots_removed", "blobs_deleted", "bytes_freed", "dry_run"} == removed.keys()
 
 
@@ -193,7 +193,12 @@ def test_operator_commands_give_up_on_a_hung_server_at_the_timeout(tmp_path: Pat
     hung.listen(16)  # connections complete in the backlog; nothing ever answers
     url = f"http://127.0.0.1:{hung.getsockname()[1]}"
     try:
-        for command in (["snapshots", "ls"], ["status"], ["workload", "ls"], ["gc", "--server"]):
+        for command in (
+            ["snapshots", "ls"],
+            ["status"],
+            ["workload", "ls"],
+            ["snapshots", "gc", "--server"],
+        ):
             args = [*command] if command[-1] == "--server" else [*command, "--server"]
             proc = ck(*args, url, "--timeout", "1", cwd=tmp_path)  # ck: a 300 s hang guard
             assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr

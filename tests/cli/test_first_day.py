@@ -178,7 +178,7 @@ def test_inspect_of_a_missing_file_says_file_not_found(tmp_path: Path) -> None:
 
 def test_a_short_id_prefix_says_it_needs_4_characters(tmp_path: Path, cache: Path) -> None:
     assert ck("snapshot", str(cache), cwd=tmp_path).returncode == 0
-    proc = ck("rm", "073", "--yes", cwd=tmp_path)
+    proc = ck("local", "rm", "073", "--yes", cwd=tmp_path)
     assert proc.returncode == 1
     one_error_line(proc, "'073'", "at least 4 characters")
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC_URL = "https://cache:8750"  # the docs say https: a token never goes over plain http
 TOKENS = {"builder-secret": "write", "node-secret": "read", "ops-secret": "admin"}
 # the steps that need neither docker (1) nor a builder that compiles (3)
-RUNNABLE = re.compile(r"cachekeeper (workload|prejob|status|snapshots|gc)\b")
+RUNNABLE = re.compile(r"cachekeeper (workload|prejob|status|snapshots)\b")
 
 
 @pytest.fixture
@@ -144,12 +144,14 @@ def test_workload_snapshot_and_gc_commands_json_and_errors(
     out = fail("snapshots", "pin", "ffff", *write)
     assert "no snapshot 'ffff' on the server" in out, out
 
-    dry = json.loads(run("gc", "--server", url, "--token", "ops-secret", "--dry-run", "--json"))
+    dry = json.loads(
+        run("snapshots", "gc", "--server", url, "--token", "ops-secret", "--dry-run", "--json")
+    )
     assert dry["dry_run"] is True
     removed = json.loads(run("snapshots", "rm", manifest.id[:8], "--yes", *admin, "--json"))
     assert removed == {"snapshots_removed": [manifest.id]}
     assert json.loads(run("snapshots", "ls", *read, "--json")) == {"snapshots": []}
-    done = json.loads(run("gc", "--server", url, "--token", "ops-secret", "--json"))
+    done = json.loads(run("snapshots", "gc", "--server", url, "--token", "ops-secret", "--json"))
     assert done["dry_run"] is False and done["blobs_deleted"] == 1
     run("workload", "rm", "tiny", *admin)
     out = fail("workload", "rm", "tiny", *admin)
@@ -164,10 +166,10 @@ def test_local_gc_stays_local_with_a_server_configured(
 ) -> None:
     monkeypatch.setenv("CACHEKEEPER_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("CACHEKEEPER_SERVER", "http://127.0.0.1:9")  # nothing listens there
-    assert "dry_run" in json.loads(run("gc", "--dry-run", "--json"))
+    assert "dry_run" in json.loads(run("local", "gc", "--dry-run", "--json"))
     monkeypatch.setenv("CACHEKEEPER_SERVER", live.url)
     monkeypatch.setenv("CACHEKEEPER_TOKEN", "ops-secret")
-    assert "snapshots_evicted" in json.loads(run("gc", "--server", "--dry-run", "--json"))
+    assert "snapshots_evicted" in json.loads(run("snapshots", "gc", "--dry-run", "--json"))
 
 
 def fail(*args: str, code: int | None = None) -> str:

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachekeeper.cli import cli
-from cachekeeper.provenance import record_prewarm
+from cachekeeper.snapshot.provenance import record_prewarm
 from tests.cli.conftest import run
 
 OTHER = {"torch": "2.99.0+cu999", "cuda": "99.9", "python": "2.7"}
@@ -58,11 +58,11 @@ def test_ls_shows_environment_and_verified(
 ) -> None:
     gpu = {"gpus": [{"index": 0, "name": "NVIDIA H200", "capability": "9.0"}]}
     _snapshot_as(cache, tmp_path / "a.tar.zst", {**OTHER, **gpu}, monkeypatch)
-    rows = json.loads(run("ls", "--json"))["snapshots"]
+    rows = json.loads(run("local", "ls", "--json"))["snapshots"]
     assert [(r["torch"], r["cuda"], r["verified"]) for r in rows] == [
         ("2.99.0+cu999", "99.9", False)
     ]
-    table = run("ls")
+    table = run("local", "ls")
     assert "TORCH" in table and "GPU" in table and "VERIFIED" in table
     assert "2.99.0+cu999" in table and "99.9" in table
 

@@ -1,4 +1,4 @@
-"""The local snapshot and store commands (cli/local_snapshot.py, cli/store.py), through click against
+"""The local snapshot and store commands (cli/local_snapshot.py, cli/local.py), through click against
 a real store and real archives; the help check also covers cli/fingerprint.py."""
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from tests.cli.conftest import run
 
 LOCAL_MODULES = (
     "cachekeeper.cli.local_snapshot:",
-    "cachekeeper.cli.store:",
+    "cachekeeper.cli.local:",
     "cachekeeper.cli.fingerprint:",
 )
 OWNED = {name for name, (target, _) in COMMANDS.items() if target.startswith(LOCAL_MODULES)}
 
 
 def test_every_local_command_has_help_text() -> None:
-    assert OWNED == {"fingerprint", "explain", "snapshot", "restore", "inspect", "ls", "rm", "gc"}
+    assert OWNED == {
+        *("fingerprint", "explain", "snapshot", "restore", "inspect", "local", "ls", "rm", "gc")
+    }
     for name in sorted(OWNED):
         command = cli.get_command(click.Context(cli), name)
         assert command is not None and (command.help or "").strip(), name
@@ -50,17 +52,17 @@ def test_snapshot_inspect_restore_ls_rm_gc(ck_home: Path, cache: Path, tmp_path:
     assert by_id["written"] == 2
     assert (tmp_path / "e" / "ab.py").read_bytes() == b"print(1)"
 
-    rows = json.loads(run("ls", "--json"))["snapshots"]
+    rows = json.loads(run("local", "ls", "--json"))["snapshots"]
     assert [r["id"] for r in rows] == [sid]
-    assert sid[:12] in run("ls")
+    assert sid[:12] in run("local", "ls")
 
-    plan = json.loads(run("rm", sid, "--dry-run", "--json"))
+    plan = json.loads(run("local", "rm", sid, "--dry-run", "--json"))
     assert plan["dry_run"] and plan["bytes_freed"] > 0 and plan["snapshots_removed"] == [sid]
-    assert json.loads(run("ls", "--json"))["snapshots"] != []
-    done = json.loads(run("rm", sid, "--yes", "--json"))
+    assert json.loads(run("local", "ls", "--json"))["snapshots"] != []
+    done = json.loads(run("local", "rm", sid, "--yes", "--json"))
     assert done["bytes_freed"] == plan["bytes_freed"] and done["blobs_deleted"] == 2
-    assert json.loads(run("ls", "--json")) == {"snapshots": []}
-    assert json.loads(run("gc", "--json"))["blobs_deleted"] == 0
+    assert json.loads(run("local", "ls", "--json")) == {"snapshots": []}
+    assert json.loads(run("local", "gc", "--json"))["blobs_deleted"] == 0
 
 
 def test_restore_reports_conflicts_but_exits_zero(

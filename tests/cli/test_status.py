@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.environment.fingerprint import digest_of
 from tests.cli.conftest import run
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import FINGERPRINT, make_snapshot, push

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from cachekeeper.client.api import CacheClient, Deadline
+from cachekeeper.environment.fingerprint import describe_mismatch
 from cachekeeper.errors import (
     BlobMissing,
     Forbidden,
@@ -19,7 +20,6 @@ from cachekeeper.errors import (
     ServerUnavailable,
     Unauthorized,
 )
-from cachekeeper.fingerprint import describe_mismatch
 from tests.helpers.bodies import summary_body
 
 SERVER = "http://127.0.0.1:8750"  # loopback: a token may go over http (calls.refuse_plaintext)
@@ -233,7 +233,7 @@ def test_expired_deadline_sends_nothing():
 
 
 def test_manifest_with_another_id_is_refused():
-    from cachekeeper.manifest import Manifest
+    from cachekeeper.snapshot.manifest import Manifest
 
     manifest = Manifest(files=(), fingerprint=FP)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachekeeper import cpu
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment import cpu
+from cachekeeper.environment.fingerprint import collect
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push
 

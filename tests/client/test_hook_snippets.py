@@ -28,7 +28,7 @@ import yaml  # pyyaml comes with the dev extra (schemathesis)
 
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.server.settings import Settings
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache

@@ -27,9 +27,9 @@ from cachekeeper.client.prejob import prejob
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
 from cachekeeper.errors import CacheDirUnusable
-from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
 from cachekeeper.server.settings import Settings
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer, start_server
@@ -245,7 +245,7 @@ def test_download_cut_off_leaves_no_partial_file_and_rerun_completes(served, rel
 
 
 def test_default_cache_dir_is_per_fingerprint_under_home(served, tmp_path):
-    from cachekeeper.fingerprint import collect, digest_of
+    from cachekeeper.environment.fingerprint import collect, digest_of
 
     url = served.live.url
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cachekeeper.errors import SnapshotNotFound
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
 from cachekeeper.store import LocalStore
 
 FP = {"schema": 1, "torch": "test", "gpus": []}

@@ -34,9 +34,9 @@ import pytest
 from cachekeeper.builder.agent import AgentOptions, RoundReport, StopSignal, run_agent
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.server.settings import Settings
-from cachekeeper.signing import generate_keypair
+from cachekeeper.snapshot.signing import generate_keypair
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cachekeeper import cpu
 from cachekeeper.builder.prewarm import prewarm
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import parse_workload
 from cachekeeper.cli import cli
-from cachekeeper.fingerprint import collect, compare, format_mismatches, unchecked
-from cachekeeper.provenance import load_prewarm_record
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.environment import cpu
+from cachekeeper.environment.fingerprint import collect, compare, format_mismatches, unchecked
+from cachekeeper.snapshot.make import snapshot_dir
+from cachekeeper.snapshot.provenance import load_prewarm_record
 from cachekeeper.store import LocalStore
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children

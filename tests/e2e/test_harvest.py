@@ -22,7 +22,7 @@ from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.push import push
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.server.settings import Settings
 from tests.conftest import PROBE

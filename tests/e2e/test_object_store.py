@@ -20,12 +20,12 @@ from cachekeeper.client.api import CacheClient
 from cachekeeper.client.direct import ObjectStore
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import BlobMissing
-from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.server.s3store import S3BlobStore, checksum_b64
 from cachekeeper.server.settings import Settings
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe
 from tests.e2e.conftest import ck, counter

@@ -7,7 +7,7 @@ won resolve for 2-thread nodes, where every kernel misses, and never for the 1-t
 it was built for. Real CPU compiles (one cold compile of cpu-tiny): the agent builds it, and
 the snapshot's fingerprint is compared with what the children compiled under
 (``child_cpu_state``), with the CLI path's (``snapshot``/``push`` of a prewarmed dir are in
-tests/core/test_snapshot.py and tests/client/test_push.py) and with the nodes that get it:
+tests/snapshot/test_make.py and tests/client/test_push.py) and with the nodes that get it:
 a 1-thread node restores it and hits with zero misses, a 2-thread node is told why not.
 A second ``--once`` resolves with the build's fingerprint and compiles nothing, and the
 status shows one warm row for the pair, with the agent's name, and no phantom "missing" row
@@ -28,7 +28,7 @@ import pytest
 from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
-from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.server.settings import Settings
 from tests.conftest import run_probe
 from tests.helpers.live_server import start_server

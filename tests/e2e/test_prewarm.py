@@ -29,7 +29,7 @@ from cachekeeper.builder.prewarm import prewarm
 from cachekeeper.builder.verdicts import PrewarmReport, ProgressEvent
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import load_workload, parse_workload
-from cachekeeper.devices import parse_devices
+from cachekeeper.environment.devices import parse_devices
 from tests.helpers.requires import require
 
 pytestmark = pytest.mark.compile  # real torch.compile runs in children
@@ -186,7 +186,7 @@ def test_n_devices_run_in_parallel_children_and_all_verify(tiny_two_devices) -> 
 def test_a_snapshot_of_the_prewarmed_dir_carries_the_verify_stats_and_devices(
     tiny_two_devices, tmp_path: Path
 ) -> None:
-    from cachekeeper.snapshot import snapshot_dir
+    from cachekeeper.snapshot.make import snapshot_dir
     from cachekeeper.store import LocalStore
 
     report, cache = tiny_two_devices

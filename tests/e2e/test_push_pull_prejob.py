@@ -15,7 +15,7 @@ import pytest
 
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe

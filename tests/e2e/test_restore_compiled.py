@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cachekeeper.restore import is_restored, restore_archive
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe
 

@@ -1,4 +1,4 @@
-"""Attacker archives and manifests not already covered by tests/core/test_restore.py and
+"""Attacker archives and manifests not already covered by tests/restore/test_restore.py and
 tests/server/test_roundtrip.py (whose cases the reliability report counts too): non-UTF-8
 names, repeated archive members, a manifest with millions of entries, a zstd bomb sent to
 the server. Each is refused with nothing written inside or outside the target."""
@@ -17,8 +17,8 @@ import pytest
 import zstandard
 
 from cachekeeper.errors import InvalidManifest, UnsafePath
-from cachekeeper.manifest import MAX_FILES, FileEntry, Manifest
 from cachekeeper.restore import restore_archive
+from cachekeeper.snapshot.manifest import MAX_FILES, FileEntry, Manifest
 from tests.hardening.conftest import visible_files
 from tests.helpers.live_server import start_server
 

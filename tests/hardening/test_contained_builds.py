@@ -35,7 +35,7 @@ from cachekeeper.builder.workload import parse_workload
 from cachekeeper.client.api import CacheClient
 from cachekeeper.errors import BuildsUnconfined
 from cachekeeper.server.settings import Settings
-from cachekeeper.signing import generate_keypair
+from cachekeeper.snapshot.signing import generate_keypair
 from tests.helpers import seccomp
 from tests.helpers.live_server import start_server
 

@@ -19,19 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper import scan
 from cachekeeper.blobstore import LocalBlobStore
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import CacheDirChanged, LinkInCacheDir
-from cachekeeper.fingerprint import collect
-from cachekeeper.manifest import FileEntry
-from cachekeeper.node_cache import plan_prune, scan_node_dirs
-from cachekeeper.repair import plan_set_aside
 from cachekeeper.restore import merge_tree, restore_archive
+from cachekeeper.restore.node_cache import plan_prune, scan_node_dirs
+from cachekeeper.restore.repair import plan_set_aside
 from cachekeeper.restore.writer import is_present
 from cachekeeper.server.settings import Settings
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot import scan
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import FileEntry
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import REPO, child_env, cli, sha
 from tests.helpers.live_server import LiveServer, start_server

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.restore.triton_groups import is_group_path, rewrite_group
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli, visible_files
 from tests.helpers.live_server import LiveServer, start_server

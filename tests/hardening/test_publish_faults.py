@@ -25,9 +25,9 @@ import pytest
 import zstandard
 
 from cachekeeper.blobstore import LocalBlobStore
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.settings import Settings
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import start_server
 

@@ -19,13 +19,13 @@ import httpx
 import pytest
 import zstandard
 
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import UnsafePath
-from cachekeeper.fingerprint import collect
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import is_restored, restore, restore_archive
 from cachekeeper.server.settings import Settings
-from cachekeeper.signing import generate_keypair, load_public_key, sign_manifest
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.signing import generate_keypair, load_public_key, sign_manifest
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli, sha, visible_files
 from tests.helpers.live_server import start_server

@@ -15,7 +15,7 @@ import pytest
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
-from cachekeeper.fingerprint import collect
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.server.s3store import parse_s3_url
 from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import visible_files

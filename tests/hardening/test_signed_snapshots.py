@@ -15,8 +15,8 @@ import httpx
 import pytest
 import zstandard
 
-from cachekeeper.manifest import Manifest
-from cachekeeper.signing import generate_keypair, sign_manifest
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.signing import generate_keypair, sign_manifest
 from tests.hardening.conftest import child_env, cli, visible_files
 from tests.helpers.live_server import LiveServer, start_server
 
@@ -273,7 +273,7 @@ def test_server_requiring_signatures_refuses_unsigned_publishes(
     keys: dict[str, Path], small_cache: Path, tmp_path: Path, reliability
 ) -> None:
     from cachekeeper.server.settings import Settings
-    from cachekeeper.snapshot import snapshot_dir
+    from cachekeeper.snapshot.make import snapshot_dir
     from cachekeeper.store import LocalStore
 
     with pytest.raises(ValueError, match="trusted_keys"):

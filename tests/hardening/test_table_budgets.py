@@ -20,7 +20,7 @@ import httpx
 from cachekeeper.builder.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.environment.fingerprint import digest_of
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server

@@ -49,9 +49,9 @@ from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.server.settings import Settings
-from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.signing import generate_keypair, load_public_key, verify_manifest
 from tests.hardening.conftest import sha
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require

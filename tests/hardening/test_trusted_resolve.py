@@ -33,12 +33,12 @@ from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import child_cpu_state
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
+from cachekeeper.environment.fingerprint import collect, with_cpu
 from cachekeeper.errors import SignatureInvalid
-from cachekeeper.fingerprint import collect, with_cpu
-from cachekeeper.manifest import Manifest
 from cachekeeper.server.settings import Settings
-from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
-from cachekeeper.snapshot import snapshot_dir
+from cachekeeper.snapshot.make import snapshot_dir
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.signing import generate_keypair, load_public_key, verify_manifest
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli, visible_files
 from tests.helpers.live_server import LiveServer, start_server

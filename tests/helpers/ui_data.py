@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import httpx
 
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.environment.fingerprint import digest_of
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
 __all__ = ["ADMIN", "DIGEST", "EXPECTED", "TOKENS", "seed"]

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.server.settings import Settings
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from tests.helpers.in_process import InProcessServer, in_process
 from tests.helpers.live_server import LiveServer, start_server
 

@@ -19,7 +19,6 @@ import httpx
 import pytest
 import zstandard
 
-from cachekeeper.archive import blob_digest, iter_tar, open_archive_stream
 from cachekeeper.blobstore import BlobStat, LocalBlobStore, PutResult
 from cachekeeper.errors import BlobMissing, ConfigInvalid, DigestMismatch
 from cachekeeper.integrity import copy_verified, digest_of, require_digest
@@ -29,6 +28,7 @@ from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.s3store import S3BlobStore
 from cachekeeper.server.settings import Settings
 from cachekeeper.server.storage import Storage
+from cachekeeper.snapshot.archive import blob_digest, iter_tar, open_archive_stream
 from tests.server.conftest import FINGERPRINT, make_snapshot, random_files
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cachekeeper.errors import InsufficientStorage
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.server.catalog import Catalog
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
 

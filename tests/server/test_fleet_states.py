@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.environment.fingerprint import digest_of
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, workload_toml
 
 DIGEST = digest_of(FINGERPRINT)

@@ -14,13 +14,13 @@ import pytest
 import zstandard
 
 from cachekeeper.errors import BlobMissing
-from cachekeeper.manifest import Manifest
 from cachekeeper.restore import restore_archive
 from cachekeeper.server import packing
 from cachekeeper.server.packing import pack_snapshot
 from cachekeeper.server.s3store import S3BlobStore, checksum_b64
 from cachekeeper.server.settings import Settings
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.store import LocalStore
 from tests.helpers.live_server import start_server
 from tests.helpers.metrics import sample

@@ -185,7 +185,7 @@ def test_a_miss_says_why(api: httpx.Client) -> None:
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The builder's key pair and a key nobody trusts: {name: (key path, TrustedKey)}."""
-    from cachekeeper.signing import generate_keypair, load_public_key
+    from cachekeeper.snapshot.signing import generate_keypair, load_public_key
 
     root = tmp_path_factory.mktemp("keys")
     out = {}
@@ -199,7 +199,7 @@ def publish_signed(
     api: httpx.Client, key: Any, *, verified: bool | None = True, **extra: Any
 ) -> str:
     """Like ``publish``, signed by the key at ``key`` (None: unsigned)."""
-    from cachekeeper.signing import sign_manifest
+    from cachekeeper.snapshot.signing import sign_manifest
 
     files = {"entry.bin": f"snapshot {next(_unique)}".encode()}
     manifest, blobs = make_snapshot(
@@ -318,8 +318,8 @@ def test_a_trusted_key_that_is_not_an_ed25519_key_is_refused(api: httpx.Client) 
 def test_a_trusting_node_is_offered_only_the_deltas_its_keys_signed(
     in_process_server: Any, keys: dict[str, Any]
 ) -> None:
-    from cachekeeper.manifest import Manifest
-    from cachekeeper.signing import sign_manifest
+    from cachekeeper.snapshot.manifest import Manifest
+    from cachekeeper.snapshot.signing import sign_manifest
 
     api = in_process_server(serve_harvested=True).client
     builder_key, builder = keys["builder"]

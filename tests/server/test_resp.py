@@ -307,7 +307,7 @@ def test_the_status_page_shows_the_tier(tmp_path: Path) -> None:
 def test_with_a_trust_list_the_tier_is_read_only_unless_the_operator_opts_in(
     tmp_path: Path, opt_in: bool
 ) -> None:
-    from cachekeeper.signing import generate_keypair
+    from cachekeeper.snapshot.signing import generate_keypair
 
     _, pub, _ = generate_keypair(tmp_path / "builder")
     settings = Settings(

@@ -10,8 +10,8 @@ import pytest
 
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.pull import resolve_snapshot
+from cachekeeper.environment.fingerprint import digest_of
 from cachekeeper.errors import Forbidden, InvalidManifest, NoMatchingSnapshot
-from cachekeeper.fingerprint import digest_of
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 
 TINY_TOML = (

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cachekeeper.fingerprint import digest_of
+from cachekeeper.environment.fingerprint import digest_of
 from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ui_data import ADMIN, DIGEST, EXPECTED, TOKENS, seed
@@ -202,8 +202,8 @@ def test_two_environments_that_differ_only_in_cpu_threads_are_told_apart(
 ) -> None:
     """Issue 25: the header showed torch, Triton, CUDA, driver and GPUs only, so a 1-thread
     and a 2-thread CPU environment (torchrun's ranks and a plain shell) looked the same."""
-    from cachekeeper import cpu
-    from cachekeeper.fingerprint import collect
+    from cachekeeper.environment import cpu
+    from cachekeeper.environment.fingerprint import collect
 
     base = collect(environ={"OMP_NUM_THREADS": "2"})
     with start_server(Settings(data_dir=tmp_path / "data")) as live:
@@ -225,8 +225,8 @@ def test_two_environments_that_read_the_same_show_what_separates_them(tmp_path: 
     """Issue 31: two columns read "torch 2.13.0+cpu · CPU 1 thread, avx2" and nothing told
     them apart: the per-key tier's switch in torch's key (``env``) was the difference. A
     workload with no row in a column is an empty cell there, not "missing"."""
-    from cachekeeper import cpu
-    from cachekeeper.fingerprint import collect
+    from cachekeeper.environment import cpu
+    from cachekeeper.environment.fingerprint import collect
 
     base = collect(environ={"OMP_NUM_THREADS": "1"})
     plain = dict(base, env={})

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from cachekeeper.fingerprint import digest_of, json_digest
+from cachekeeper.environment.fingerprint import digest_of, json_digest
 from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import start_server
 from tests.server.conftest import make_snapshot, push, workload_toml

@@ -38,13 +38,13 @@ from cachekeeper.builder.prewarm import prewarm
 from cachekeeper.builder.verdicts import CommandRun, DeviceRun
 from cachekeeper.builder.workload import Workload, parse_workload
 from cachekeeper.client.push import push
-from cachekeeper.devices import format_devices
+from cachekeeper.environment.devices import format_devices
+from cachekeeper.environment.fingerprint import CpuState, Fingerprint, digest_of, with_cpu
 from cachekeeper.errors import CachekeeperError
-from cachekeeper.fingerprint import CpuState, Fingerprint, digest_of, with_cpu
-from cachekeeper.manifest import Manifest
-from cachekeeper.provenance import load_prewarm_record, recorded_cpu
-from cachekeeper.scan import scan_dir
-from cachekeeper.signing import TrustedKey, signature_problem
+from cachekeeper.snapshot.manifest import Manifest
+from cachekeeper.snapshot.provenance import load_prewarm_record, recorded_cpu
+from cachekeeper.snapshot.scan import scan_dir
+from cachekeeper.snapshot.signing import TrustedKey, signature_problem
 from cachekeeper.store import LocalStore
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from cachekeeper.builder import landlock
 from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.confine import Confinement
 from cachekeeper.errors import BuildsUnconfined
-from cachekeeper.signing import SigningKey
+from cachekeeper.snapshot.signing import SigningKey
 
 __all__ = [
     "DEFAULT_BUILD_TIMEOUT_S",

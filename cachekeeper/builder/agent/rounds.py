@@ -15,9 +15,9 @@ from cachekeeper.builder.agent.keep_warm import KeepWarm, sweep_stale_builds
 from cachekeeper.builder.agent.options import AgentMemory, AgentOptions, Log, prepare_options
 from cachekeeper.builder.agent.outcomes import RoundReport, WorkloadOutcome
 from cachekeeper.builder.agent.stop import StopSignal
+from cachekeeper.environment.fingerprint import collect, digest_of
 from cachekeeper.errors import CachekeeperError, ServerUnavailable
-from cachekeeper.fingerprint import collect, digest_of
-from cachekeeper.signing import public_key_of
+from cachekeeper.snapshot.signing import public_key_of
 
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient

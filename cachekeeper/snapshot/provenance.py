@@ -9,7 +9,7 @@
 and ``snapshot_dir(..., workload=NAME)`` (so ``cachekeeper snapshot`` and ``push``) reads it
 to fill the manifest's ``stats`` (verified when ``stats["verify"]["effective"]``),
 ``workload_digest`` and covered ``devices``, and the fingerprint's ``cpu`` field with the
-CPU state the children compiled under (``cachekeeper.cpu``: the workload's
+CPU state the children compiled under (``cachekeeper.environment.cpu``: the workload's
 ``[process] omp_num_threads``, not the shell's that runs ``snapshot``), and its ``env`` with
 the per-key tier's switches in torch's keys the children ran with (``key_switches``: a
 dir prewarmed without them is labelled so, whatever the shell that pushes it runs with).
@@ -32,7 +32,7 @@ from cachekeeper.errors import CachekeeperError
 from cachekeeper.restore.marker import STATE_DIR, state_dir
 
 if TYPE_CHECKING:
-    from cachekeeper.fingerprint import CpuState
+    from cachekeeper.environment.fingerprint import CpuState
 
 __all__ = [
     "record_prewarm",

@@ -4,7 +4,7 @@ Two digests of a fingerprint, each naming things that must not move by accident:
 
 - ``json_digest`` (``EXPECTED``): the sha256 of the whole canonical JSON, the manifest's
   ``fingerprint_digest`` key, so every snapshot id (``MANIFEST_IDS``). Computed on main at
-  7a8883a (before ``cachekeeper.fingerprint`` had a typed shape) and unchanged since.
+  7a8883a (before ``cachekeeper.environment.fingerprint`` had a typed shape) and unchanged since.
 - ``digest_of`` (``IDENTITY``): the environment's identity, which status rows, agent ids,
   job reports and the hook's default cache dir (``<home>/inductor/<digest[:16]>``) are
   named by. Issue 31 moved it, deliberately: it leaves out provenance (``cpu.threads_from``,
@@ -24,9 +24,16 @@ from typing import Any
 
 import pytest
 
-from cachekeeper import config, cpu, remote_tier
-from cachekeeper.fingerprint import canonical_json, collect, digest_of, json_digest, parse
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper import config, remote_tier
+from cachekeeper.environment import cpu
+from cachekeeper.environment.fingerprint import (
+    canonical_json,
+    collect,
+    digest_of,
+    json_digest,
+    parse,
+)
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 
 # This dev VM's ``collect(environ={})`` at 7a8883a (torch 2.13.0+cpu, no GPU, schema 2).
 DEV_VM: dict[str, Any] = {

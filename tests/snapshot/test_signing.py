@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import CachekeeperError, SignatureInvalid
-from cachekeeper.fingerprint import collect
-from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.signing import (
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.signing import (
     generate_keypair,
     load_public_key,
     public_key_of,

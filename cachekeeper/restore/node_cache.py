@@ -39,8 +39,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cachekeeper import config, cpu
-from cachekeeper.fingerprint import collect, digest_of, with_cpu
+from cachekeeper import config
+from cachekeeper.environment import cpu
+from cachekeeper.environment.fingerprint import collect, digest_of, with_cpu
 from cachekeeper.restore.marker import STATE_DIR, read_markers
 
 __all__ = ["NodeDir", "PrunePlan", "scan_node_dirs", "plan_prune", "node_digests"]

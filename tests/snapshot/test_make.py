@@ -13,17 +13,17 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachekeeper import cpu
+from cachekeeper.environment import cpu
+from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import LinkInCacheDir
-from cachekeeper.fingerprint import collect
-from cachekeeper.provenance import record_prewarm
 from cachekeeper.restore import restore, restore_archive
-from cachekeeper.snapshot import (
+from cachekeeper.snapshot.make import (
     read_archive_manifest,
     scan_dir,
     snapshot_dir,
     write_archive,
 )
+from cachekeeper.snapshot.provenance import record_prewarm
 from cachekeeper.store import LocalStore
 
 FP = {"schema": 1, "torch": "test", "gpus": []}
@@ -187,7 +187,7 @@ def test_a_signature_is_refused_for_a_dir_holding_restored_files(tmp_path: Path)
     a restore of a snapshot filled is refused, one that prewarm's merges filled is not."""
     from cachekeeper.errors import NotOwnBytes
     from cachekeeper.restore import merge_tree
-    from cachekeeper.signing import generate_keypair
+    from cachekeeper.snapshot.signing import generate_keypair
 
     key, _pub, _ = generate_keypair(tmp_path / "keys" / "builder")
     src = tmp_path / "compiled"

@@ -7,6 +7,11 @@ verify must run on them); ``requested_devices`` only parses, for the hook, which
 list to the server and must not pay for a GPU query of its own. ``format_devices`` writes a
 list back in that grammar (``cuda:0-7``).
 
+This module is text only: it asks no GPU. The visible GPUs are the fingerprint's
+(``fingerprint.visible_gpus``), which the caller hands in (``select_devices(spec,
+visible=visible_gpus)``, asked only when the spec names ``cuda``), so the fingerprint can
+word its device mismatches here and the two import each other one way.
+
 The device index is part of Inductor's key: a cache built on ``cuda:0`` misses on ``cuda:1``,
 so a snapshot serves only jobs whose ranks compile on indices it covers, and a builder with
 fewer GPUs than the training nodes cannot build the higher indices. ``coverage_advice``
@@ -16,6 +21,8 @@ prejob, status, a builder asked for indices it lacks) uses it or says the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from cachekeeper.errors import DeviceInvalid
 
 __all__ = [
@@ -24,7 +31,6 @@ __all__ = [
     "parse_devices",
     "requested_devices",
     "select_devices",
-    "visible_gpus",
 ]
 
 _GRAMMAR = "expected 'cpu', 'cuda', 'cuda:0,1,...' or 'cuda:0-7'"
@@ -114,17 +120,10 @@ def requested_devices(spec: str | None) -> list[str] | None:
     return [f"cuda:{i}" for i in _indices(spec)]
 
 
-def visible_gpus() -> list[int]:
-    """The CUDA indices this process can see, from the fingerprint (no torch import)."""
-    from cachekeeper.fingerprint import collect  # cycle: fingerprint words its device advice here
-
-    return [gpu["index"] for gpu in collect()["gpus"]]
-
-
-def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
+def parse_devices(spec: str, *, visible: Sequence[int]) -> list[str]:
     """``"cpu"`` -> ``["cpu"]``; ``"cuda"`` -> every visible GPU; ``"cuda:0,1"`` -> those.
 
-    ``visible`` (the CUDA indices to accept) defaults to ``visible_gpus()``; tests inject it.
+    ``visible`` are the CUDA indices to accept (``fingerprint.visible_gpus()``; tests inject them).
     Indices that are not visible are refused together, with what to do instead: a machine
     with fewer GPUs cannot build the higher indices (the index is in Inductor's key).
     """
@@ -133,7 +132,7 @@ def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
         return ["cpu"]
     if spec != "cuda" and not spec.startswith("cuda:"):
         raise DeviceInvalid(f"device {spec!r}: {_GRAMMAR}")
-    gpus = visible_gpus() if visible is None else list(visible)
+    gpus = list(visible)
     if spec == "cuda":
         if not gpus:
             raise DeviceInvalid("device 'cuda': no GPU is visible (use --device cpu)")
@@ -152,9 +151,14 @@ def parse_devices(spec: str, *, visible: list[int] | None = None) -> list[str]:
     return [f"cuda:{i}" for i in indices]
 
 
-def select_devices(spec: str | None) -> list[str]:
-    """``parse_devices(spec)``; with no spec, every visible GPU, or the CPU when there is none."""
+def select_devices(spec: str | None, *, visible: Callable[[], Sequence[int]]) -> list[str]:
+    """``parse_devices(spec)``; with no spec, every visible GPU, or the CPU when there is none.
+
+    ``visible`` asks for the visible CUDA indices (``fingerprint.visible_gpus``); it is
+    called only when the answer needs them (not for ``cpu``)."""
     if spec is None:
-        gpus = visible_gpus()
+        gpus = list(visible())
         return parse_devices("cuda", visible=gpus) if gpus else ["cpu"]
-    return parse_devices(spec)
+    if spec.strip() != "cuda" and not spec.strip().startswith("cuda:"):
+        return parse_devices(spec, visible=())  # "cpu", or the grammar's error: no GPU asked
+    return parse_devices(spec, visible=visible())

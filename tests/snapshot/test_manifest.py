@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
-from cachekeeper.manifest import FileEntry, Manifest, check_relpath
+from cachekeeper.snapshot.manifest import FileEntry, Manifest, check_relpath
 
 D = hashlib.sha256(b"x").hexdigest()
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from cachekeeper.archive import (
+from cachekeeper.errors import BlobMissing
+from cachekeeper.server.archive import archive_chunks
+from cachekeeper.snapshot.archive import (
     BLOCK,
     BlobSlot,
     ReadAhead,
@@ -24,10 +26,8 @@ from cachekeeper.archive import (
     read_manifest_member,
     write_tar,
 )
-from cachekeeper.errors import BlobMissing
-from cachekeeper.manifest import Manifest
-from cachekeeper.server.archive import archive_chunks
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.store import LocalStore
 
 FP = {"schema": 1, "torch": "test", "gpus": []}

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from cachekeeper.errors import InvalidManifest
-from cachekeeper.fingerprint import (
+from cachekeeper.environment.fingerprint import (
     CpuState,
     Fingerprint,
     Gpu,
@@ -23,6 +22,7 @@ from cachekeeper.fingerprint import (
     parse,
     with_cpu,
 )
+from cachekeeper.errors import InvalidManifest
 
 BASE = {
     "schema": 1,
@@ -40,7 +40,7 @@ BASE = {
 
 def test_collect_does_not_import_torch() -> None:
     code = (
-        "import sys, json; from cachekeeper.fingerprint import collect; fp = collect(); "
+        "import sys, json; from cachekeeper.environment.fingerprint import collect; fp = collect(); "
         "print(json.dumps({'torch_loaded': 'torch' in sys.modules, 'fp': fp}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -38,7 +38,7 @@ from typing import Any
 from cachekeeper import config
 from cachekeeper.errors import CachekeeperError, SignatureInvalid
 from cachekeeper.fsutil import atomic_write_bytes
-from cachekeeper.manifest import Manifest
+from cachekeeper.snapshot.manifest import Manifest
 
 __all__ = [
     "ALGORITHM",

@@ -12,7 +12,7 @@ Headers are POSIX ustar (``tarfile``'s PAX format, which adds an ``x`` record on
 ustar cannot hold a value: a blob of 8 GiB or more). The zstd stream may hold several
 frames (RFC 8878 section 3.1). ``zstd -d | tar -x`` unpacks an archive.
 
-Writers: ``cachekeeper.snapshot.write_archive`` (the one-file form, through ``write_tar``)
+Writers: ``cachekeeper.snapshot.make.write_archive`` (the one-file form, through ``write_tar``)
 and ``cachekeeper.server.archive`` (the streamed form: the pieces of ``layout``, with each
 large blob's stored zstd frame passed through without recompression).
 
@@ -40,7 +40,7 @@ import zstandard
 
 from cachekeeper.errors import BlobMissing, InvalidManifest, UnsupportedFormat
 from cachekeeper.integrity import is_digest
-from cachekeeper.manifest import MAX_FILES, Manifest
+from cachekeeper.snapshot.manifest import MAX_FILES, Manifest
 
 __all__ = [
     "MANIFEST_MEMBER",

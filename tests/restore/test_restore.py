@@ -22,7 +22,6 @@ from cachekeeper.errors import (
     UnsafePath,
     UnsupportedFormat,
 )
-from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import (
     is_restored,
     merge_tree,
@@ -32,7 +31,8 @@ from cachekeeper.restore import (
     restore_from_tar,
     target_lock,
 )
-from cachekeeper.snapshot import snapshot_dir, write_archive
+from cachekeeper.snapshot.make import snapshot_dir, write_archive
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from cachekeeper.store import LocalStore
 from tests.helpers.triton import make_triton_cache
 
@@ -209,7 +209,7 @@ def test_dry_run_writes_nothing(sample_archive: Path, tmp_path: Path) -> None:
 
 def test_is_restored_and_needed_digests(sample: Path, sample_archive: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    from cachekeeper.snapshot import read_archive_manifest
+    from cachekeeper.snapshot.make import read_archive_manifest
 
     manifest = read_archive_manifest(sample_archive)
     assert needed_digests(manifest, dst) == manifest.digests
@@ -542,7 +542,7 @@ class _PipeLike:
 def test_restore_from_tar_reads_a_non_seekable_stream(
     sample: Path, sample_archive: Path, tmp_path: Path
 ) -> None:
-    from cachekeeper.snapshot import read_archive_manifest
+    from cachekeeper.snapshot.make import read_archive_manifest
 
     manifest = read_archive_manifest(sample_archive)
     plain = zstandard.ZstdDecompressor().decompressobj().decompress(sample_archive.read_bytes())

@@ -11,7 +11,7 @@ A symbolic link anywhere under the root is refused with ``LinkInCacheDir`` namin
 following it could pull in files from outside the cache, and dropping it silently would
 make a snapshot that differs from the dir.
 
-The one-file archive (``write_archive``) is the format of ``cachekeeper.archive``, in one
+The one-file archive (``write_archive``) is the format of ``cachekeeper.snapshot.archive``, in one
 zstd frame compressed multi-threaded, written through ``fsutil.atomic_writer``: a temp file
 next to the output, fsynced, that appears by ``os.replace`` only when complete.
 """
@@ -25,23 +25,23 @@ from typing import Any
 
 import zstandard
 
-from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper import remote_tier
-from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
 from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.environment import fingerprint as fingerprint_mod
 from cachekeeper.errors import EmptyCacheDir, NotOwnBytes
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.integrity import CHUNK_BYTES, digest_of, hash_file
-from cachekeeper.manifest import FileEntry, Manifest
-from cachekeeper.provenance import (
+from cachekeeper.restore.marker import read_markers
+from cachekeeper.snapshot.archive import open_archive_stream, read_manifest_member, write_tar
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.provenance import (
     load_prewarm_record,
     recorded_cpu,
     recorded_key_switches,
     recorded_workloads,
 )
-from cachekeeper.restore.marker import read_markers
-from cachekeeper.scan import CacheTree, ScannedFile, is_excluded, scan_dir
-from cachekeeper.signing import load_signing_key, sign_manifest
+from cachekeeper.snapshot.scan import CacheTree, ScannedFile, is_excluded, scan_dir
+from cachekeeper.snapshot.signing import load_signing_key, sign_manifest
 from cachekeeper.store import LocalStore
 
 __all__ = [
@@ -121,7 +121,7 @@ def snapshot_dir(
     ``EmptyCacheDir`` saying what was scanned, before anything is saved.
 
     With ``workload`` given and no ``stats``, what a prewarm of that workload recorded in
-    ``root`` (cachekeeper.provenance) fills ``stats``, ``workload_digest`` and ``devices``,
+    ``root`` (cachekeeper.snapshot.provenance) fills ``stats``, ``workload_digest`` and ``devices``,
     and its CPU state replaces the fingerprint's (this shell's, or the one passed in): a
     snapshot's fingerprint is the one its caches were built with. Without ``workload``, a dir
     that a prewarm of exactly one workload left its record in is that workload's: the
@@ -163,7 +163,7 @@ def snapshot_dir(
         if not files and not allow_empty:
             raise EmptyCacheDir(_nothing_in(root, excluded=tree.excluded, only=only))
         # Each file is read relative to the scan's descriptors and must be the one scanned
-        # (cachekeeper.scan): a link swapped in after the scan is refused, never followed.
+        # (cachekeeper.snapshot.scan): a link swapped in after the scan is refused, never followed.
         entries = []
         for scanned in files:
             digest, size = _store_file(store.blobs, tree, scanned)

@@ -6,7 +6,7 @@ A manifest is JSON::
       "format": 1,
       "workload": "drafter-gqa" | null,
       "workload_digest": "<sha256 of the workload TOML>" | null,
-      "fingerprint": {...},                  # a Fingerprint (cachekeeper.fingerprint)
+      "fingerprint": {...},                  # a Fingerprint (cachekeeper.environment.fingerprint)
       "fingerprint_digest": "<sha256>",      # of the fingerprint's whole JSON (a checksum)
       "devices": ["cuda:0", "cuda:1"] | ["cpu"],
       "files": [{"path": "fxgraph/ab/..", "digest": "<sha256>", "size_bytes": 123, "mode": 420}],
@@ -44,8 +44,14 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from cachekeeper import wire
+from cachekeeper.environment.fingerprint import (
+    Fingerprint,
+    canonical_json,
+    digest_of,
+    json_digest,
+    parse,
+)
 from cachekeeper.errors import InvalidManifest, UnsafePath, UnsupportedFormat
-from cachekeeper.fingerprint import Fingerprint, canonical_json, digest_of, json_digest, parse
 from cachekeeper.integrity import is_digest
 
 __all__ = [

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cachekeeper.devices import coverage_advice, format_devices, parse_devices, requested_devices
+from cachekeeper.environment.devices import (
+    coverage_advice,
+    format_devices,
+    parse_devices,
+    requested_devices,
+)
 from cachekeeper.errors import DeviceInvalid, PrewarmFailed
 
 

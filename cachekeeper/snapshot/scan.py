@@ -1,4 +1,4 @@
-"""Which files of a cache dir a snapshot takes (see ``cachekeeper.snapshot``'s docstring),
+"""Which files of a cache dir a snapshot takes (see ``cachekeeper.snapshot.make``'s docstring),
 and reading them back exactly as they were scanned.
 
 A cache dir changes under our feet: a job compiles into it while a push reads it, and

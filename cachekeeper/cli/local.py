@@ -1,4 +1,8 @@
-"""Local store commands: ls, rm, gc.
+"""The local store's commands: ``cachekeeper local ls | rm | gc`` (a noun, then a verb).
+
+Until issue 33 they were the top-level ``ls``, ``rm`` and ``gc`` (``gc --server`` ran the
+server's GC, now ``cachekeeper snapshots gc``); those spellings stay for one release as
+aliases (``cachekeeper.cli.ALIASES``): ``gc_cmd`` is the old ``gc``, with its ``--server``.
 
 ``rm`` and ``gc`` plan first (what would go, and the bytes it frees) and only then execute,
 so ``--dry-run`` shows exactly what a real run deletes.
@@ -18,16 +22,29 @@ from cachekeeper.cli._common import (
     handle_errors,
     json_option,
     mb,
-    open_client,
     printable,
     timeout_option,
     token_option,
 )
+from cachekeeper.cli.server_snapshots import server_gc
 from cachekeeper.client.api import server_root
 from cachekeeper.store import LocalStore
-from cachekeeper.wire import GcAnswer, to_dict
 
-__all__ = ["ls_cmd", "rm_cmd", "gc_cmd"]
+__all__ = ["local_cmd", "ls_cmd", "rm_cmd", "gc_cmd", "local_gc_cmd"]
+
+
+_DRY_RUN = click.option(
+    "--dry-run", is_flag=True, help="Show what would be deleted; delete nothing."
+)
+
+
+@click.group("local")
+def local_cmd() -> None:
+    """List, remove and garbage-collect the snapshots in this machine's local store.
+
+    The local store ($CACHEKEEPER_HOME: snapshots/, blobs/) holds what `snapshot` and `prewarm` made
+    here; the server's snapshots are `cachekeeper snapshots`.
+    """
 
 
 @click.command("ls")
@@ -85,7 +102,7 @@ def _run_plan(plan: Any, *, dry_run: bool, as_json: bool, what: str) -> None:
 
 @click.command("rm")
 @click.argument("ids", nargs=-1, required=True)
-@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@_DRY_RUN
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @json_option
 @handle_errors
@@ -103,7 +120,19 @@ def rm_cmd(ids: tuple[str, ...], dry_run: bool, yes: bool, as_json: bool) -> Non
 
 
 @click.command("gc")
-@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@_DRY_RUN
+@json_option
+@handle_errors
+def local_gc_cmd(dry_run: bool, as_json: bool) -> None:
+    """Delete local blobs that no stored snapshot references.
+
+    The server's GC is `cachekeeper snapshots gc`. --json keys are those of POST /v1/gc.
+    """
+    _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")
+
+
+@click.command("gc")
+@_DRY_RUN
 @click.option(
     "--server",
     "server",
@@ -131,28 +160,9 @@ def gc_cmd(dry_run: bool, server: str | None, token: str | None, as_json: bool) 
         _run_plan(LocalStore().plan_gc(), dry_run=dry_run, as_json=as_json, what="gc")
         return
     raw = server if server.strip() else os.environ.get(config.SERVER, "")
-    with open_client(server_root(raw) if raw.strip() else None, token) as client:
-        answer = client.gc(dry_run=dry_run)
-        where = client.base_url
-    if as_json:
-        emit_json(to_dict(answer))
-        return
-    verb = "would free" if dry_run else "freed"
-    click.echo(
-        f"server gc ({where}): {len(answer.snapshots_evicted)} snapshots evicted, "
-        f"{answer.blobs_deleted} blobs; {verb} {mb(answer.bytes_freed)}"
-    )
-    if answer.blobs_in_grace:
-        click.echo(f"  {grace_line(answer)}")
+    server_gc(server_root(raw) if raw.strip() else None, token, dry_run=dry_run, as_json=as_json)
 
 
-def grace_line(answer: GcAnswer) -> str:
-    """What a server GC keeps for now, and when a later one frees it."""
-    grace = f"{answer.grace_s / 3600:g} h" if answer.grace_s else "grace"
-    when = (answer.grace_ends_at or "?")[:19].replace("T", " ")
-    return (
-        f"kept: {answer.blobs_in_grace} unreferenced blobs ({mb(answer.bytes_in_grace)}) used"
-        f" within the last {grace} (the grace period, for uploads waiting to publish and"
-        f" snapshots just removed); a gc after {when} UTC frees them, unless a snapshot"
-        " references them again"
-    )
+local_cmd.add_command(ls_cmd)
+local_cmd.add_command(rm_cmd)
+local_cmd.add_command(local_gc_cmd)

@@ -32,13 +32,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the shape's one owner; fingerprint imports this module at run time
-    from cachekeeper.fingerprint import CpuState
+if TYPE_CHECKING:  # types only: at run time this module stays stdlib (the hook imports it)
+    from cachekeeper.environment.shape import CpuState
 
 __all__ = ["state", "differences", "thread_advice", "COMPARED", "PROVENANCE", "THREAD_VARIABLES"]
 
 # The fields of ``state()`` that are in Inductor's key; the rest (PROVENANCE) say where they
-# came from, and are in no identity (``cachekeeper.fingerprint.digest_of``).
+# came from, and are in no identity (``cachekeeper.environment.fingerprint.digest_of``).
 COMPARED = ("threads", "isa", "aten_cpu_capability")
 PROVENANCE = ("threads_from",)
 THREAD_VARIABLES = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")

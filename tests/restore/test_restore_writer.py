@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not seccomp.supported(), reason="seccomp filters
 CHILD = r"""
 import ctypes, errno, hashlib, io, json, os, sys, tempfile
 from pathlib import Path
-from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from cachekeeper.restore import restore
 
 def probe():
