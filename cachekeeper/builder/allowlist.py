@@ -55,7 +55,6 @@ import importlib.machinery
 import os
 import re
 import shlex
-import shutil
 import sys
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -64,7 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper.builder.kinds.base import CodeRef
-from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.kinds.command_spec import Command
+from cachekeeper.builder.programs import canonical, program_path
 from cachekeeper.builder.workload import Workload
 from cachekeeper.errors import WorkloadInvalid
 
@@ -76,7 +76,6 @@ __all__ = [
     "LOADER_VARIABLES",
     "LOADER_PREFIXES",
     "is_loader_variable",
-    "program_path",
     "check_defined",
 ]
 
@@ -124,27 +123,6 @@ def is_loader_variable(name: str) -> bool:
     return name in LOADER_VARIABLES or name.startswith(LOADER_PREFIXES)
 
 
-def _canonical(path: str) -> str:
-    """``path`` (absolute) with its folder resolved to its real path and its name kept."""
-    head, name = os.path.split(path)
-    if name in ("", ".", ".."):
-        return os.path.realpath(path)
-    return os.path.join(os.path.realpath(head or os.sep), name)
-
-
-def program_path(argv0: str, *, cwd: Path | str, path: str | None) -> str | None:
-    """Where ``argv0`` runs from, as the allowlist judges it and ``run_command`` runs it:
-    a bare name found on ``path`` (relative entries from ``cwd``), a relative path from
-    ``cwd``; the folder resolved to its real path, the name kept. None when not found."""
-    cwd = os.fspath(cwd)
-    if os.sep not in argv0:
-        entries = (path if path is not None else os.defpath).split(os.pathsep)
-        search = os.pathsep.join(os.path.join(cwd, entry or ".") for entry in entries)
-        found = shutil.which(argv0, path=search)
-        return _canonical(found) if found is not None else None
-    return _canonical(os.path.join(cwd, os.path.expanduser(argv0)))
-
-
 def _path_matches(candidate: str, pattern: str) -> bool:
     """A glob over a path whose wildcards never cross a ``/``."""
     parts, wanted = candidate.split("/"), pattern.split("/")
@@ -176,7 +154,7 @@ def _program_pattern(raw: str, *, where: str) -> str:
     parts = text.split("/")
     fixed = next((i for i, part in enumerate(parts) if _GLOB_CHARS.search(part)), len(parts))
     if fixed == len(parts):
-        return _canonical(text)
+        return canonical(text)
     head = os.path.realpath("/".join(parts[:fixed]) or os.sep)
     return "/".join([head.rstrip("/"), *parts[fixed:]])
 

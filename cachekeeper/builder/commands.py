@@ -12,7 +12,7 @@ environment (less ``CACHEKEEPER_TOKEN``: a build never holds the agent's token) 
     PYTHONPATH=<evidence hook>:$PYTHONPATH
     CACHEKEEPER_EVIDENCE_DIR=<work>/evidence-<mode>-<index>/
 
-The program is the file ``cachekeeper.builder.allowlist.program_path`` finds (the one the allowlist
+The program is the file ``cachekeeper.builder.programs.program_path`` finds (the one the allowlist
 judged); ``argv[0]`` stays as written. The evidence hook
 (``cachekeeper/builder/_evidence_hook/sitecustomize.py``) makes every Python process that imports
 ``torch._dynamo`` write a start record, then its rank, device, cache counters and ending
@@ -43,9 +43,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cachekeeper import config, remote_tier
-from cachekeeper.builder.allowlist import program_path
 from cachekeeper.builder.confine import Confinement, start
-from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.kinds.command_spec import Command
+from cachekeeper.builder.programs import program_path
 from cachekeeper.builder.verdicts import (
     CommandRun,
     ErrorInfo,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.builder.allowlist import Allowlist, check_defined, is_loader_variable, program_path
+from cachekeeper.builder.allowlist import Allowlist, check_defined, is_loader_variable
+from cachekeeper.builder.programs import program_path
 from cachekeeper.builder.workload import parse_workload
 from cachekeeper.errors import WorkloadInvalid
 

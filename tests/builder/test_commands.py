@@ -17,7 +17,7 @@ import pytest
 
 from cachekeeper import remote_tier
 from cachekeeper.builder.commands import EVIDENCE_HOOK, command_environ, read_evidence, run_command
-from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.kinds.command_spec import Command
 from cachekeeper.builder.report_text import format_prewarm, format_verify
 from cachekeeper.builder.verdicts import CommandRun, PrewarmReport, ProcessEvidence, VerifyReport
 from cachekeeper.errors import PrewarmFailed

@@ -29,7 +29,7 @@ from cachekeeper.builder.allowlist import Allowlist
 from cachekeeper.builder.children import run_children, work_area
 from cachekeeper.builder.commands import run_command
 from cachekeeper.builder.confine import Confinement
-from cachekeeper.builder.kinds.command import Command
+from cachekeeper.builder.kinds.command_spec import Command
 from cachekeeper.builder.verify import verify
 from cachekeeper.builder.workload import parse_workload
 from cachekeeper.client.api import CacheClient

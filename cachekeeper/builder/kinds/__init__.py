@@ -3,6 +3,7 @@
     attention.py    [[attention]]   a flex_attention regime          (a device kind)
     entrypoint.py   [[entrypoint]]  the training code's warm-up step (a device kind)
     command.py      [[command]]     the site's own launcher          (a process kind)
+    command_spec.py ``Command``, a [[command]] table's data (the allowlist and the run read it)
     base.py         what a kind is: ``Kind``, ``DeviceKind``, ``ProcessKind``, ``CodeRef``
 
 The workload parser (``cachekeeper.builder.workload``) reads the tables of every registered

@@ -44,7 +44,7 @@ from cachekeeper.errors import WorkloadInvalid
 
 if TYPE_CHECKING:
     from cachekeeper.builder.confine import Confinement
-    from cachekeeper.builder.kinds.command import Command
+    from cachekeeper.builder.kinds.command_spec import Command
     from cachekeeper.builder.verdicts import CommandRun, Progress
 
 __all__ = [

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachekeeper.builder.kinds.base import CodeRef, ProcessKind, Validator, type_name
+from cachekeeper.builder.kinds.command_spec import Command
 from cachekeeper.units import parse_duration
 
 if TYPE_CHECKING:
     from cachekeeper.builder.confine import Confinement
     from cachekeeper.builder.verdicts import CommandRun, Progress
 
-__all__ = ["KIND", "RESERVED_ENV", "Command", "CommandKind"]
+__all__ = ["KIND", "RESERVED_ENV", "CommandKind"]
 
 _KEYS = frozenset({"argv", "env", "cwd", "timeout"})
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -39,33 +39,6 @@ RESERVED_ENV = {
     "TRITON_CACHE_DIR": "Triton's cache must land in the cache dir (triton/<index>)",
     "CACHEKEEPER_EVIDENCE_DIR": "cachekeeper's per-process evidence goes there",
 }
-
-
-@dataclass(frozen=True)
-class Command:
-    """One ``[[command]]`` table: the site's own launcher, run without a shell.
-
-    ``env`` is added to the builder's environment; ``cwd`` (None: where prewarm runs) is
-    where it starts; ``timeout_s`` (None: no bound but the prewarm's) bounds one run.
-    """
-
-    argv: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str | None = None
-    timeout_s: float | None = None
-
-    def describe(self, *, limit: int = 120) -> str:
-        """The command line as a shell would show it, cut at ``limit`` characters."""
-        line = shlex.join(self.argv)
-        return line if len(line) <= limit else line[: limit - 3] + "..."
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "argv": list(self.argv),
-            "env": dict(self.env),
-            "cwd": self.cwd,
-            "timeout_s": self.timeout_s,
-        }
 
 
 class CommandKind(ProcessKind):
