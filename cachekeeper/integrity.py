@@ -14,7 +14,7 @@ bytes of another length or another hash (``DigestMismatch``, with ``expected`` a
 ``actual``). Nothing is visible before the check passed: every caller writes to a temp
 file or a spool first. The callers:
 
-- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``);
+- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.backends.local``, ``cachekeeper.backends.s3``);
 - ``BlobCheck``, ``verify_bytes`` and ``refuse_oversize``: the restore writer
   (``cachekeeper.restore.writer``), which counts a small blob's bytes as it reads them and
   hashes them in its thread pool;

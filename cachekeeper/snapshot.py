@@ -28,7 +28,7 @@ import zstandard
 from cachekeeper import fingerprint as fingerprint_mod
 from cachekeeper import remote_tier
 from cachekeeper.archive import open_archive_stream, read_manifest_member, write_tar
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 from cachekeeper.errors import EmptyCacheDir, NotOwnBytes
 from cachekeeper.fsutil import atomic_writer
 from cachekeeper.integrity import CHUNK_BYTES, digest_of, hash_file

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 from cachekeeper.errors import InvalidManifest, SnapshotNotFound
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.manifest import Manifest

@@ -1,6 +1,6 @@
 """The composition root: ``create_app(settings)`` builds the FastAPI app and its store.
 
-``open_backend`` is the one place that picks a blob backend (``server/backend.py``): the
+``open_backend`` is the one place that picks a blob backend (``cachekeeper/backends/base.py``): the
 local directory by default, or the object store ``--blob-store`` names (``s3://``).
 ``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
 refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the retention
@@ -40,17 +40,17 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachekeeper import config
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.base import BlobBackend
+from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.s3 import S3BlobStore
 from cachekeeper.errors import CachekeeperError, ConfigInvalid
 
 from .auth import Need, route_scopes
-from .backend import BlobBackend
 from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
 from .resp import RespServer
 from .routes import admin, agents, blobs, reports, resolve, snapshots, tier, ui, workloads
-from .s3store import S3BlobStore
 from .settings import Settings
 from .storage import Storage
 from .tier import TierStore

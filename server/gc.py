@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
+from cachekeeper.backends.base import BlobBackend, DirectAccess
 from cachekeeper.wire import utc_now
 
-from .backend import BlobBackend, DirectAccess
 from .catalog import Catalog, Transaction
 from .settings import Settings
 

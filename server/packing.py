@@ -1,6 +1,6 @@
 """Publish into an object store: read every blob back, hash it, write the archive object.
 
-With a backend nodes reach directly (``server/backend.py``'s ``DirectAccess``: the S3
+With a backend nodes reach directly (``cachekeeper/backends/base.py``'s ``DirectAccess``: the S3
 one), nodes upload blobs straight to the store (presigned PUTs) and download one archive
 object per snapshot (a presigned GET). The store may or may not have
 checked a PUT's ``x-amz-checksum-sha256`` (moto does not), so the server checks here, at
@@ -53,13 +53,13 @@ from typing import BinaryIO, cast
 
 import zstandard
 
-from cachekeeper.blobstore import BlobStat
+from cachekeeper.backends.base import DirectAccess
+from cachekeeper.backends.local import BlobStat
 from cachekeeper.errors import BlobMissing, DigestMismatch
 from cachekeeper.integrity import HashingReader
 from cachekeeper.manifest import Manifest
 
 from .archive import SPLICE_MIN_BYTES, archive_chunks
-from .backend import DirectAccess
 from .catalog import Transaction
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The one storage interface the routes use: ``Storage``.
 
 ``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
-``server/catalog/``) and a ``BlobBackend`` holding the blob bytes (``server/backend.py``:
+``server/catalog/``) and a ``BlobBackend`` holding the blob bytes (``cachekeeper/backends/base.py``:
 the local directory by default, or the object store; ``server/app.py`` ``open_backend``
 picks it). Storage asks the backend for its direct access once and never for its class.
 What this module adds on top: the upload size limit, publishing a manifest (packing it
@@ -27,7 +27,8 @@ from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 from cachekeeper import remote_tier
-from cachekeeper.blobstore import PutResult
+from cachekeeper.backends.base import BlobBackend, DirectAccess
+from cachekeeper.backends.local import PutResult
 from cachekeeper.errors import (
     AgentNotFound,
     BlobMissing,
@@ -53,7 +54,6 @@ from cachekeeper.wire import (
 )
 
 from .archive import archive_chunks
-from .backend import BlobBackend, DirectAccess
 from .budgets import Budgets, event_bytes, report_bytes
 from .catalog import Catalog, agent_id_for
 from .fleet import fleet_status

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachekeeper import remote_tier
+from cachekeeper.backends.base import BlobBackend
 from cachekeeper.errors import BlobMissing
 from cachekeeper.integrity import digest_of
 from cachekeeper.wire import RemoteCacheOffer, utc_now
 
-from .backend import BlobBackend
 from .catalog import Catalog
 from .catalog.tier import TierEntry
 from .metrics import Metrics

@@ -9,7 +9,8 @@ import httpx
 import pytest
 import zstandard
 from cachekeeper.client.direct import DirectUnavailable, ObjectStore
-from cachekeeper.server.s3store import S3BlobStore
+
+from cachekeeper.backends.s3 import S3BlobStore
 
 
 def _archive(s3_bucket: str, tmp_path: Path, data: bytes) -> str:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cachekeeper.server.s3store import S3BlobStore, S3Location
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.s3 import S3BlobStore, S3Location
 from cachekeeper.errors import BlobTooLarge, DigestMismatch, InvalidDigest, InvalidRequest
 from cachekeeper.integrity import (
     BlobCheck,

@@ -19,9 +19,9 @@ from cachekeeper.client.api import CacheClient
 from cachekeeper.client.direct import ObjectStore
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.backends.s3 import S3BlobStore, checksum_b64
 from cachekeeper.errors import BlobMissing
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored

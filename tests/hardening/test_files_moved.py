@@ -23,7 +23,7 @@ from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
 from cachekeeper import scan
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 from cachekeeper.errors import CacheDirChanged, LinkInCacheDir
 from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry

@@ -26,7 +26,7 @@ import zstandard
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 from cachekeeper.manifest import FileEntry, Manifest
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import start_server

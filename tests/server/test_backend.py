@@ -19,14 +19,14 @@ import httpx
 import pytest
 import zstandard
 from cachekeeper.server.app import open_backend
-from cachekeeper.server.backend import BlobBackend
 from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.s3store import S3BlobStore
 from cachekeeper.server.settings import Settings
 from cachekeeper.server.storage import Storage
 
 from cachekeeper.archive import blob_digest, iter_tar, open_archive_stream
-from cachekeeper.blobstore import BlobStat, LocalBlobStore, PutResult
+from cachekeeper.backends.base import BlobBackend
+from cachekeeper.backends.local import BlobStat, LocalBlobStore, PutResult
+from cachekeeper.backends.s3 import S3BlobStore
 from cachekeeper.errors import BlobMissing, ConfigInvalid, DigestMismatch
 from cachekeeper.integrity import copy_verified, digest_of, require_digest
 from tests.server.conftest import FINGERPRINT, make_snapshot, random_files

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 from tests.helpers.metrics import scrape
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, random_files
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push, random_files
 

@@ -14,9 +14,9 @@ import pytest
 import zstandard
 from cachekeeper.server import packing
 from cachekeeper.server.packing import pack_snapshot
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64
 from cachekeeper.server.settings import Settings
 
+from cachekeeper.backends.s3 import S3BlobStore, checksum_b64
 from cachekeeper.errors import BlobMissing
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import restore_archive

@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64, parse_s3_url
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.s3 import S3BlobStore, checksum_b64, parse_s3_url
 from cachekeeper.errors import BlobMissing, BlobTooLarge, ConfigInvalid, DigestMismatch
 
 

@@ -11,7 +11,7 @@ from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.catalog.tier import ROW_BYTES
 from cachekeeper.server.tier import TierStore
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBlobStore
 
 WRITER = {"client": "ck:n:1", "scope": "write"}
 

@@ -6,8 +6,8 @@ As in bazel-remote (``cache/cache.go`` is the interface; ``cache/disk``, ``cache
 per-key tier (``server/tier.py``) depend on this interface alone and never ask which
 backend they hold. Each backend is one module:
 
-- ``cachekeeper.blobstore.LocalBlobStore``: a local directory (``<data>/blobs``), the default;
-- ``server.s3store.S3BlobStore``: an S3-compatible object store (``s3://BUCKET/PREFIX``).
+- ``cachekeeper.backends.local.LocalBlobStore``: a local directory (``<data>/blobs``), the default;
+- ``cachekeeper.backends.s3.S3BlobStore``: an S3-compatible object store (``s3://BUCKET/PREFIX``).
 
 ``server/app.py`` ``open_backend`` is the one place that picks one, by URL scheme. A new
 backend (GCS, Azure, a shared filesystem) is one new module whose class has these methods,
@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from cachekeeper.blobstore import BlobStat, PutResult
+from cachekeeper.backends.local import BlobStat, PutResult
 from cachekeeper.wire import Upload
 
 __all__ = ["BlobBackend", "DirectAccess"]

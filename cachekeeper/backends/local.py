@@ -1,6 +1,6 @@
 """Content-addressed blob storage on local disk, shared by the local store and the server.
 
-``LocalBlobStore`` is the server's default blob backend (``server/backend.py``'s
+``LocalBlobStore`` is the server's default blob backend (``cachekeeper/backends/base.py``'s
 ``BlobBackend``, a protocol it meets without importing the server) and the local store's
 (``cachekeeper.store``) blob folder.
 

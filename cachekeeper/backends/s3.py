@@ -1,7 +1,7 @@
 """Blobs and snapshot archives on S3-compatible object storage (``--blob-store s3://B/P``).
 
-The second ``BlobBackend`` (``server/backend.py``) beside
-``cachekeeper.blobstore.LocalBlobStore``, and the one with ``DirectAccess``: nodes PUT blobs
+The second ``BlobBackend`` (``cachekeeper/backends/base.py``) beside
+``cachekeeper.backends.local.LocalBlobStore``, and the one with ``DirectAccess``: nodes PUT blobs
 and GET archives by presigned URL (``direct_access()`` is the store itself). Endpoint,
 region and credentials come from the standard AWS configuration chain (boto3:
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
@@ -38,7 +38,7 @@ import zstandard
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from cachekeeper.blobstore import BlobStat, PutResult
+from cachekeeper.backends.local import BlobStat, PutResult
 from cachekeeper.errors import (
     BlobMissing,
     ConfigInvalid,
@@ -122,7 +122,7 @@ class S3BlobStore:
         require_digest(snapshot_id, what="snapshot id")
         return f"{self.location.prefix}archives/{snapshot_id}.tar.zst"
 
-    # -- BlobBackend (server/backend.py) ------------------------------------------------
+    # -- BlobBackend (cachekeeper/backends/base.py) ------------------------------------------------
     def stat(self, digest: str) -> BlobStat | None:
         head = self._head(self.key_for(digest))
         if head is None:
