@@ -12,7 +12,7 @@ backend they hold. Each backend is one module:
 ``server/app.py`` ``open_backend`` is the one place that picks one, by URL scheme. A new
 backend (GCS, Azure, a shared filesystem) is one new module whose class has these methods,
 plus its scheme in ``open_backend``'s table and in ``Settings``' ``blob_store`` check
-(``tests/server/test_backend.py`` runs the snapshot path on a third, in-memory one).
+(``tests/core/backends/test_base.py`` runs the snapshot path on a third, in-memory one).
 
 Blobs are named by the sha256 of their uncompressed bytes (``cachekeeper.integrity``). A
 backend's ``put`` checks the bytes while they stream (``integrity.copy_verified``) and makes
