@@ -1,7 +1,8 @@
 """The composition root: ``create_app(settings)`` builds the FastAPI app and its store.
 
-``open_backend`` is the one place that picks a blob backend (``cachekeeper/backends/base.py``): the
-local directory by default, or the object store ``--blob-store`` names (``s3://``).
+Blob backends are opened through ``cachekeeper/backends/registry.py`` ``open_backend`` (the
+one table of URL schemes, which the settings' check reads too): the local directory by
+default, or the object store ``--blob-store`` names (``s3://``).
 ``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
 refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the retention
 of the tables clients write (``server/budgets.py``) and the start-up check. Routers, one per resource in ``server/routes/``, are
@@ -30,8 +31,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,10 +39,8 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachekeeper import config
-from cachekeeper.backends.base import BlobBackend
-from cachekeeper.backends.local import LocalBlobStore
-from cachekeeper.backends.s3 import S3BlobStore
-from cachekeeper.errors import CachekeeperError, ConfigInvalid
+from cachekeeper.backends.registry import open_backend
+from cachekeeper.errors import CachekeeperError
 
 from .auth import Need, route_scopes
 from .catalog import Catalog, is_corruption
@@ -55,7 +52,7 @@ from .settings import Settings
 from .storage import Storage
 from .tier import TierStore
 
-__all__ = ["create_app", "open_backend", "open_storage", "open_tier"]
+__all__ = ["create_app", "open_storage", "open_tier"]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -113,30 +110,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
-
-
-def _open_s3(url: str) -> BlobBackend:
-    store = S3BlobStore.from_url(url)
-    store.check()  # an unreachable bucket fails at start-up, in one line
-    return store
-
-
-# Backends by URL scheme: a new one (GCS, Azure, ...) is its module and one entry here (and
-# its scheme in Settings' blob_store check).
-_BACKENDS: dict[str, Callable[[str], BlobBackend]] = {"s3": _open_s3}
-
-
-def open_backend(url: str | None, *, local_root: Path) -> BlobBackend:
-    """The blob backend ``url`` names (``s3://BUCKET/PREFIX``), or, with none, the local
-    directory ``local_root`` (its abandoned uploads swept: nothing uploads before start)."""
-    if url is None:
-        local = LocalBlobStore(local_root)
-        local.sweep_temp(older_than_s=0)
-        return local
-    scheme = url.partition("://")[0]
-    if scheme not in _BACKENDS:
-        raise ConfigInvalid(f"blob store {url!r}: no backend for {scheme}:// (one of: s3://)")
-    return _BACKENDS[scheme](url)
 
 
 def open_storage(settings: Settings) -> Storage:

@@ -53,8 +53,7 @@ from typing import BinaryIO, cast
 
 import zstandard
 
-from cachekeeper.backends.base import DirectAccess
-from cachekeeper.backends.local import BlobStat
+from cachekeeper.backends.base import BlobStat, DirectAccess
 from cachekeeper.errors import BlobMissing, DigestMismatch
 from cachekeeper.integrity import HashingReader
 from cachekeeper.manifest import Manifest
@@ -76,7 +75,7 @@ PACK_WORKERS = 8  # blob reads in flight per publish (I/O bound: the store's lat
 PREFETCH_BYTES = 64 << 20  # blob bytes read ahead of the archive writer, at most
 PREFETCH_BLOBS = 256  # and at most this many blobs
 INLINE_MAX_BYTES = 16 << 20  # larger blobs are streamed by the writer, not held in memory
-FRAME_LEVEL = 1  # a spliced blob's zstd frame (as ``S3BlobStore.open_raw``)
+FRAME_LEVEL = 1  # a spliced blob's zstd frame (as ``S3Backend.open_raw``)
 FRAME_THREADS = 4  # zstd workers for one streamed large blob
 CLOCK_MARGIN_S = 60.0  # record_checked: how far the server's clock may step back
 

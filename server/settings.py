@@ -30,6 +30,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachekeeper import config
+from cachekeeper.backends import registry
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.manifest import MAX_FILES
 from cachekeeper.signing import load_trusted_keys
@@ -165,9 +166,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True)
 
     data_dir: Path = Field(default_factory=default_data_dir)
-    # Where blob bytes live: None = ``<data_dir>/blobs`` (the default); ``s3://BUCKET/PREFIX``
-    # = S3-compatible object storage (endpoint, region, credentials from the AWS chain),
-    # which nodes then upload to and download from directly through presigned URLs.
+    # Where blob bytes live, a URL whose scheme cachekeeper/backends/registry.py knows: None =
+    # ``<data_dir>/blobs`` (the default); ``s3://BUCKET/PREFIX`` = S3-compatible object storage
+    # (endpoint, region, credentials from the AWS chain), which nodes then upload to and
+    # download from directly through presigned URLs.
     blob_store: str | None = None
     # How long a presigned URL (a node's archive GET, a push's blob PUT) stays valid.
     presign_expires_s: int = 900
@@ -319,9 +321,9 @@ class Settings(BaseSettings):
     @field_validator("blob_store")
     @classmethod
     def _blob_store(cls, value: Any) -> Any:
-        if value is not None and not str(value).startswith("s3://"):
+        if value is not None and not registry.names_a_backend(str(value)):
             raise ValueError(
-                f"{value!r} is not s3://BUCKET/PREFIX (leave it unset for <data>/blobs)"
+                f"{value!r} is not {registry.url_forms()} (leave it unset for <data>/blobs)"
             )
         return value
 

@@ -27,8 +27,7 @@ from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 from cachekeeper import remote_tier
-from cachekeeper.backends.base import BlobBackend, DirectAccess
-from cachekeeper.backends.local import PutResult
+from cachekeeper.backends.base import BlobBackend, DirectAccess, PutResult
 from cachekeeper.errors import (
     AgentNotFound,
     BlobMissing,

@@ -1,17 +1,21 @@
-"""The blob backend interface: what the server needs of the place blob bytes live.
+"""The blob backend interface: what the server and the local store need of the place blob
+bytes live.
 
 As in bazel-remote (``cache/cache.go`` is the interface; ``cache/disk``, ``cache/s3proxy``,
-``cache/gcsproxy`` each implement it in their own package), the server's storage
-(``server/storage.py``), GC (``server/gc.py``), packing (``server/packing.py``) and the
-per-key tier (``server/tier.py``) depend on this interface alone and never ask which
-backend they hold. Each backend is one module:
+``cache/gcsproxy`` each implement it in their own package), the server's resources
+(``server/resources/``: blobs, snapshots, GC, the per-key tier) and packing
+(``server/packing.py``) depend on this interface alone and never ask which backend they
+hold. Each backend is one module of this folder:
 
-- ``cachekeeper.backends.local.LocalBlobStore``: a local directory (``<data>/blobs``), the default;
-- ``cachekeeper.backends.s3.S3BlobStore``: an S3-compatible object store (``s3://BUCKET/PREFIX``).
+- ``cachekeeper/backends/local.py`` ``LocalBackend``: a local directory (``<data>/blobs``
+  on the server, the default; ``$CACHEKEEPER_HOME/blobs`` for a node's local store);
+- ``cachekeeper/backends/s3.py`` ``S3Backend``: an S3-compatible object store
+  (``s3://BUCKET/PREFIX``).
 
-``server/app.py`` ``open_backend`` is the one place that picks one, by URL scheme. A new
-backend (GCS, Azure, a shared filesystem) is one new module whose class has these methods,
-plus its scheme in ``open_backend``'s table and in ``Settings``' ``blob_store`` check
+``cachekeeper/backends/registry.py`` maps a URL scheme to its opener: the one table that
+both the server's settings (is ``--blob-store`` a URL a backend opens?) and the server's
+composition root (``open_backend``) read. A new backend (GCS, Azure, a shared filesystem)
+is one new module whose class has these methods, and its entry there
 (``tests/core/backends/test_base.py`` runs the snapshot path on a third, in-memory one).
 
 Blobs are named by the sha256 of their uncompressed bytes (``cachekeeper.integrity``). A
@@ -22,24 +26,39 @@ and age, which GC's grace period is measured on. A miss is a value (``stat`` is 
 
 **Direct access** is optional: a backend whose bytes nodes reach by URL, without the server
 in the path (the object store, through presigned URLs), returns itself from
-``direct_access()``; one without (the local directory) returns None. Storage asks once, at
-construction. Direct access brings three things: upload targets (a node PUTs a blob into
-the store itself), one archive object per snapshot (written at publish, read by nodes with
-an archive URL), and, because the store may not have checked what nodes uploaded, publish
-reads every blob back and hashes it (``server/packing.py``, which needs ``open_dated`` and
-``stat_many``).
+``direct_access()``; one without (the local directory) returns None. The server asks once,
+when it builds its resources. Direct access brings three things: upload targets (a node
+PUTs a blob into the store itself), one archive object per snapshot (written at publish,
+read by nodes with an archive URL), and, because the store may not have checked what nodes
+uploaded, publish reads every blob back and hashes it (``server/packing.py``, which needs
+``open_dated`` and ``stat_many``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from cachekeeper.backends.local import BlobStat, PutResult
 from cachekeeper.wire import Upload
 
-__all__ = ["BlobBackend", "DirectAccess"]
+__all__ = ["BlobBackend", "BlobStat", "DirectAccess", "PutResult"]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    digest: str
+    size_bytes: int
+    stored_bytes: int
+    created: bool  # False when the blob was already there
+
+
+@dataclass(frozen=True)
+class BlobStat:
+    digest: str
+    stored_bytes: int  # as stored (zstd)
+    modified_at: float  # UTC, seconds since the epoch
 
 
 class BlobBackend(Protocol):

@@ -1,8 +1,8 @@
-"""Content-addressed blob storage on local disk, shared by the local store and the server.
+"""The local directory backend: content-addressed blobs on local disk.
 
-``LocalBlobStore`` is the server's default blob backend (``cachekeeper/backends/base.py``'s
-``BlobBackend``, a protocol it meets without importing the server) and the local store's
-(``cachekeeper.store``) blob folder.
+``LocalBackend`` is the server's default blob backend (``cachekeeper/backends/base.py``'s
+``BlobBackend``; the registry opens it when no ``--blob-store`` URL is given) and the blob
+folder of a node's local snapshot store (``cachekeeper.store``), which makes it directly.
 
 Layout (``root`` is ``$CACHEKEEPER_HOME/blobs`` locally, ``<data>/blobs`` on the server)::
 
@@ -24,7 +24,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,25 +32,12 @@ import zstandard
 from cachekeeper.errors import BlobMissing, InsufficientStorage
 from cachekeeper.integrity import CHUNK_BYTES, copy_verified, is_digest, require_digest
 
-__all__ = ["BlobStat", "LocalBlobStore", "PutResult"]
+from .base import BlobStat, PutResult
+
+__all__ = ["LocalBackend"]
 
 
-@dataclass(frozen=True)
-class PutResult:
-    digest: str
-    size_bytes: int
-    stored_bytes: int
-    created: bool  # False when the blob was already there
-
-
-@dataclass(frozen=True)
-class BlobStat:
-    digest: str
-    stored_bytes: int  # as stored (zstd)
-    modified_at: float  # UTC, seconds since the epoch
-
-
-class LocalBlobStore:
+class LocalBackend:
     """Blobs on a local filesystem, sharded by digest prefix, zstd at rest; no direct access."""
 
     def __init__(self, root: str | os.PathLike[str], *, level: int = 3) -> None:

@@ -1,7 +1,8 @@
-"""Blobs and snapshot archives on S3-compatible object storage (``--blob-store s3://B/P``).
+"""The object store backend: blobs and snapshot archives on S3-compatible object storage
+(``--blob-store s3://B/P``).
 
 The second ``BlobBackend`` (``cachekeeper/backends/base.py``) beside
-``cachekeeper.backends.local.LocalBlobStore``, and the one with ``DirectAccess``: nodes PUT blobs
+``cachekeeper.backends.local.LocalBackend``, and the one with ``DirectAccess``: nodes PUT blobs
 and GET archives by presigned URL (``direct_access()`` is the store itself). Endpoint,
 region and credentials come from the standard AWS configuration chain (boto3:
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
@@ -17,6 +18,9 @@ it refuses wrong bytes itself. Not every store checks (moto does not), so the se
 relies on it: publish reads every new blob back and hashes it (``server.packing``).
 ``open_raw`` compresses on the fly into one zstd frame, which is what the archive stream
 splices. Nodes download the compressed archive object, never the blobs.
+
+boto3 is the server's extra (the base install has none): ``cachekeeper/backends/registry.py``
+imports this module only when an ``s3://`` store is opened.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import zstandard
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from cachekeeper.backends.local import BlobStat, PutResult
 from cachekeeper.errors import (
     BlobMissing,
     ConfigInvalid,
@@ -46,7 +49,9 @@ from cachekeeper.errors import (
 from cachekeeper.integrity import copy_verified, is_digest, require_digest
 from cachekeeper.wire import Upload
 
-__all__ = ["S3BlobStore", "S3Location", "parse_s3_url"]
+from .base import BlobStat, PutResult
+
+__all__ = ["S3Backend", "S3Location", "checksum_b64", "parse_s3_url"]
 
 _SPOOL_BYTES = 8 << 20  # a put keeps up to this much in memory before spilling to disk
 STAT_WORKERS = 8  # HEADs in flight in ``stat_many`` (each waits on the store's latency)
@@ -77,7 +82,7 @@ def checksum_b64(digest: str) -> str:
     return base64.b64encode(bytes.fromhex(digest)).decode("ascii")
 
 
-class S3BlobStore:
+class S3Backend:
     """Blobs (uncompressed, by sha256) and archives in one bucket under one prefix."""
 
     def __init__(self, location: S3Location, *, client: Any | None = None) -> None:
@@ -100,7 +105,7 @@ class S3BlobStore:
         self._archive_urls_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str) -> S3BlobStore:
+    def from_url(cls, url: str) -> S3Backend:
         return cls(parse_s3_url(url))
 
     @property
@@ -122,7 +127,7 @@ class S3BlobStore:
         require_digest(snapshot_id, what="snapshot id")
         return f"{self.location.prefix}archives/{snapshot_id}.tar.zst"
 
-    # -- BlobBackend (cachekeeper/backends/base.py) ------------------------------------------------
+    # -- BlobBackend (cachekeeper/backends/base.py) -------------------------------------
     def stat(self, digest: str) -> BlobStat | None:
         head = self._head(self.key_for(digest))
         if head is None:
@@ -201,7 +206,7 @@ class S3BlobStore:
             if is_digest(name):
                 yield BlobStat(name, int(item["Size"]), item["LastModified"].timestamp())
 
-    def direct_access(self) -> S3BlobStore:
+    def direct_access(self) -> S3Backend:
         """Nodes reach the object store by presigned URLs: it is its own direct access."""
         return self
 

@@ -10,11 +10,11 @@ import pytest
 import zstandard
 from cachekeeper.client.direct import DirectUnavailable, ObjectStore
 
-from cachekeeper.backends.s3 import S3BlobStore
+from cachekeeper.backends.s3 import S3Backend
 
 
 def _archive(s3_bucket: str, tmp_path: Path, data: bytes) -> str:
-    s3 = S3BlobStore.from_url(s3_bucket)
+    s3 = S3Backend.from_url(s3_bucket)
     snapshot_id = hashlib.sha256(b"any").hexdigest()
     path = tmp_path / "a.zst"
     path.write_bytes(zstandard.ZstdCompressor().compress(data))

@@ -21,7 +21,7 @@ from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.backends.s3 import S3BlobStore, checksum_b64
+from cachekeeper.backends.s3 import S3Backend, checksum_b64
 from cachekeeper.errors import BlobMissing
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
@@ -83,7 +83,7 @@ def test_prejob_downloads_from_the_store_and_a_fresh_process_hits(
     # The blobs went to the object store, not through the server.
     sent_to_server = counter(live.url, "cachekeeper_http_request_bytes_total") - before_in
     assert sent_to_server < pushed["uploaded_bytes"] / 10, (sent_to_server, pushed)
-    s3 = S3BlobStore.from_url(bucket)
+    s3 = S3Backend.from_url(bucket)
     assert s3.has_archive(pushed["snapshot_id"])
 
     served, archives = counter(live.url, SERVED), counter(live.url, ARCHIVES)
@@ -157,7 +157,7 @@ def test_gc_never_collects_an_upload_whose_push_is_in_flight(bucket, tmp_path):
     """Uploaded objects with no row yet: the grace period keeps them; and a GC planned
     before the publish re-validates under the catalog's lock and keeps what it recorded."""
     manifest, store, src = _snapshot(tmp_path, "racing")
-    s3 = S3BlobStore.from_url(bucket)
+    s3 = S3Backend.from_url(bucket)
 
     def upload_all(client: CacheClient) -> None:
         for upload in client.missing(manifest.digests).uploads:

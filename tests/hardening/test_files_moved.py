@@ -23,7 +23,7 @@ from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
 
 from cachekeeper import scan
-from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.errors import CacheDirChanged, LinkInCacheDir
 from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry
@@ -335,7 +335,7 @@ def test_prune_never_deletes_through_a_folder_swapped_after_the_plan(
 def test_gc_never_deletes_a_blob_through_a_shard_swapped_for_a_link(
     tmp_path: Path, reliability
 ) -> None:
-    blobs = LocalBlobStore(tmp_path / "blobs")
+    blobs = LocalBackend(tmp_path / "blobs")
     data = b"a blob"
     digest = sha(data)
     blobs.put([data], digest=digest)

@@ -26,7 +26,7 @@ import zstandard
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.settings import Settings
 
-from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.manifest import FileEntry, Manifest
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import start_server
@@ -37,7 +37,7 @@ FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "
 def _stock(data_dir: Path, *, blobs: int, files: int | None = None, tag: str = "") -> Manifest:
     """Store ``blobs`` distinct small blobs in ``data_dir`` (file, then row) and return a
     manifest of ``files`` entries (default: one per blob) that uses every one of them."""
-    store = LocalBlobStore(data_dir / "blobs")
+    store = LocalBackend(data_dir / "blobs")
     catalog = Catalog.create(data_dir / "meta.sqlite")
     digests = []
     with catalog.writing() as tx:
@@ -165,7 +165,7 @@ def test_startup_check_completes_or_quarantines_half_published_snapshots(
     _drop_references(data_dir, a.id, keep=500)
     _drop_references(data_dir, b.id, keep=0)
     gone = sorted(b.digests)[0]
-    LocalBlobStore(data_dir / "blobs").path_for(gone).unlink()
+    LocalBackend(data_dir / "blobs").path_for(gone).unlink()
     with start_server(Settings(data_dir=data_dir)) as live, httpx.Client(base_url=live.url) as c:
         assert _references(data_dir, a.id) == 1200  # completed: every blob is there
         assert _archive_blobs(c, a.id) == 1200

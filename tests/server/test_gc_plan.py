@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from tests.helpers.metrics import scrape
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, random_files
 
@@ -187,8 +187,8 @@ def test_a_blob_file_without_a_row_is_freed_only_past_the_grace_period(in_proces
     live = in_process_server(gc_grace_s=3600)
     content = b"a file the catalog never heard of" * 50
     digest = hashlib.sha256(content).hexdigest()
-    LocalBlobStore(live.settings.data_dir / "blobs").put([content], digest=digest)
-    path = LocalBlobStore(live.settings.data_dir / "blobs").path_for(digest)
+    LocalBackend(live.settings.data_dir / "blobs").put([content], digest=digest)
+    path = LocalBackend(live.settings.data_dir / "blobs").path_for(digest)
     assert gc(live.client, dry_run=False)["blobs_deleted"] == 0  # too new: maybe uploading
     assert path.exists()
     live.settings.gc_grace_s = 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from tests.helpers.live_server import LiveServer
 from tests.server.conftest import make_snapshot, push, random_files
 
@@ -60,7 +60,7 @@ def test_an_orphan_uploaded_after_the_plan_keeps_its_file(fresh_server) -> None:
     live = fresh_server(gc_grace_s=0)
     content = b"a blob a push needs, already on disk without a row"
     digest = hashlib.sha256(content).hexdigest()
-    LocalBlobStore(live.settings.data_dir / "blobs").put([content], digest=digest)
+    LocalBackend(live.settings.data_dir / "blobs").put([content], digest=digest)
     manifest, blobs = make_snapshot({"kept.bin": content}, workload="orphan")
     with httpx.Client(base_url=live.url, timeout=30) as c:
 
@@ -85,7 +85,7 @@ def test_a_blob_row_without_its_file_is_reported_missing(fresh_server) -> None: 
     digest = hashlib.sha256(content).hexdigest()
     with httpx.Client(base_url=live.url, timeout=30) as c:
         assert c.put(f"/v1/blobs/{digest}", content=content).status_code == 201
-        LocalBlobStore(live.settings.data_dir / "blobs").path_for(digest).unlink()
+        LocalBackend(live.settings.data_dir / "blobs").path_for(digest).unlink()
         assert c.post("/v1/blobs/missing", json={"digests": [digest]}).json()["missing"] == [digest]
         manifest, blobs = make_snapshot({"back.bin": content}, workload="vanished")
         assert push(c, manifest, blobs).status_code == 201  # uploads it again, then publishes

@@ -11,7 +11,7 @@ from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.catalog.tier import ROW_BYTES
 from cachekeeper.server.tier import TierStore
 
-from cachekeeper.backends.local import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 
 WRITER = {"client": "ck:n:1", "scope": "write"}
 
@@ -26,7 +26,7 @@ def store(
     tmp_path.mkdir(parents=True, exist_ok=True)
     return TierStore(
         catalog=Catalog.create(tmp_path / "meta.sqlite"),
-        blobs=LocalBlobStore(tmp_path / "tier-blobs", level=1),
+        blobs=LocalBackend(tmp_path / "tier-blobs", level=1),
         max_value_bytes=max_value,
         max_bytes=max_bytes,
         memory_bytes=memory_bytes,

@@ -1,4 +1,4 @@
-"""server/backend.py: one blob-backend interface; storage never asks which backend it holds.
+"""cachekeeper/backends/base.py: one blob-backend interface; the server never asks which backend it holds.
 
 The proof that a new backend is one new module: ``MemoryBlobs`` below (a real backend
 holding real bytes in a dict, with the same integrity check every backend's ``put`` makes)
@@ -18,15 +18,15 @@ from typing import BinaryIO
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.app import open_backend
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.settings import Settings
 from cachekeeper.server.storage import Storage
 
 from cachekeeper.archive import blob_digest, iter_tar, open_archive_stream
-from cachekeeper.backends.base import BlobBackend
-from cachekeeper.backends.local import BlobStat, LocalBlobStore, PutResult
-from cachekeeper.backends.s3 import S3BlobStore
+from cachekeeper.backends.base import BlobBackend, BlobStat, PutResult
+from cachekeeper.backends.local import LocalBackend
+from cachekeeper.backends.registry import open_backend
+from cachekeeper.backends.s3 import S3Backend
 from cachekeeper.errors import BlobMissing, ConfigInvalid, DigestMismatch
 from cachekeeper.integrity import copy_verified, digest_of, require_digest
 from tests.server.conftest import FINGERPRINT, make_snapshot, random_files
@@ -108,8 +108,8 @@ def test_storage_runs_the_snapshot_path_on_a_backend_it_has_never_seen(tmp_path:
 def test_direct_access_is_the_object_store_itself_and_none_for_a_directory(
     s3_bucket: str, tmp_path: Path
 ) -> None:
-    assert LocalBlobStore(tmp_path / "blobs").direct_access() is None
-    store = S3BlobStore.from_url(s3_bucket)
+    assert LocalBackend(tmp_path / "blobs").direct_access() is None
+    store = S3Backend.from_url(s3_bucket)
     direct = store.direct_access()
     assert direct is store
     data = b"uploaded by a node " * 100
@@ -129,7 +129,7 @@ def test_open_backend_picks_by_scheme(s3_bucket: str, tmp_path: Path) -> None:
     stale.write_bytes(b"half")
     os.utime(stale, (time.time() - 10, time.time() - 10))
     local = open_backend(None, local_root=root)
-    assert isinstance(local, LocalBlobStore) and not stale.exists()  # swept at start
-    assert isinstance(open_backend(s3_bucket, local_root=root), S3BlobStore)
+    assert isinstance(local, LocalBackend) and not stale.exists()  # swept at start
+    assert isinstance(open_backend(s3_bucket, local_root=root), S3Backend)
     with pytest.raises(ConfigInvalid, match="'gs://bucket/p': no backend for gs://"):
         open_backend("gs://bucket/p", local_root=root)

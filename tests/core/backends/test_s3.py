@@ -1,4 +1,4 @@
-"""S3BlobStore against a real S3 API server (moto) on loopback."""
+"""S3Backend against a real S3 API server (moto) on loopback."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import httpx
 import pytest
 import zstandard
 
-from cachekeeper.backends.local import LocalBlobStore
-from cachekeeper.backends.s3 import S3BlobStore, checksum_b64, parse_s3_url
+from cachekeeper.backends.local import LocalBackend
+from cachekeeper.backends.s3 import S3Backend, checksum_b64, parse_s3_url
 from cachekeeper.errors import BlobMissing, BlobTooLarge, ConfigInvalid, DigestMismatch
 
 
@@ -26,7 +26,7 @@ def test_parse_s3_url() -> None:
 
 
 def test_put_stat_open_delete(s3_bucket: str) -> None:
-    store = S3BlobStore.from_url(s3_bucket)
+    store = S3Backend.from_url(s3_bucket)
     data = b"kernel " * 10_000
     digest = _digest(data)
     assert store.stat(digest) is None
@@ -47,14 +47,14 @@ def test_put_stat_open_delete(s3_bucket: str) -> None:
 
 
 def test_put_refuses_wrong_bytes(s3_bucket: str) -> None:
-    store = S3BlobStore.from_url(s3_bucket)
+    store = S3Backend.from_url(s3_bucket)
     with pytest.raises(DigestMismatch):
         store.put([b"other bytes"], digest=_digest(b"these bytes"))
     assert list(store.scan()) == []
 
 
 def test_presigned_put_then_get_with_range(s3_bucket: str) -> None:
-    store = S3BlobStore.from_url(s3_bucket)
+    store = S3Backend.from_url(s3_bucket)
     data = bytes(range(256)) * 64
     digest = _digest(data)
     url = store.presigned_url(digest, method="PUT", expires_s=60)
@@ -65,7 +65,7 @@ def test_presigned_put_then_get_with_range(s3_bucket: str) -> None:
 
 
 def test_archive_object(s3_bucket: str, tmp_path: Path) -> None:
-    store = S3BlobStore.from_url(s3_bucket)
+    store = S3Backend.from_url(s3_bucket)
     snapshot_id = _digest(b"snapshot")
     path = tmp_path / "a.tar.zst"
     path.write_bytes(b"archive bytes")
@@ -79,7 +79,7 @@ def test_archive_object(s3_bucket: str, tmp_path: Path) -> None:
 def test_archive_url_is_shared_for_a_third_of_its_life(s3_bucket: str, tmp_path: Path) -> None:
     """A herd resolving one snapshot costs one signature, and no node gets a URL that
     expires sooner than 2/3 of the configured life (the reuse window is a third)."""
-    store = S3BlobStore.from_url(s3_bucket)
+    store = S3Backend.from_url(s3_bucket)
     snapshot_id = _digest(b"shared")
     path = tmp_path / "a.tar.zst"
     path.write_bytes(b"archive bytes")
@@ -115,10 +115,10 @@ def test_both_backends_refuse_the_same_puts(
 ) -> None:
     """One check (integrity.copy_verified) for the local dir and the object store: a body
     over or under its declared size, or hashing to another digest, stores nothing."""
-    store: LocalBlobStore | S3BlobStore = (
-        S3BlobStore.from_url(request.getfixturevalue("s3_bucket"))
+    store: LocalBackend | S3Backend = (
+        S3Backend.from_url(request.getfixturevalue("s3_bucket"))
         if backend == "s3"
-        else LocalBlobStore(tmp_path / "blobs")
+        else LocalBackend(tmp_path / "blobs")
     )
     digest = _digest(b"these bytes")
     with pytest.raises(error):
