@@ -16,7 +16,7 @@ page: /, /ui). To add one: write the module in
 
 The per-key tier (``settings.resp_port`` set): ``open_tier`` opens its blob backend (beside
 the snapshots' own, never the same folder or prefix, so GC of one never touches the
-other) and ``app.state.resp`` is its listener (``server/resp.py``), which ``serve``
+other) and ``app.state.resp`` is its listener (``server/resp/listener.py``), which ``serve``
 starts and stops with uvicorn; ``app.state.tier`` is None without it.
 
 Every request body is bounded in size and idle time, and JSON bodies are screened (depth,
@@ -46,11 +46,11 @@ from .auth import Need, route_scopes
 from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
-from .resp import RespServer
+from .resources.snapshots import Storage
+from .resources.tier import TierStore
+from .resp.listener import RespServer
 from .routes import admin, agents, blobs, reports, resolve, snapshots, tier, ui, workloads
 from .settings import Settings
-from .storage import Storage
-from .tier import TierStore
 
 __all__ = ["create_app", "open_storage", "open_tier"]
 

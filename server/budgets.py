@@ -27,7 +27,7 @@ docs/server.md ("Budgets") gives the table to operators::
     every table    (meta.sqlite itself)         max_catalog_bytes: past it every      retention and GC
                                                 client write above is 507             free pages again
 
-(``tier_keys``, the per-key tier's, is bounded by the tier's own settings, server/tier.py.)
+(``tier_keys``, the per-key tier's, is bounded by the tier's own settings, server/resources/tier.py.)
 
 Job reports are the one table a read token writes, and the fleet's numbers (the status
 page, ``cachekeeper status``) are made of them, so each report is attributed to the token

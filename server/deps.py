@@ -10,8 +10,8 @@ from fastapi import Depends, Request
 from cachekeeper.errors import PayloadTooLarge
 
 from .metrics import Metrics
+from .resources.snapshots import Storage
 from .settings import Settings
-from .storage import Storage
 
 __all__ = [
     "StorageDep",

@@ -214,7 +214,7 @@ class Settings(BaseSettings):
     # as CACHEKEEPER_TRUSTED_KEYS, paths separated by os.pathsep, like the client.
     trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     require_signatures: bool = False
-    # -- the per-key tier (server/tier.py, server/resp.py; docs/server.md) ----------------
+    # -- the per-key tier (server/resources/tier.py, server/resp/listener.py; docs/server.md) ----------------
     # The port of ``host`` on which the server speaks the Redis protocol subset torch's
     # remote caches use (redis-py). None: no tier; 0: any free port (tests).
     resp_port: int | None = None
@@ -238,7 +238,7 @@ class Settings(BaseSettings):
     # GET values read from the store that clients have not taken yet; past this, GETs are
     # answered nil (a miss) rather than pinning more memory for unread replies.
     remote_cache_output_bytes: int = 256 << 20
-    # The listener's connections (server/resp.py, server/resp_bounds.py): at most this many
+    # The listener's connections (server/resp/listener.py, server/resp/bounds.py): at most this many
     # at once (None: the tier's share of the descriptor budget, server/connections.py); a
     # connection must authenticate within auth_timeout_s of opening, an authenticated one
     # that sends nothing for idle_timeout_s is closed (redis-py reconnects), and a command

@@ -8,7 +8,7 @@ row's ``status``, refined only where the row itself leaves it open:
 
 - ``warm`` splits into ``warm_verified`` and ``warm_unverified`` (the snapshot's
   ``verified`` flag: verify found the cache effective, or nobody checked);
-- ``stale``: the row's ``stale`` (``server/fleet.py``): a ``warm`` row whose snapshot was
+- ``stale``: the row's ``stale`` (``server/resources/fleet.py``): a ``warm`` row whose snapshot was
   built from another workload digest than the one registered, or a ``building`` row whose
   agent went silent. The same rule answers ``GET /v1/status`` and ``cachekeeper status``.
 
@@ -35,7 +35,7 @@ from typing import Any
 
 from cachekeeper.fingerprint import Fingerprint, identity
 
-from .storage import Storage
+from .resources.snapshots import Storage
 
 __all__ = [
     "Cell",

@@ -3,7 +3,7 @@
 This package is the catalog layer's one import point (``Catalog``, ``Transaction``,
 ``agent_id_for``); no module of the server outside it holds SQL:
 
-    server/catalog/core.py    Catalog (connections, transactions) and the snapshot, blob,
+    server/catalog/database.py    Catalog (connections, transactions) and the snapshot, blob,
                               workload and start-up check queries
     server/catalog/fleet.py   agents, their build events, job reports, the fleet's facts
                               (mixed into Catalog and Transaction)
@@ -18,7 +18,7 @@ resolver, the fleet and storage).
 
 from __future__ import annotations
 
-from .core import Catalog, Transaction, is_corruption
+from .database import Catalog, Transaction, is_corruption
 from .fleet import agent_id_for
 
 __all__ = ["Catalog", "Transaction", "agent_id_for", "is_corruption"]

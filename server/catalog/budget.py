@@ -4,7 +4,7 @@ filed in a window, and the deletes that keep each table within its bound and ret
 The rules (which bound, which retention, what is refused) are ``server/budgets.py``'s; this
 module only counts and deletes. Deletes go oldest first (by rowid, the order of insertion,
 whatever the clock said) in batches of ``BATCH`` rows, so one pass holds the write lock
-for a bounded time. Mixed into ``Transaction`` (``server/catalog/core.py``).
+for a bounded time. Mixed into ``Transaction`` (``server/catalog/database.py``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The catalog's fleet queries: agents (registrations, heartbeats, build events), job
-reports, and the facts the fleet status is decided from (``server/fleet.py``).
+reports, and the facts the fleet status is decided from (``server/resources/fleet.py``).
 
 The rest of the catalog (snapshots, blobs, workloads, the start-up check) is in
-``server/catalog/core.py``, whose ``Catalog`` and ``Transaction`` mix these classes in:
+``server/catalog/database.py``, whose ``Catalog`` and ``Transaction`` mix these classes in:
 callers import only ``server.catalog``.
 """
 
@@ -85,7 +85,7 @@ class FleetWrites(Writes):
         """(agent id, created): insert the agent, or refresh its environment, devices,
         GPUs, version and ``last_seen_at``. ``registered_at`` is when the agent registered
         its current environment: it moves only when the fingerprint digest changes (what
-        it reported under the one before is then out of date: server/fleet.py)."""
+        it reported under the one before is then out of date: server/resources/fleet.py)."""
         agent_id = agent_id_for(name)
         now = utc_now()
         created = self._one("SELECT 1 FROM agents WHERE id = ?", [agent_id]) is None

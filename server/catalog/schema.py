@@ -28,18 +28,18 @@ Tables::
                     the server's back (a re-push packs it again; the archive route then
                     builds the stream from the blobs instead)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
-                    skipped, cold_compile_broken, failed (see server/fleet.py); size_bytes
+                    skipped, cold_compile_broken, failed (see server/resources/fleet.py); size_bytes
     table_usage     name, rows, bytes: job_reports' and agent_events' totals, kept by
                     triggers in the same transaction as each insert and delete, so the
                     budgets (server/budgets.py) read them without a scan
-    tier_keys       the per-key tier (server/tier.py): key (torch's, as bytes), digest of
+    tier_keys       the per-key tier (server/resources/tier.py): key (torch's, as bytes), digest of
                     the value in the tier's blob store, size_bytes, stored_bytes,
                     created_at, last_used_at, writer (JSON: who wrote it, from where)
     migrations      name, at: the one-time data migrations this catalog has had
 
 Every table a client writes has a bound and a retention (``server/budgets.py``, whose
 docstring lists them). Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
-text. Part of the catalog layer: only ``server/catalog/core.py`` calls ``ensure_schema``.
+text. Part of the catalog layer: only ``server/catalog/database.py`` calls ``ensure_schema``.
 
 Versions. A catalog's schema version is how many of ``_SCHEMA_STEPS`` it has had,
 recorded in SQLite's ``PRAGMA user_version`` (the database header's own integer, written
@@ -58,7 +58,7 @@ rolls back). Two cases are told apart from the version alone:
   anything is written.
 
 Adding a table or a column is appending one function to ``_SCHEMA_STEPS`` (taking the
-database, run inside the write transaction); its queries go in ``server/catalog/core.py``
+database, run inside the write transaction); its queries go in ``server/catalog/database.py``
 or ``server/catalog/fleet.py``. A step's place in the list is its version: never insert,
 reorder, remove or edit a step that has shipped (a catalog past it would never see the
 change); append another.

@@ -2,7 +2,7 @@
 
 One row per key torch wrote (its own key, as bytes, never rewritten): the digest of the
 value in the tier's blob store, its sizes, when it was written and last read, and who
-wrote it (the writer's environment as JSON). The tier itself (``server/tier.py``) is the
+wrote it (the writer's environment as JSON). The tier itself (``server/resources/tier.py``) is the
 only caller; ``Catalog`` and ``Transaction`` mix these classes in, so callers import only
 ``server.catalog``.
 

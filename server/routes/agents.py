@@ -4,11 +4,11 @@ An agent is one per name: its id is derived from its name (``catalog.agent_id_fo
 registering again is idempotent (it refreshes ``last_seen_at``, devices, GPUs and version),
 and an agent whose torch, Triton, CUDA wheels or driver changed keeps its id with its new
 environment (``registered_at`` then says when that environment began; what it reported
-under the one before is out of date, ``server/fleet.py``). Reports go to ``agent_events``, one
+under the one before is out of date, ``server/resources/fleet.py``). Reports go to ``agent_events``, one
 row per report; nothing is ever updated in place. How ``/v1/status`` decides each row's
 status (and the devices a row's snapshot covers or leaves uncovered, given
 ``?devices=cuda:0-7``, and what training jobs reported for the pair: ``jobs``,
-``jobs_note``) is written in ``server/fleet.py``.
+``jobs_note``) is written in ``server/resources/fleet.py``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from cachekeeper.server.auth import ReadScope, WriteScope, covers
 from cachekeeper.server.capacity import Reservation, StoreRoom, store_room
 from cachekeeper.server.deps import StorageDep, metrics_of, storage_of
 from cachekeeper.server.limits import upload_limiter
+from cachekeeper.server.resources.snapshots import Storage
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.storage import Storage
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool

@@ -1,7 +1,7 @@
 """``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses;
 ``GET /v1/remote-cache``: the per-key tier as offered to the caller.
 
-The ranking is ``server/resolver.py``'s. A miss is a value (200 with ``"snapshot": null``),
+The ranking is ``server/resources/resolve.py``'s. A miss is a value (200 with ``"snapshot": null``),
 never an error; its ``reason`` says which miss it is: no snapshot matches, the workload
 has no snapshot yet, no workload of that name is registered, or (for a node that sent
 ``trusted_keys``) none that matches is signed by one of its keys (``server/trust.py``).
@@ -14,8 +14,8 @@ from typing import Any
 
 from cachekeeper.server.auth import ReadScope
 from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.resources.tier import offer_for
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.tier import offer_for
 from cachekeeper.server.trust import parse_trusted_keys
 from fastapi import APIRouter, Request
 

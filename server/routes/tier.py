@@ -1,6 +1,6 @@
 """``/v1/tier/...``: the per-key tier over HTTP, for cachekeeper's own remote-cache backend.
 
-The RESP port (``server/resp.py``) serves torch's stock redis-py path; these routes serve
+The RESP port (``server/resp/listener.py``) serves torch's stock redis-py path; these routes serve
 the backend that prejob loads into a job's Python processes (``cachekeeper/_tier_hook/``),
 with the token in the ``Authorization`` header and TLS when the server has it. Why HTTP and
 not RESP: docs/server.md, "The per-key tier over HTTP".
@@ -32,9 +32,9 @@ from typing import Annotated, Any
 from cachekeeper.server.auth import ReadScope, WriteScope, covers, presented_token, token_id
 from cachekeeper.server.deps import SettingsDep, metrics_of, read_body
 from cachekeeper.server.metrics import Metrics
+from cachekeeper.server.resources.tier import TierPut, TierStore
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.tier import TierPut, TierStore
 from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool

@@ -27,8 +27,8 @@ from urllib.parse import parse_qs, quote
 
 from cachekeeper.server.auth import scope_of_token
 from cachekeeper.server.deps import StorageDep, read_body, storage_of
+from cachekeeper.server.resources.tier import summary as tier_summary
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.tier import summary as tier_summary
 from cachekeeper.server.ui_view import (
     STATES,
     fingerprint_json,

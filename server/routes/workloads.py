@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
 from cachekeeper.server.deps import StorageDep, read_body, storage_of
+from cachekeeper.server.resources.snapshots import Storage
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.storage import Storage
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool

@@ -1,7 +1,7 @@
 """Publishing under faults: the server SIGKILLed mid-publish, a nearly full disk, and
 half-published snapshots left by an older server (issue 18.1).
 
-A publish is one SQLite transaction (server/catalog/core.py ``writing()``), so a snapshot is
+A publish is one SQLite transaction (server/catalog/database.py ``writing()``), so a snapshot is
 listed with all of its blob references or not at all. The blobs are written into the
 data dir directly (``_stock``: what finished uploads leave, files then rows), so the
 tests spend their time on the publish, not on thousands of uploads.

@@ -11,7 +11,7 @@ with a dropped or over-long ``EX`` killed its connection's task with a traceback
 Each reproducer runs against a real ``cachekeeper serve`` process (its resident memory and
 descriptors read from /proc) or a real listener on loopback, with small budgets in the
 server's settings where the logic is the same, and one realistic descriptor exhaustion
-against a 1,024 open-file limit. The listener's bounds: server/resp_bounds.py.
+against a 1,024 open-file limit. The listener's bounds: server/resp/bounds.py.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 import prometheus_client
 import pytest
 from cachekeeper.server.metrics import _HELP, _LABELS, CONTENT_TYPE, Metrics
+from cachekeeper.server.resources.snapshots import Storage
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.storage import Storage
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.in_process import in_process

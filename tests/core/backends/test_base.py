@@ -19,8 +19,8 @@ import httpx
 import pytest
 import zstandard
 from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.resources.snapshots import Storage
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.storage import Storage
 
 from cachekeeper.archive import blob_digest, iter_tar, open_archive_stream
 from cachekeeper.backends.base import BlobBackend, BlobStat, PutResult

@@ -1,11 +1,11 @@
-"""server/resp_bounds.py: the tier listener's connection registry, failed-auth backoff and
+"""server/resp/bounds.py: the tier listener's connection registry, failed-auth backoff and
 output budget, each on its own (the listener on loopback: tests/hardening/test_tier_listener.py)."""
 
 from __future__ import annotations
 
 import threading
 
-from cachekeeper.server.resp_bounds import (
+from cachekeeper.server.resp.bounds import (
     MAX_DELAY_S,
     MAX_PEERS,
     MAX_WAIT_S,

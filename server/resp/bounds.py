@@ -1,6 +1,6 @@
 """What a peer of the per-key tier's listener can cost the server, and the bounds on it.
 
-The listener (``server/resp.py``) lives in the process that serves the HTTP API. Before
+The listener (``server/resp/listener.py``) lives in the process that serves the HTTP API. Before
 issue 32 an unauthenticated peer could make it hold 1 GB (eight stalled 128 MiB SETs, read
 before auth with no frame timeout), take every descriptor with idle connections (so
 ``/healthz`` stopped answering and real nodes were locked out), and try ~11,000 tokens a
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .resp_protocol import FrameLimits
+from .protocol import FrameLimits
 
 __all__ = [
     "AUTHED",

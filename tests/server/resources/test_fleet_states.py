@@ -1,4 +1,4 @@
-"""The fleet's state decisions (server/fleet.py over the catalog's facts), through the API.
+"""The fleet's state decisions (server/resources/fleet.py over the catalog's facts), through the API.
 
 Each row of ``GET /v1/status`` is decided by the newest fact about its (workload,
 fingerprint digest) pair: an agent's report or the publication of a snapshot. These tests

@@ -1,6 +1,6 @@
 """The per-key tier's store: torch's own cache keys, each naming one value in a blob store.
 
-``TierStore`` is what the protocol server (``server/resp.py``) calls; it never sees SQL or
+``TierStore`` is what the protocol server (``server/resp/listener.py``) calls; it never sees SQL or
 a backend type. A value is stored in the tier's ``BlobBackend`` by the sha256 of its bytes
 (``<data>/tier-blobs`` beside the snapshots' ``<data>/blobs``, or ``PREFIX/tier/`` of the
 object store: ``server/app.py`` picks it), and its key in the catalog's ``tier_keys``
@@ -41,16 +41,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.catalog.tier import TierEntry
+from cachekeeper.server.metrics import Metrics
+from cachekeeper.server.settings import Settings
+
 from cachekeeper import remote_tier
 from cachekeeper.backends.base import BlobBackend
 from cachekeeper.errors import BlobMissing
 from cachekeeper.integrity import digest_of
 from cachekeeper.wire import RemoteCacheOffer, utc_now
-
-from .catalog import Catalog
-from .catalog.tier import TierEntry
-from .metrics import Metrics
-from .settings import Settings
 
 __all__ = [
     "EVICT_BATCH",

@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
+from cachekeeper.server.catalog import Catalog, Transaction
+from cachekeeper.server.settings import Settings
+
 from cachekeeper.backends.base import BlobBackend, DirectAccess
 from cachekeeper.wire import utc_now
-
-from .catalog import Catalog, Transaction
-from .settings import Settings
 
 __all__ = ["Collector", "GcPlan"]
 

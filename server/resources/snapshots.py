@@ -6,7 +6,7 @@ the local directory by default, or the object store; ``server/app.py`` ``open_ba
 picks it). Storage asks the backend for its direct access once and never for its class.
 What this module adds on top: the upload size limit, publishing a manifest (packing it
 first when the backend has direct access, ``server/packing.py``), resolve, and GC
-(``server/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down to
+(``server/resources/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down to
 the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
 each and never see the catalog or the backend. Every write of rows a client sends is
 checked against its table's budget in the same transaction (``server/budgets.py``), and
@@ -25,6 +25,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
+
+from cachekeeper.server.archive import archive_chunks
+from cachekeeper.server.budgets import Budgets, event_bytes, report_bytes
+from cachekeeper.server.catalog import Catalog, agent_id_for
+from cachekeeper.server.packing import Packed, SnapshotLocks, pack_snapshot, record_checked
+from cachekeeper.server.records import Counts
+from cachekeeper.server.settings import Settings
+from cachekeeper.server.trust import NodeTrust, Verdicts
 
 from cachekeeper import remote_tier
 from cachekeeper.backends.base import BlobBackend, DirectAccess, PutResult
@@ -52,16 +60,9 @@ from cachekeeper.wire import (
     utc_now,
 )
 
-from .archive import archive_chunks
-from .budgets import Budgets, event_bytes, report_bytes
-from .catalog import Catalog, agent_id_for
 from .fleet import fleet_status
 from .gc import Collector, GcPlan
-from .packing import Packed, SnapshotLocks, pack_snapshot, record_checked
-from .records import Counts
-from .resolver import miss_reason, rank, unknown_workload
-from .settings import Settings
-from .trust import NodeTrust, Verdicts
+from .resolve import miss_reason, rank, unknown_workload
 
 __all__ = ["CheckReport", "Storage", "StoredBlob", "limit_size"]
 
@@ -566,7 +567,7 @@ class Storage:
         """meta.sqlite's size less its free pages (what ``max_catalog_bytes`` bounds)."""
         return self.catalog.catalog_bytes()
 
-    # -- GC (server/gc.py) --------------------------------------------------------------
+    # -- GC (server/resources/gc.py) --------------------------------------------------------------
     def plan_gc(self, *, target_bytes: int | None = None) -> GcPlan:
         """What a GC would delete now (``Collector.plan``); touches nothing."""
         return self._gc.plan(target_bytes=target_bytes)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from cachekeeper.server.records import Candidate
+
 from cachekeeper.errors import did_you_mean
 from cachekeeper.fingerprint import DriverPolicy, Fingerprint, compare
 from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
-
-from .records import Candidate
 
 __all__ = ["NEAR_MISSES", "Vouch", "miss_reason", "rank", "unknown_workload"]
 

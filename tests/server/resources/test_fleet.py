@@ -1,4 +1,4 @@
-"""server/fleet.py: each status row decided from the catalog's facts (no server needed).
+"""server/resources/fleet.py: each status row decided from the catalog's facts (no server needed).
 
 The rows the JSON route, ``cachekeeper status`` and the status page show all come from
 ``fleet_status``; these tests build ``StatusFacts`` by hand for the decisions that need
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from cachekeeper.server.fleet import STALE_AFTER_S, fleet_status
 from cachekeeper.server.records import StatusFacts
+from cachekeeper.server.resources.fleet import STALE_AFTER_S, fleet_status
 
 from cachekeeper.wire import EventOut
 

@@ -1,6 +1,6 @@
 """The per-key tier's wire format: RESP2/RESP3 replies, and commands read within bounds.
 
-``server/resp.py`` serves the commands; this module only turns bytes into arguments and
+``server/resp/listener.py`` serves the commands; this module only turns bytes into arguments and
 replies into bytes, so what one command may cost is decided here, before a handler runs:
 
 - **Frame limits.** A command holds at most ``FrameLimits.max_args`` arguments and

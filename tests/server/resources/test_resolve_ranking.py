@@ -1,4 +1,4 @@
-"""Resolve ranking (server/resolver.py), one decision per test, on the real app in-process.
+"""Resolve ranking (server/resources/resolve.py), one decision per test, on the real app in-process.
 
 The order among snapshots a node can use: verified before unverified, the builder's exact
 driver before a compatible one, then the last published. Near misses: the incompatible

@@ -58,10 +58,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from cachekeeper.server.records import StatusFacts
+
 from cachekeeper.devices import coverage_advice
 from cachekeeper.wire import EventOut, StatusRow
-
-from .records import StatusFacts
 
 __all__ = ["fleet_status", "STALE_AFTER_S"]
 

@@ -3,7 +3,7 @@
 torch's FX graph, AOTAutograd, autotune and PGO remote caches reach a server through
 redis-py (``torch/_inductor/remote_cache.py``): after redis-py's handshake they send only
 ``GET key`` and ``SET key value`` (``EX seconds`` on torch main). The handshake, read in
-redis-py 7.4 and 8.1 and replayed by ``tests/server/test_resp.py`` with both:
+redis-py 7.4 and 8.1 and replayed by ``tests/server/resp/test_listener.py`` with both:
 
     redis-py 7, password:  AUTH tok; CLIENT SETINFO LIB-NAME ..; CLIENT SETINFO LIB-VER ..
     redis-py 8, password:  HELLO 3 AUTH default tok; CLIENT MAINT_NOTIFICATIONS ON ..;
@@ -14,7 +14,7 @@ redis-py 7.4 and 8.1 and replayed by ``tests/server/test_resp.py`` with both:
 Served: RESP2 and RESP3 (``HELLO 2|3``), ``AUTH`` (a token as password; a username is
 ignored), ``CLIENT SETINFO|SETNAME|GETNAME|ID|MAINT_NOTIFICATIONS``, ``SELECT 0``,
 ``PING``, ``ECHO``, ``QUIT``, ``COMMAND`` (empty), ``GET``, ``SET`` with or without
-``EX``/``PX``; anything else answers ``-ERR``. The wire format is ``server/resp_protocol.py``.
+``EX``/``PX``; anything else answers ``-ERR``. The wire format is ``server/resp/protocol.py``.
 
 The rule that shapes every answer: torch catches only redis-py's ConnectionError, and an
 error reply to a ``SET`` (or a rejected ``HELLO``) makes the compile raise. So a GET or a
@@ -36,7 +36,7 @@ SET with torch's arguments is never answered with an error torch would raise on:
   a reply; no other connection notices.
 
 What one connection may cost (frames, connections at the cap, failed-auth backoff,
-replies not taken) is bounded by ``server/resp_bounds.py``; the listener applies three
+replies not taken) is bounded by ``server/resp/bounds.py``; the listener applies three
 timeouts around its reads: a connection must authenticate within
 ``remote_cache_auth_timeout_s`` of opening, an authenticated one idle for
 ``remote_cache_idle_timeout_s`` is closed (redis-py reconnects on its next command), and a
@@ -63,13 +63,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cachekeeper.server.auth import scope_of_token, token_id
+from cachekeeper.server.connections import connection_budget, raise_open_file_limit
+from cachekeeper.server.metrics import Metrics
+from cachekeeper.server.resources.tier import TierStore, TierWriter, queued_bytes
+from cachekeeper.server.settings import Settings
+
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.remote_tier import environment_of_client_name
 
-from .auth import scope_of_token, token_id
-from .connections import connection_budget, raise_open_file_limit
-from .metrics import Metrics
-from .resp_bounds import (
+from .bounds import (
     AUTHED,
     MAX_FAILURES_PER_CONNECTION,
     PREAUTH,
@@ -79,7 +82,7 @@ from .resp_bounds import (
     Held,
     bounded_name,
 )
-from .resp_protocol import (
+from .protocol import (
     LINE_BYTES,
     CrossProtocol,
     Dropped,
@@ -96,8 +99,6 @@ from .resp_protocol import (
     read_rest,
     simple,
 )
-from .settings import Settings
-from .tier import TierStore, TierWriter, queued_bytes
 
 __all__ = ["RespServer"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.catalog.tier import ROW_BYTES
-from cachekeeper.server.tier import TierStore
+from cachekeeper.server.resources.tier import TierStore
 
 from cachekeeper.backends.local import LocalBackend
 
