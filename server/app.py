@@ -1,18 +1,20 @@
-"""The composition root: ``create_app(settings)`` builds the FastAPI app and its store.
+"""The composition root: ``create_app(settings)`` builds the FastAPI app and its services.
 
 Blob backends are opened through ``cachekeeper/backends/registry.py`` ``open_backend`` (the
 one table of URL schemes, which the settings' check reads too): the local directory by
 default, or the object store ``--blob-store`` names (``s3://``).
-``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
-refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the retention
-of the tables clients write (``server/budgets.py``) and the start-up check. Routers, one per resource in ``server/routes/``, are
+``open_services`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
+refused when SQLite finds it corrupt: ``settings.catalog_check``), builds one service per
+resource over them (``server/services.py``), then runs the retention of the tables clients
+write (``server/budgets.py``) and the snapshots' start-up check. Routers, one per resource in ``server/routes/``, are
 included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``blobs``,
 ``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
 (/v1/reports), ``tier`` (/v1/tier: the per-key tier over HTTP), ``ui`` (the status
 page: /, /ui). To add one: write the module in
 ``server/routes/`` with an ``APIRouter`` named ``router`` using the dependencies in
-``deps`` and ``auth``, its queries as ``Catalog`` methods (``server/catalog/``) behind a
-``Storage`` method, and include it in ``create_app``.
+``deps`` and ``auth``, calling its resource's service (``server/resources/``: the service and
+its queries in one module; a new resource also gets its field in ``server/services.py``),
+and include it in ``create_app``.
 
 The per-key tier (``settings.resp_port`` set): ``open_tier`` opens its blob backend (beside
 the snapshots' own, never the same folder or prefix, so GC of one never touches the
@@ -46,13 +48,13 @@ from .auth import Need, route_scopes
 from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
-from .resources.snapshots import Storage
 from .resources.tier import TierStore
 from .resp.listener import RespServer
 from .routes import admin, agents, blobs, reports, resolve, snapshots, tier, ui, workloads
+from .services import Services
 from .settings import Settings
 
-__all__ = ["create_app", "open_storage", "open_tier"]
+__all__ = ["create_app", "open_services", "open_tier"]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -98,7 +100,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         if is_corruption(exc):  # a query the catalog layer did not wrap met a damaged page
             assert isinstance(exc, sqlite3.DatabaseError)
-            broken = request.app.state.storage.catalog.met(exc)
+            broken = request.app.state.services.catalog.met(exc)
             return JSONResponse(broken.to_dict(), status_code=broken.http_status)
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
@@ -112,16 +114,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def open_storage(settings: Settings) -> Storage:
+def open_services(settings: Settings) -> Services:
     """SQLite at ``<data>/meta.sqlite``; blobs at ``<data>/blobs`` (the default) or in the
     S3-compatible object store ``settings.blob_store`` names (``s3://BUCKET/PREFIX``)."""
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     catalog = Catalog.create(data / "meta.sqlite", check=settings.catalog_check)
     backend = open_backend(settings.blob_store, local_root=data / "blobs")
-    storage = Storage(settings=settings, catalog=catalog, blobs=backend)
-    storage.prune(force=True)  # the retention of the client-written tables (budgets.py)
-    report = storage.check()
+    services = Services.build(settings=settings, catalog=catalog, backend=backend)
+    # the retention of the client-written tables (budgets.py)
+    services.budgets.retain(catalog, force=True)
+    report = services.snapshots.check()
     if report.stale_blob_rows or report.completed or report.quarantined:
         _log.warning(
             "start-up check: dropped %d blob row(s) whose bytes were gone; completed %d"
@@ -131,16 +134,16 @@ def open_storage(settings: Settings) -> Storage:
             len(report.quarantined),
             ", ".join(s[:12] for s in report.quarantined) or "-",
         )
-    return storage
+    return services
 
 
-def open_tier(settings: Settings, storage: Storage) -> TierStore:
-    """The per-key tier: keys in ``storage``'s catalog, values in ``<data>/tier-blobs`` or
-    under ``tier/`` of the object store's prefix."""
+def open_tier(settings: Settings, catalog: Catalog) -> TierStore:
+    """The per-key tier: keys in ``catalog``, values in ``<data>/tier-blobs`` or under
+    ``tier/`` of the object store's prefix."""
     url = None if settings.blob_store is None else f"{settings.blob_store.rstrip('/')}/tier"
     backend = open_backend(url, local_root=settings.data_dir / "tier-blobs")
     return TierStore(
-        catalog=storage.catalog,
+        catalog=catalog,
         blobs=backend,
         max_value_bytes=settings.remote_cache_max_value_bytes,
         max_bytes=settings.remote_cache_max_bytes,
@@ -149,17 +152,19 @@ def open_tier(settings: Settings, storage: Storage) -> TierStore:
     )
 
 
-def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI:
-    """A fresh app serving ``settings.data_dir`` (or the given ``storage``)."""
+def create_app(settings: Settings, *, services: Services | None = None) -> FastAPI:
+    """A fresh app serving ``settings.data_dir`` (or the given ``services``)."""
     app = FastAPI(
         title="cachekeeper",
         version=config.package_version(),
         summary="Store and serve torch.compile (Inductor) cache snapshots.",
     )
     app.state.settings = settings
-    app.state.storage = storage if storage is not None else open_storage(settings)
+    app.state.services = services if services is not None else open_services(settings)
     app.state.metrics = Metrics()
-    app.state.tier = None if settings.resp_port is None else open_tier(settings, app.state.storage)
+    app.state.tier = (
+        None if settings.resp_port is None else open_tier(settings, app.state.services.catalog)
+    )
     app.state.resp = (
         None
         if app.state.tier is None

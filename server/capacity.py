@@ -105,7 +105,7 @@ def store_room(app: FastAPI) -> StoreRoom:
     """The app's ``StoreRoom`` (one per app, made on first use)."""
     room: StoreRoom | None = getattr(app.state, "store_room", None)
     if room is None:
-        storage = app.state.storage
-        room = StoreRoom(settings=app.state.settings, stored_bytes=storage.store_bytes)
+        services = app.state.services
+        room = StoreRoom(settings=app.state.settings, stored_bytes=services.blobs.stored_bytes)
         app.state.store_room = room
     return room

@@ -51,21 +51,79 @@ an agent registered or a stored snapshot records, since anyone with a read token
 report any digest): restores, cold starts by reason, jobs that compiled anyway. ``jobs_note`` says when restored jobs compiled anyway: the
 workload file does not match training.
 
-The facts are read by ``Catalog.status_facts``; this module only decides.
+The facts are read at one time by ``status_facts`` (this module's queries, over the
+workloads, agents, events, snapshots and job reports: they are the fleet's, read-only);
+``Fleet.status`` decides.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from cachekeeper.server.records import StatusFacts
+from cachekeeper.server.catalog import Catalog, chunks
+from cachekeeper.server.settings import Settings
 
 from cachekeeper.devices import coverage_advice
-from cachekeeper.wire import EventOut, StatusRow
+from cachekeeper.wire import EventOut, JobStats, StatusRow
 
-__all__ = ["fleet_status", "STALE_AFTER_S"]
+from .agents import event_of
+from .reports import job_stats
+
+__all__ = ["STALE_AFTER_S", "Fleet", "StatusFacts", "fleet_status", "status_facts"]
 
 STALE_AFTER_S = 15 * 60  # a building agent silent this long likely died mid-build
+
+
+@dataclass(frozen=True)
+class StatusFacts:
+    """Everything the fleet status is decided from, read at one time."""
+
+    workloads: tuple[str, ...]  # registered workload names
+    agents: tuple[tuple[str, str], ...]  # (name, fingerprint_digest), by name
+    latest: dict[tuple[str, str], EventOut]  # newest event per (workload, digest)
+    verified: dict[tuple[str, str], tuple[str, str]]  # newest (id, created_at) per pair
+    stored: frozenset[str]  # snapshot ids named by ``latest`` that still exist
+    covers: dict[str, tuple[str, ...]]  # devices of those and of the verified snapshots
+    jobs: dict[tuple[str, str], JobStats]  # what jobs reported, per (workload, digest)
+    harvested: dict[tuple[str, str], int] = field(default_factory=dict)  # deltas per pair
+    unverified: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # as verified
+    agent_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (name, digest)
+    agent_seen: dict[str, str] = field(default_factory=dict)  # id -> last_seen_at
+    # id -> registered_at: when the agent's current environment began (an event before it
+    # was reported under an environment the agent has left)
+    agent_since: dict[str, str] = field(default_factory=dict)
+    workload_digests: dict[str, str] = field(default_factory=dict)  # name -> registered digest
+    built_for: dict[str, str | None] = field(
+        default_factory=dict
+    )  # snapshot -> its workload digest
+    # Fingerprint digests an agent registered or a stored snapshot records: job reports
+    # (read scope) add a row only for these, so random fingerprints add no environments.
+    vouched: frozenset[str] = frozenset()
+
+
+class Fleet:
+    """The fleet's status as the routes and the status page see it."""
+
+    def __init__(self, *, settings: Settings, catalog: Catalog) -> None:
+        self.settings = settings
+        self.catalog = catalog
+
+    def status(
+        self,
+        *,
+        workload: str | None = None,
+        fingerprint_digest: str | None = None,
+        devices: list[str] | None = None,
+    ) -> list[StatusRow]:
+        return fleet_status(
+            status_facts(self.catalog),
+            workload=workload,
+            fingerprint_digest=fingerprint_digest,
+            devices=devices,
+            serve_harvested=self.settings.serve_harvested,
+        )
 
 
 def _stale(
@@ -226,3 +284,81 @@ def _superseded(facts: StatusFacts) -> set[tuple[str, str]]:
         and (w, d) not in facts.unverified
         and (w, d) not in facts.jobs
     }
+
+
+# -- queries: the facts, read at one time ----------------------------------------------
+
+
+def status_facts(catalog: Catalog) -> StatusFacts:
+    """What ``server.fleet`` decides each (workload, fingerprint digest)'s status from."""
+    with catalog.reading():
+        return _status_facts(catalog)
+
+
+def _status_facts(catalog: Catalog) -> StatusFacts:
+    workload_rows = catalog.rows("SELECT name, digest FROM workloads ORDER BY name")
+    workloads = tuple(r["name"] for r in workload_rows)
+    agent_rows = catalog.rows(
+        "SELECT id, name, fingerprint_digest, last_seen_at, registered_at FROM agents"
+        " ORDER BY name, id"
+    )
+    agents = tuple((r["name"], r["fingerprint_digest"]) for r in agent_rows)
+    latest = [
+        event_of(r)
+        for r in catalog.rows(
+            "SELECT e.* FROM agent_events e JOIN (SELECT MAX(id) AS id FROM agent_events"
+            " GROUP BY workload, fingerprint_digest) m ON e.id = m.id"
+        )
+    ]
+    verified: dict[tuple[str, str], tuple[str, str]] = {}
+    unverified: dict[tuple[str, str], tuple[str, str]] = {}
+    covers: dict[str, tuple[str, ...]] = {}
+    built_for: dict[str, str | None] = {}
+    for snap in catalog.rows(  # harvested deltas are never a pair's snapshot
+        "SELECT id, workload, fingerprint_digest, created_at, devices, workload_digest,"
+        " verified FROM snapshots WHERE workload IS NOT NULL AND source IS NOT 'harvest'"
+        " ORDER BY rowid"  # publication order
+    ):
+        key = (snap["workload"], snap["fingerprint_digest"])
+        newest = verified if snap["verified"] else unverified
+        newest[key] = (snap["id"], snap["created_at"])  # newest wins
+        covers[snap["id"]] = tuple(json.loads(snap["devices"] or "[]"))
+        built_for[snap["id"]] = snap["workload_digest"]
+    named = sorted({e.snapshot_id for e in latest if e.snapshot_id})
+    stored: set[str] = set()
+    for part, marks in chunks(named):
+        sql = f"SELECT id, devices, workload_digest FROM snapshots WHERE id IN ({marks})"
+        for r in catalog.rows(sql, part):
+            stored.add(r["id"])
+            covers[r["id"]] = tuple(json.loads(r["devices"] or "[]"))
+            built_for[r["id"]] = r["workload_digest"]
+    harvested = {
+        (r["workload"], r["fingerprint_digest"]): int(r["n"])
+        for r in catalog.rows(
+            "SELECT workload, fingerprint_digest, COUNT(*) AS n FROM snapshots"
+            " WHERE source = 'harvest' AND workload IS NOT NULL"
+            " GROUP BY workload, fingerprint_digest"
+        )
+    }
+    vouched = {d for _name, d in agents}
+    vouched.update(
+        r["fingerprint_digest"]
+        for r in catalog.rows("SELECT DISTINCT fingerprint_digest FROM snapshots")
+    )
+    return StatusFacts(
+        vouched=frozenset(vouched),
+        workloads=workloads,
+        agents=agents,
+        latest={(e.workload, e.fingerprint_digest): e for e in latest},
+        verified=verified,
+        stored=frozenset(stored),
+        covers=covers,
+        jobs={(j.workload, j.fingerprint_digest): j for j in job_stats(catalog)},
+        harvested=harvested,
+        unverified=unverified,
+        agent_of={r["id"]: (r["name"], r["fingerprint_digest"]) for r in agent_rows},
+        agent_seen={r["id"]: r["last_seen_at"] for r in agent_rows},
+        agent_since={r["id"]: r["registered_at"] for r in agent_rows},
+        workload_digests={r["name"]: r["digest"] for r in workload_rows},
+        built_for=built_for,
+    )

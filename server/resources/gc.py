@@ -1,4 +1,4 @@
-"""GC of the server's store: plan, re-check under the write lock, execute.
+"""GC of the server's blobs and snapshots: plan, re-check under the write lock, execute.
 
 ``Collector.plan`` reads the catalog and the backend and decides, touching nothing
 (``POST /v1/gc`` with ``dry_run`` answers the plan): least recently used unpinned
@@ -14,10 +14,10 @@ used since ``planned_at``, or referenced again, stays; an orphan that got a row,
 newer now, stays) and the rows that still go are deleted; then, after the commit and still
 under the lock, the **bytes** go: blob files and archive objects. Rows (pointers) are
 removed before the bytes, and an upload records its row under the same lock after
-checking that its file is there (``Storage.put_blob``), so it never records a row for a
+checking that its file is there (``Blobs.put``), so it never records a row for a
 file about to be deleted. The answer is what was done, not what was planned.
 
-Uploads never evict: the store's cap against uploads is ``server/capacity.py``'s.
+Uploads never evict: the cap against uploads (``max_store_bytes``) is ``server/capacity.py``'s.
 """
 
 from __future__ import annotations
@@ -31,6 +31,16 @@ from cachekeeper.server.settings import Settings
 
 from cachekeeper.backends.base import BlobBackend, DirectAccess
 from cachekeeper.wire import utc_now
+
+from .blobs import blob_last_access, blob_usage, delete_unused_blob_rows
+from .snapshots import (
+    add_event,
+    delete_snapshot,
+    lru_unpinned,
+    snapshot_blobs,
+    snapshot_exists,
+    summary,
+)
 
 __all__ = ["Collector", "GcPlan"]
 
@@ -55,17 +65,25 @@ class GcPlan:
     grace_ends_at: str | None = None
 
 
-@dataclass(frozen=True)
 class Collector:
-    """GC over one store: its catalog, its backend and the backend's direct access.
+    """GC over the snapshots' blobs: the catalog, the blob backend and its direct access.
 
     ``settings`` is read at each run (``max_store_bytes``, ``gc_grace_s``), not copied.
     """
 
-    catalog: Catalog
-    blobs: BlobBackend
-    direct: DirectAccess | None
-    settings: Settings
+    def __init__(
+        self,
+        *,
+        catalog: Catalog,
+        blobs: BlobBackend,
+        direct: DirectAccess | None,
+        settings: Settings,
+    ) -> None:
+        self.catalog = catalog
+        self.blobs = blobs
+        self.direct = direct
+        self.settings = settings
+        self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
 
     def plan(self, *, target_bytes: int | None = None) -> GcPlan:
         """What a GC would delete now (see the module docstring); touches nothing.
@@ -74,7 +92,7 @@ class Collector:
         """
         target = self.settings.max_store_bytes if target_bytes is None else target_bytes
         planned_at = utc_now()
-        usage = self.catalog.blob_usage()
+        usage = blob_usage(self.catalog)
         refs = {u.digest: u.refs for u in usage}
         stored = {u.digest: u.stored_bytes for u in usage}
         cutoff = _iso_ago(self.settings.gc_grace_s)
@@ -84,11 +102,11 @@ class Collector:
         freed = sum(stored[d] for d in dead)
         evicted: list[str] = []
         if target is not None and total - freed > target:
-            for snapshot_id in self.catalog.lru_unpinned():
+            for snapshot_id in lru_unpinned(self.catalog):
                 if total - freed <= target:
                     break
                 evicted.append(snapshot_id)
-                for digest in self.catalog.snapshot_blobs(snapshot_id):
+                for digest in snapshot_blobs(self.catalog, snapshot_id):
                     refs[digest] -= 1
                     if refs[digest] == 0 and digest not in dead:
                         dead.add(digest)
@@ -102,7 +120,7 @@ class Collector:
         if self.direct is not None:
             for found in self.direct.archives():
                 if found.digest in evicted or (
-                    found.modified_at < too_new and not self.catalog.summary(found.digest)
+                    found.modified_at < too_new and not summary(self.catalog, found.digest)
                 ):
                     archives.append(found.digest)
                     freed += found.stored_bytes
@@ -127,6 +145,7 @@ class Collector:
         with self.catalog.writing() as tx:
             done = self._recheck(tx, plan)
             tx.after_commit(lambda: self._delete_bytes(done))
+        self.evictions += len(done.snapshots_evicted)
         return done
 
     def _recheck(self, tx: Transaction, plan: GcPlan) -> GcPlan:
@@ -139,16 +158,16 @@ class Collector:
         orphans: list[str] = []
         too_new = time.time() - self.settings.gc_grace_s
         for snapshot_id in plan.snapshots_evicted:
-            if tx.delete_snapshot(snapshot_id, only_unpinned=True):
-                tx.add_event(kind="snapshot.evicted", subject=snapshot_id, detail=None)
+            if delete_snapshot(tx, snapshot_id, only_unpinned=True):
+                add_event(tx, kind="snapshot.evicted", subject=snapshot_id, detail=None)
                 evicted.append(snapshot_id)
-        freed = tx.delete_unused_blob_rows(plan.blobs, unused_since=plan.planned_at)
+        freed = delete_unused_blob_rows(tx, plan.blobs, unused_since=plan.planned_at)
         for digest in plan.orphan_files:
             stat = self.blobs.stat(digest)
-            if tx.blob_last_access(digest) is None and stat and stat.modified_at < too_new:
+            if blob_last_access(tx, digest) is None and stat and stat.modified_at < too_new:
                 orphans.append(digest)
                 freed[digest] = stat.stored_bytes
-        archives = [a for a in plan.orphan_archives if not tx.snapshot_exists(a)]
+        archives = [a for a in plan.orphan_archives if not snapshot_exists(tx, a)]
         return replace(
             plan,
             snapshots_evicted=tuple(evicted),

@@ -18,19 +18,157 @@ trust, signatures are not looked at (the ranking before issue 32).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 
-from cachekeeper.server.records import Candidate
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.settings import Settings
+from cachekeeper.server.trust import NodeTrust, Verdicts
 
+from cachekeeper import remote_tier
 from cachekeeper.errors import did_you_mean
 from cachekeeper.fingerprint import DriverPolicy, Fingerprint, compare
+from cachekeeper.manifest import built_by
+from cachekeeper.signing import TrustedKey
 from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
 
-__all__ = ["NEAR_MISSES", "Vouch", "miss_reason", "rank", "unknown_workload"]
+from .snapshots import SUMMARY_COLUMNS, Snapshots, manifest_text, stored_fingerprint, summary_of
+from .workloads import list_workloads
+
+__all__ = [
+    "NEAR_MISSES",
+    "Candidate",
+    "Resolver",
+    "Vouch",
+    "candidates",
+    "harvested_deltas",
+    "miss_reason",
+    "rank",
+    "unknown_workload",
+]
 
 NEAR_MISSES = 3
 # Why the node's keys do not vouch for a snapshot (a short phrase), or None when they do.
 Vouch = Callable[[Summary], str | None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A snapshot as resolve compares it: its summary and its full fingerprint."""
+
+    summary: Summary
+    fingerprint: Fingerprint
+    # The order of publication (SQLite's rowid): newer is larger. Resolve ranks by it, not
+    # by ``created_at``, which a server clock that jumped back would turn around.
+    seq: int = 0
+    built_by: str | None = None  # manifest.built_by of its stats (a cpu mismatch's advice)
+
+
+class Resolver:
+    """Resolve as the routes see it: a node's fingerprint in, the best snapshot out."""
+
+    def __init__(self, *, settings: Settings, catalog: Catalog, snapshots: Snapshots) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.snapshots = snapshots
+        self._verdicts = Verdicts()  # signature checks for nodes' trusted keys (server/trust.py)
+
+    def node_trust(self, keys: list[TrustedKey]) -> NodeTrust:
+        """A node's trust (the public keys it sent), checked against stored manifests."""
+        return NodeTrust(
+            keys, manifest_text=partial(manifest_text, self.catalog), verdicts=self._verdicts
+        )
+
+    def resolve(
+        self,
+        *,
+        fingerprint: Fingerprint,
+        workload: str | None,
+        driver_policy: DriverPolicy = "newer",
+        devices: list[str] | None = None,
+        trust: NodeTrust | None = None,
+    ) -> ResolveAnswer:
+        """The best snapshot for a node (see the module docstring); marks the hit used.
+
+        With ``trust`` (the node's keys), only a snapshot whose signature the server
+        checked against one of them ranks, and only such deltas are offered after it.
+        """
+        found_candidates = candidates(self.catalog, workload)
+        found = rank(
+            found_candidates,
+            fingerprint=fingerprint,
+            driver_policy=driver_policy,
+            devices=devices,
+            vouch=None if trust is None else trust.problem,
+            trusted_key_ids=() if trust is None else trust.key_ids,
+        )
+        if found.snapshot is None:
+            unknown = (
+                None if found_candidates or workload is None else self.unknown_workload(workload)
+            )
+            untrusted = any(
+                [m.field for m in near.mismatches] == ["signature"] for near in found.near_misses
+            )
+            reason = miss_reason(
+                workload, has_snapshots=bool(found_candidates), unknown=unknown, untrusted=untrusted
+            )
+            return replace(found, reason=reason)
+        self.snapshots.touch(found.snapshot.id)
+        hit = found.snapshot
+        if trust is not None:
+            found = replace(found, signed_by=trust.verdict(hit).key_id)
+        url = self.snapshots.archive_url(hit.id)
+        if url is not None:
+            found = replace(found, archive_url=url)
+        if not self.settings.serve_harvested:
+            return found
+        deltas = harvested_deltas(self.catalog, hit.id, fingerprint_digest=hit.fingerprint_digest)
+        if trust is not None:  # offered to a trusting node only when its keys signed them
+            deltas = [d for d in deltas if trust.problem(d) is None]
+        return replace(found, deltas=tuple(deltas))
+
+    def resolve_for_job(
+        self,
+        *,
+        fingerprint: Fingerprint,
+        switches: Mapping[str, str],
+        workload: str | None,
+        driver_policy: DriverPolicy = "newer",
+        devices: list[str] | None = None,
+        trust: NodeTrust | None = None,
+    ) -> tuple[ResolveAnswer, dict[str, str]]:
+        """``resolve`` for a job that will export the per-key tier's ``switches``: ranked
+        for the environment the job runs in (``remote_tier.with_key_switches``). A snapshot
+        built before the tier was on (without the key-relevant switches) still serves it:
+        then the job runs without them. (answer, the switches the job must export)."""
+        keyed = remote_tier.key_switches(switches)
+        answer = self.resolve(
+            fingerprint=remote_tier.with_key_switches(fingerprint, keyed),
+            workload=workload,
+            driver_policy=driver_policy,
+            devices=devices,
+            trust=trust,
+        )
+        if answer.snapshot is not None or not keyed:
+            return answer, dict(switches)
+        older = self.resolve(
+            fingerprint=remote_tier.with_key_switches(fingerprint, {}),
+            workload=workload,
+            driver_policy=driver_policy,
+            devices=devices,
+            trust=trust,
+        )
+        if older.snapshot is None:
+            return answer, dict(switches)
+        return older, {k: v for k, v in switches.items() if k not in keyed}
+
+    def unknown_workload(self, name: str) -> str | None:
+        """Why ``name`` names nothing here, with a did-you-mean; None when it is known."""
+        named = bool(candidates(self.catalog, name, limit=1))
+        registered = [w.name for w in list_workloads(self.catalog)]
+        return unknown_workload(name, registered=registered, named=named)
 
 
 def rank(
@@ -120,3 +258,41 @@ def unknown_workload(workload: str, *, registered: list[str], named: bool) -> st
         return None
     hint = did_you_mean(workload, registered)
     return f"no workload {workload!r} is registered on this server{hint}, and no snapshot names it"
+
+
+# -- queries: what resolve compares ----------------------------------------------------
+
+
+def candidates(catalog: Catalog, workload: str | None, *, limit: int = 2000) -> list[Candidate]:
+    """Snapshots of a workload with what resolve compares, newest published first."""
+    sql = (
+        f"SELECT {SUMMARY_COLUMNS}, fingerprint, rowid AS seq, stats FROM snapshots"
+        " WHERE workload IS ? AND source IS NULL ORDER BY rowid DESC LIMIT ?"
+    )
+    parsed: dict[str, Fingerprint] = {}  # one parse per distinct fingerprint
+    out = []
+    for row in catalog.rows(sql, [workload, limit]):
+        fingerprint = parsed.get(row["fingerprint_digest"])
+        if fingerprint is None:
+            fingerprint = parsed[row["fingerprint_digest"]] = stored_fingerprint(row["fingerprint"])
+        out.append(
+            Candidate(
+                summary=summary_of(row),
+                fingerprint=fingerprint,
+                seq=row["seq"],
+                built_by=built_by(json.loads(row["stats"] or "null")),
+            )
+        )
+    return out
+
+
+def harvested_deltas(
+    catalog: Catalog, parent_id: str, *, fingerprint_digest: str, limit: int = 32
+) -> list[Summary]:
+    """Summaries of the harvested deltas of ``parent_id`` for one environment, oldest first."""
+    rows = catalog.rows(
+        f"SELECT {SUMMARY_COLUMNS} FROM snapshots WHERE parent = ? AND source = 'harvest'"
+        " AND fingerprint_digest = ? ORDER BY rowid LIMIT ?",
+        [parent_id, fingerprint_digest, limit],
+    )
+    return [summary_of(r) for r in rows]

@@ -1,186 +1,117 @@
-"""The one storage interface the routes use: ``Storage``.
+"""The snapshots resource (``/v1/snapshots``): publish, list, fetch, the archive stream,
+pin, delete, and the start-up check; its service ``Snapshots`` and its queries (the
+``snapshots``, ``snapshot_blobs``, ``archive_objects``, ``quarantine`` and ``events``
+tables).
 
-``Storage`` joins two things: the metadata ``Catalog`` (SQLite, all SQL in
-``server/catalog/``) and a ``BlobBackend`` holding the blob bytes (``cachekeeper/backends/base.py``:
-the local directory by default, or the object store; ``server/app.py`` ``open_backend``
-picks it). Storage asks the backend for its direct access once and never for its class.
-What this module adds on top: the upload size limit, publishing a manifest (packing it
-first when the backend has direct access, ``server/packing.py``), resolve, and GC
-(``server/resources/gc.py``: plan, re-check under the lock, execute; it evicts LRU snapshots down to
-the hard cap, which uploads never do, see ``capacity.StoreRoom``). Routes call one method
-each and never see the catalog or the backend. Every write of rows a client sends is
-checked against its table's budget in the same transaction (``server/budgets.py``), and
-a retention pass runs at start-up and at most once a minute before such a write.
+A snapshot's manifest and its references to blobs are rows of the catalog; its blobs are
+the blobs resource's (``server/resources/blobs.py``); with direct access (the object
+store), one archive object per snapshot is written at publish (``server/packing.py``) and
+nodes download it by URL. Every publish is checked against the snapshots' budget in the
+same transaction as its row (``server/budgets.py``).
 
-Ordering rules that keep a crash harmless: a blob's row is written only after the blob
-store made the file visible (a crash before leaves at most a temp file, or a file with no
-row that GC removes); a snapshot row appears in one transaction after every blob it names
-has a row; deletion removes rows (pointers) before files.
+Ordering rules that keep a crash harmless: a snapshot row appears in one transaction after
+every blob it names has a row; deletion removes rows (pointers) before files, and blobs no
+snapshot references any more go at the next GC (``server/resources/gc.py``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
-from typing import Any, BinaryIO
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, cast
 
 from cachekeeper.server.archive import archive_chunks
-from cachekeeper.server.budgets import Budgets, event_bytes, report_bytes
-from cachekeeper.server.catalog import Catalog, agent_id_for
-from cachekeeper.server.packing import Packed, SnapshotLocks, pack_snapshot, record_checked
-from cachekeeper.server.records import Counts
+from cachekeeper.server.budgets import Budgets
+from cachekeeper.server.catalog import BATCH, Catalog, Transaction
+from cachekeeper.server.packing import Packed, SnapshotLocks, pack_snapshot
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.trust import NodeTrust, Verdicts
 
-from cachekeeper import remote_tier
-from cachekeeper.backends.base import BlobBackend, DirectAccess, PutResult
-from cachekeeper.errors import (
-    AgentNotFound,
-    BlobMissing,
-    InvalidManifest,
-    PayloadTooLarge,
-    ServerUnavailable,
-    SnapshotNotFound,
-    WorkloadNotFound,
-)
-from cachekeeper.fingerprint import DriverPolicy, Fingerprint
+from cachekeeper.backends.base import BlobBackend, BlobStat, DirectAccess
+from cachekeeper.errors import BlobMissing, InvalidManifest, SnapshotNotFound
+from cachekeeper.fingerprint import Fingerprint
 from cachekeeper.manifest import Manifest
-from cachekeeper.signing import TrustedKey
-from cachekeeper.wire import (
-    AgentInfo,
-    EventOut,
-    JobReport,
-    ResolveAnswer,
-    StatusRow,
-    Summary,
-    Upload,
-    WorkloadInfo,
-    utc_now,
+from cachekeeper.wire import Summary, utc_now
+
+from .blobs import (
+    blob_row_digests,
+    blob_sizes,
+    delete_blob_rows,
+    missing_blob_rows,
+    record_blob,
 )
 
-from .fleet import fleet_status
-from .gc import Collector, GcPlan
-from .resolve import miss_reason, rank, unknown_workload
+__all__ = [
+    "CLOCK_MARGIN_S",
+    "SUMMARY_COLUMNS",
+    "CheckReport",
+    "Counts",
+    "Snapshots",
+    "add_event",
+    "delete_snapshot",
+    "list_summaries",
+    "lru_unpinned",
+    "manifest_text",
+    "snapshot_blobs",
+    "snapshot_exists",
+    "stored_fingerprint",
+    "summary",
+    "summary_of",
+    "touch_snapshot",
+]
 
-__all__ = ["CheckReport", "Storage", "StoredBlob", "limit_size"]
+CLOCK_MARGIN_S = 60.0  # _record_checked: how far the server's clock may step back
 
-
-def limit_size(chunks: Iterable[bytes], *, max_bytes: int, what: str) -> Iterator[bytes]:
-    """Pass ``chunks`` through, raising PayloadTooLarge once more than ``max_bytes`` went by."""
-    total = 0
-    for chunk in chunks:
-        total += len(chunk)
-        if total > max_bytes:
-            raise PayloadTooLarge(f"{what} is over the server's limit of {max_bytes} bytes")
-        yield chunk
+SUMMARY_COLUMNS = (
+    "id, workload, fingerprint_digest, devices, verified, signed, size_bytes, file_count, "
+    "created_at, last_used_at, pinned, source, parent"
+)
 
 
 @dataclass(frozen=True)
-class StoredBlob:
-    digest: str
-    size_bytes: int  # uncompressed
-    stored_bytes: int  # as stored
+class Counts:
+    snapshots: int
+    blobs: int
+    stored_bytes: int
 
 
 @dataclass(frozen=True)
 class CheckReport:
-    """What ``Storage.check`` changed at start-up."""
+    """What ``Snapshots.check`` changed at start-up."""
 
     stale_blob_rows: int  # rows dropped: their bytes were gone
     completed: tuple[str, ...]  # snapshots whose missing references were added
     quarantined: tuple[str, ...]  # snapshots taken out of service: blobs are gone
 
 
-class Storage:
-    """The server's store: a blob backend plus the metadata catalog."""
+class Snapshots:
+    """The snapshots as the routes see them: published manifests, their archives."""
 
-    def __init__(self, *, settings: Settings, catalog: Catalog, blobs: BlobBackend) -> None:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        catalog: Catalog,
+        backend: BlobBackend,
+        direct: DirectAccess | None,
+        budgets: Budgets,
+    ) -> None:
         self.settings = settings
         self.catalog = catalog
-        self.blobs = blobs
-        # Asked once: the object store's URLs and archive objects, None for a local dir.
-        self.direct: DirectAccess | None = blobs.direct_access()
-        self.evictions = 0  # snapshots evicted by GC since start (for /metrics)
+        self.backend = backend
+        self.direct = direct  # the backend's direct access, asked once by its builder
+        self.budgets = budgets
         self.packs = 0  # archive objects packed by publish since start (for /metrics)
         self._publishing = SnapshotLocks()  # one publish of a snapshot at a time (packing.py)
-        self.budgets = Budgets(settings)  # the client-written tables' bounds and retention
-        self._gc = Collector(catalog=catalog, blobs=blobs, direct=self.direct, settings=settings)
-        self._verdicts = Verdicts()  # signature checks for nodes' trusted keys (server/trust.py)
 
-    # -- blobs ------------------------------------------------------------------------
-    def missing_blobs(self, digests: Iterable[str]) -> list[str]:
-        """Which of ``digests`` the server does not have, in the order given: no row, or a
-        row whose bytes are gone (so a push uploads it again rather than skip it)."""
-        wanted = list(dict.fromkeys(digests))
-        present = self.catalog.blob_sizes(wanted)
-        return [d for d in wanted if d not in present or self.blobs.stat(d) is None]
-
-    def upload_targets(self, digests: Iterable[str]) -> list[Upload]:
-        """Where nodes PUT ``digests`` themselves (direct access); else none: they upload
-        through the server. Publish hashes what they uploaded regardless."""
-        if self.direct is None:
-            return []
-        expires = self.settings.presign_expires_s
-        return [self.direct.upload_target(d, expires_s=expires) for d in digests]
-
-    def archive_url(self, snapshot_id: str) -> str | None:
-        """Where nodes GET the snapshot's archive object (direct access only)."""
-        if self.direct is None:
-            return None
-        return self.direct.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
-
-    def blob(self, digest: str) -> StoredBlob | None:
-        """The blob's sizes when both its row and its bytes are there."""
-        info = self.catalog.blob_info(digest)
-        stat = self.blobs.stat(digest)
-        if info is None or stat is None:
-            return None
-        return StoredBlob(digest, info.size_bytes, stat.stored_bytes)
-
-    def has_blob_bytes(self, digest: str) -> bool:
-        """Whether the backend holds the blob's bytes (row or not)."""
-        return self.blobs.stat(digest) is not None
-
-    def store_bytes(self) -> int:
-        """Stored (compressed) bytes of every blob with a row: what the cap counts."""
-        return self.catalog.store_bytes()
-
-    def open_blob(self, digest: str) -> BinaryIO:
-        return self.blobs.open(digest)
-
-    def open_blob_raw(self, digest: str) -> BinaryIO:
-        return self.blobs.open_raw(digest)
-
-    def put_blob(self, digest: str, chunks: Iterable[bytes]) -> PutResult:
-        """Store the uncompressed ``chunks`` as blob ``digest`` (hash-checked), then its row."""
-        limited = limit_size(chunks, max_bytes=self.settings.max_blob_bytes, what="blob")
-        result = self.blobs.put(limited, digest=digest)
-        collected = ServerUnavailable(f"blob {digest} was collected while uploading; retry")
-        size = result.size_bytes
-        if not result.created:
-            info = self.catalog.blob_info(digest)
-            try:
-                size = info.size_bytes if info else _uncompressed_size(self.blobs, digest)
-            except BlobMissing as exc:
-                raise collected from exc
-        with self.catalog.writing() as tx:
-            # GC deletes files only under this lock: the file seen here stays with its row.
-            stat = self.blobs.stat(digest)
-            if stat is None:
-                raise collected
-            tx.record_blob(digest=digest, size_bytes=size, stored_bytes=stat.stored_bytes)
-        return PutResult(digest, size, stat.stored_bytes, result.created)
-
-    # -- snapshots --------------------------------------------------------------------
-    def snapshot(self, snapshot_id: str) -> Summary:
-        found = self.catalog.summary(snapshot_id)
+    def get(self, snapshot_id: str) -> Summary:
+        found = summary(self.catalog, snapshot_id)
         if found is None:
             raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
         return found
 
-    def list_snapshots(
+    def summaries(
         self,
         *,
         workload: str | None = None,
@@ -188,13 +119,18 @@ class Storage:
         verified: bool | None = None,
         limit: int = 1000,
     ) -> list[Summary]:
-        return self.catalog.list_summaries(
-            workload=workload, fingerprint_digest=fingerprint_digest, verified=verified, limit=limit
+        """Snapshots, newest published first, optionally filtered."""
+        return list_summaries(
+            self.catalog,
+            workload=workload,
+            fingerprint_digest=fingerprint_digest,
+            verified=verified,
+            limit=limit,
         )
 
     def manifest_text(self, snapshot_id: str) -> str:
         """The manifest JSON as published (signature included)."""
-        text = self.catalog.manifest_text(snapshot_id)
+        text = manifest_text(self.catalog, snapshot_id)
         if text is None:
             raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
         return text
@@ -208,13 +144,13 @@ class Storage:
     ) -> Iterator[bytes]:
         """The snapshot (or only ``digests`` of it) as one archive stream; marks it used."""
         text = self.manifest_text(snapshot_id)
-        sizes = self.catalog.snapshot_blobs(snapshot_id)
+        sizes = snapshot_blobs(self.catalog, snapshot_id)
         order = list(dict.fromkeys(f["digest"] for f in json.loads(text)["files"]))
         if digests is not None:
             chosen = set(digests)
             order = [d for d in order if d in chosen]
         with self.catalog.writing() as tx:
-            tx.touch_snapshot(snapshot_id)
+            touch_snapshot(tx, snapshot_id)
         direct = self.direct
         if direct is not None and len(order) == len(sizes):
             # The whole snapshot: its archive object as written at publish (no recompression),
@@ -224,107 +160,32 @@ class Storage:
         return archive_chunks(
             manifest_json=text.encode(),
             blobs=[(d, sizes[d]) for d in order],
-            store=self.blobs,
+            store=self.backend,
             level=self.settings.archive_level,
             on_blob=on_blob,
         )
 
-    def node_trust(self, keys: list[TrustedKey]) -> NodeTrust:
-        """A node's trust (the public keys it sent), checked against stored manifests."""
-        return NodeTrust(keys, manifest_text=self.catalog.manifest_text, verdicts=self._verdicts)
+    def archive_url(self, snapshot_id: str) -> str | None:
+        """Where nodes GET the snapshot's archive object (direct access only)."""
+        if self.direct is None:
+            return None
+        return self.direct.archive_url(snapshot_id, expires_s=self.settings.presign_expires_s)
 
-    def resolve(
-        self,
-        *,
-        fingerprint: Fingerprint,
-        workload: str | None,
-        driver_policy: DriverPolicy = "newer",
-        devices: list[str] | None = None,
-        trust: NodeTrust | None = None,
-    ) -> ResolveAnswer:
-        """The best snapshot for a node (see ``server.resolver``); marks the hit used.
-
-        With ``trust`` (the node's keys), only a snapshot whose signature the server
-        checked against one of them ranks, and only such deltas are offered after it.
-        """
-        candidates = self.catalog.candidates(workload)
-        found = rank(
-            candidates,
-            fingerprint=fingerprint,
-            driver_policy=driver_policy,
-            devices=devices,
-            vouch=None if trust is None else trust.problem,
-            trusted_key_ids=() if trust is None else trust.key_ids,
-        )
-        if found.snapshot is None:
-            unknown = None if candidates or workload is None else self.unknown_workload(workload)
-            untrusted = any(
-                [m.field for m in near.mismatches] == ["signature"] for near in found.near_misses
-            )
-            reason = miss_reason(
-                workload, has_snapshots=bool(candidates), unknown=unknown, untrusted=untrusted
-            )
-            return replace(found, reason=reason)
+    def touch(self, snapshot_id: str) -> None:
+        """Mark the snapshot used now (resolve's hit; LRU eviction goes by it)."""
         with self.catalog.writing() as tx:
-            tx.touch_snapshot(found.snapshot.id)
-        hit = found.snapshot
-        if trust is not None:
-            found = replace(found, signed_by=trust.verdict(hit).key_id)
-        url = self.archive_url(hit.id)
-        if url is not None:
-            found = replace(found, archive_url=url)
-        if not self.settings.serve_harvested:
-            return found
-        deltas = self.catalog.harvested_deltas(hit.id, fingerprint_digest=hit.fingerprint_digest)
-        if trust is not None:  # offered to a trusting node only when its keys signed them
-            deltas = [d for d in deltas if trust.problem(d) is None]
-        return replace(found, deltas=tuple(deltas))
-
-    def resolve_for_job(
-        self,
-        *,
-        fingerprint: Fingerprint,
-        switches: Mapping[str, str],
-        workload: str | None,
-        driver_policy: DriverPolicy = "newer",
-        devices: list[str] | None = None,
-        trust: NodeTrust | None = None,
-    ) -> tuple[ResolveAnswer, dict[str, str]]:
-        """``resolve`` for a job that will export the per-key tier's ``switches``: ranked
-        for the environment the job runs in (``remote_tier.with_key_switches``). A snapshot
-        built before the tier was on (without the key-relevant switches) still serves it:
-        then the job runs without them. (answer, the switches the job must export)."""
-        keyed = remote_tier.key_switches(switches)
-        answer = self.resolve(
-            fingerprint=remote_tier.with_key_switches(fingerprint, keyed),
-            workload=workload,
-            driver_policy=driver_policy,
-            devices=devices,
-            trust=trust,
-        )
-        if answer.snapshot is not None or not keyed:
-            return answer, dict(switches)
-        older = self.resolve(
-            fingerprint=remote_tier.with_key_switches(fingerprint, {}),
-            workload=workload,
-            driver_policy=driver_policy,
-            devices=devices,
-            trust=trust,
-        )
-        if older.snapshot is None:
-            return answer, dict(switches)
-        return older, {k: v for k, v in switches.items() if k not in keyed}
+            touch_snapshot(tx, snapshot_id)
 
     def set_pinned(self, snapshot_id: str, *, pinned: bool) -> Summary:
         with self.catalog.writing() as tx:
-            if not tx.set_pinned(snapshot_id, pinned=pinned):
+            if not set_pinned(tx, snapshot_id, pinned=pinned):
                 raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
-        return self.snapshot(snapshot_id)
+        return self.get(snapshot_id)
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
+    def delete(self, snapshot_id: str) -> None:
         """Remove a snapshot (pointers only); blobs no other snapshot uses go at the next GC."""
         with self.catalog.writing() as tx:
-            if not tx.delete_snapshot(snapshot_id):
+            if not delete_snapshot(tx, snapshot_id):
                 raise SnapshotNotFound(f"no snapshot {snapshot_id} on this server")
 
     def publish(self, manifest: Manifest) -> tuple[Summary, bool]:
@@ -336,7 +197,7 @@ class Storage:
         it did not have; it answers ``created`` False. A publish of a snapshot being
         published waits for that one (a client retrying a slow publish packs nothing twice).
         """
-        self.prune()  # the audit log grows with publishes
+        self.budgets.retain(self.catalog)  # the audit log grows with publishes
         with self._publishing.hold(manifest.id):
             return self._publish(manifest)
 
@@ -345,7 +206,7 @@ class Storage:
         with self.catalog.writing() as tx:  # refused before packing, not after
             self.budgets.admit_snapshot(tx, manifest)
         checked = self._pack(manifest)
-        sizes = checked.sizes if checked is not None else self.catalog.blob_sizes(manifest.digests)
+        sizes = checked.sizes if checked is not None else blob_sizes(self.catalog, manifest.digests)
         missing = sorted(manifest.digests - sizes.keys())
         if missing:
             raise BlobMissing(
@@ -360,16 +221,16 @@ class Storage:
                 )
         with self.catalog.writing() as tx:
             if checked is not None and self.direct is not None:  # packed: direct access
-                record_checked(tx, self.direct, checked, grace_s=self.settings.gc_grace_s)
-                tx.record_archive(
-                    snapshot_id, etag=checked.archive_etag, size_bytes=checked.archive_bytes
+                _record_checked(tx, self.direct, checked, grace_s=self.settings.gc_grace_s)
+                record_archive(
+                    tx, snapshot_id, etag=checked.archive_etag, size_bytes=checked.archive_bytes
                 )
             # A GC may have run since the check above: re-check inside the transaction.
-            created = not tx.snapshot_exists(snapshot_id)
+            created = not snapshot_exists(tx, snapshot_id)
             absent = set(manifest.digests)
             if not created:
-                absent -= tx.referenced_digests(snapshot_id)
-            still = tx.missing_blob_rows(absent)
+                absent -= referenced_digests(tx, snapshot_id)
+            still = missing_blob_rows(tx, absent)
             if still:
                 raise BlobMissing(
                     f"{len(still)} blob(s) of snapshot {snapshot_id[:12]} were collected",
@@ -377,15 +238,17 @@ class Storage:
                 )
             if created:
                 self.budgets.admit_snapshot(tx, manifest)
-                tx.insert_snapshot(manifest, created_at=utc_now())
+                insert_snapshot(tx, manifest, created_at=utc_now())
             else:
                 if manifest.signature is not None:
                     # The same snapshot, now signed: keep the signature (the id is unchanged).
-                    tx.sign_snapshot(snapshot_id, manifest_json=manifest.to_json())
+                    sign_snapshot(tx, snapshot_id, manifest_json=manifest.to_json())
                 if absent:
-                    tx.add_references(snapshot_id, absent, at=utc_now())
-                    tx.add_event(kind="snapshot.completed", subject=snapshot_id, detail=len(absent))
-        return self.snapshot(snapshot_id), created
+                    add_references(tx, snapshot_id, absent, at=utc_now())
+                    add_event(
+                        tx, kind="snapshot.completed", subject=snapshot_id, detail=len(absent)
+                    )
+        return self.get(snapshot_id), created
 
     def _pack(self, manifest: Manifest) -> Packed | None:
         """Direct access: hash every blob there and write the archive object; else None.
@@ -397,7 +260,7 @@ class Storage:
         """
         if self.direct is None:
             return None
-        existing = self.catalog.summary(manifest.id)
+        existing = summary(self.catalog, manifest.id)
         if existing is not None and self._archive_intact(self.direct, manifest.id):
             if manifest.signature is None or existing.signed:
                 return None
@@ -412,7 +275,7 @@ class Storage:
 
     def _archive_intact(self, direct: DirectAccess, snapshot_id: str) -> bool:
         """Whether the snapshot's archive object is the one this server wrote (its ETag)."""
-        recorded = self.catalog.archive_etag(snapshot_id)
+        recorded = archive_etag(self.catalog, snapshot_id)
         return recorded is not None and direct.archive_etag(snapshot_id) == recorded
 
     def check(self) -> CheckReport:
@@ -423,172 +286,307 @@ class Storage:
         every blob is there, and quarantined otherwise (``quarantine`` table; a re-push of
         the same manifest publishes it again). One transaction.
         """
-        present = {s.digest for s in self.blobs.scan()}
+        present = {s.digest for s in self.backend.scan()}
         repaired: list[str] = []
         quarantined: list[str] = []
         with self.catalog.writing() as tx:
-            stale = tx.blob_row_digests() - present
-            tx.delete_blob_rows(stale)
-            for snapshot_id in tx.incomplete_suspects():
-                text = tx.manifest_text(snapshot_id) or '{"files": []}'
+            stale = blob_row_digests(tx) - present
+            delete_blob_rows(tx, stale)
+            for snapshot_id in incomplete_suspects(tx):
+                text = manifest_text_in(tx, snapshot_id) or '{"files": []}'
                 digests = {f["digest"] for f in json.loads(text)["files"]}
-                gone = tx.missing_blob_rows(digests)
+                gone = missing_blob_rows(tx, digests)
                 if gone:
                     reason = f"{len(gone)} of its {len(digests)} blob(s) are not on the server"
-                    tx.quarantine_snapshot(snapshot_id, reason=reason)
+                    quarantine_snapshot(tx, snapshot_id, reason=reason)
                     quarantined.append(snapshot_id)
-                elif digests - tx.referenced_digests(snapshot_id):
-                    tx.add_references(snapshot_id, digests, at=utc_now())
-                    tx.add_event(kind="snapshot.completed", subject=snapshot_id, detail=None)
+                elif digests - referenced_digests(tx, snapshot_id):
+                    add_references(tx, snapshot_id, digests, at=utc_now())
+                    add_event(tx, kind="snapshot.completed", subject=snapshot_id, detail=None)
                     repaired.append(snapshot_id)
         return CheckReport(len(stale), tuple(repaired), tuple(quarantined))
 
-    # -- workloads, agents, status ------------------------------------------------------
-    def list_workloads(self) -> list[WorkloadInfo]:
-        return self.catalog.list_workloads()
-
-    def put_workload(self, *, name: str, toml: str, digest: str) -> WorkloadInfo:
-        with self.catalog.writing() as tx:
-            self.budgets.admit_workload(tx, name=name)
-            return tx.put_workload(name=name, toml=toml, digest=digest)
-
-    def workload_toml(self, name: str) -> str:
-        toml = self.catalog.workload_toml(name)
-        if toml is None:
-            raise WorkloadNotFound(f"no workload {name!r} is registered")
-        return toml
-
-    def delete_workload(self, name: str) -> None:
-        with self.catalog.writing() as tx:
-            if not tx.delete_workload(name):
-                raise WorkloadNotFound(f"no workload {name!r} is registered")
-
-    def register_agent(self, **registration: Any) -> tuple[AgentInfo, bool]:
-        """(agent, created); see ``Transaction.register_agent`` for the keywords."""
-        self.prune()
-        with self.catalog.writing() as tx:
-            self.budgets.admit_agent(
-                tx,
-                agent_id=agent_id_for(registration["name"]),
-                fields={k: registration[k] for k in ("fingerprint", "gpus", "devices")},
-                now=datetime.now(UTC),
-            )
-            agent_id, created = tx.register_agent(**registration)
-        return self.agent(agent_id), created
-
-    def agent(self, agent_id: str) -> AgentInfo:
-        found = self.catalog.agent(agent_id)
-        if found is None:
-            raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
-        return found
-
-    def list_agents(self) -> list[AgentInfo]:
-        return self.catalog.list_agents()
-
-    def heartbeat(self, agent_id: str) -> AgentInfo:
-        with self.catalog.writing() as tx:
-            tx.agent_seen(agent_id)
-        return self.agent(agent_id)
-
-    def report_event(self, agent_id: str, **report: Any) -> EventOut:
-        """Record an agent's report; see ``Transaction.add_agent_event`` for the keywords."""
-        self.prune()
-        size = event_bytes(
-            workload=report["workload"],
-            detail=report["detail"],
-            traceback_tail=report["traceback_tail"],
-        )
-        with self.catalog.writing() as tx:
-            if not tx.exists("agents", "id", agent_id):
-                raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
-            self.budgets.admit_agent_event(tx, size_bytes=size)
-            event = tx.add_agent_event(agent_id, size_bytes=size, **report)
-        if event is None:
-            raise AgentNotFound(f"no agent {agent_id!r} is registered (register it first)")
-        return event
-
-    def fleet_status(
-        self,
-        *,
-        workload: str | None = None,
-        fingerprint_digest: str | None = None,
-        devices: list[str] | None = None,
-    ) -> list[StatusRow]:
-        return fleet_status(
-            self.catalog.status_facts(),
-            workload=workload,
-            fingerprint_digest=fingerprint_digest,
-            devices=devices,
-            serve_harvested=self.settings.serve_harvested,
-        )
-
-    def add_job_report(self, report: JobReport, *, token_id: str | None) -> tuple[int, str]:
-        """Store one job report sent by ``token_id`` (None: auth is off), within that
-        token's budget (RateLimited past it); (its id, when it was received)."""
-        self.prune()
-        with self.catalog.writing() as tx:
-            at = utc_now()
-            counted = self.budgets.admit_report(tx, report, token_id=token_id, at=at)
-            report_id = tx.add_job_report(
-                report, token_id=token_id, size_bytes=report_bytes(report), at=at
-            )
-            counted(report_id)
-        return report_id, at
-
-    def prune(self, *, force: bool = False) -> dict[str, int]:
-        """A retention pass over the client-written tables when one is due (``force``:
-        now); {table: rows deleted}."""
-        due = self.budgets.prune_due()  # first: a forced pass restarts the minute too
-        if not (due or force):
-            return {}
-        with self.catalog.writing() as tx:
-            return self.budgets.prune(tx)
+    def counts(self) -> Counts:
+        """Snapshots, blob rows and their stored bytes (for /metrics)."""
+        return counts(self.catalog)
 
     def fingerprint_of(self, fingerprint_digest: str) -> Fingerprint | None:
         """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
-        return self.catalog.fingerprint_of(fingerprint_digest)
-
-    def restores_by_day(self, *, days: int = 60) -> list[tuple[str, int]]:
-        return self.catalog.restores_by_day(days=days)
-
-    def has_workload(self, name: str) -> bool:
-        return self.catalog.workload_toml(name) is not None
-
-    def unknown_workload(self, name: str) -> str | None:
-        """Why ``name`` names nothing here, with a did-you-mean; None when it is known."""
-        named = bool(self.catalog.candidates(name, limit=1))
-        registered = [w.name for w in self.catalog.list_workloads()]
-        return unknown_workload(name, registered=registered, named=named)
-
-    def counts(self) -> Counts:
-        return self.catalog.counts()
-
-    def catalog_bytes(self) -> int:
-        """meta.sqlite's size less its free pages (what ``max_catalog_bytes`` bounds)."""
-        return self.catalog.catalog_bytes()
-
-    # -- GC (server/resources/gc.py) --------------------------------------------------------------
-    def plan_gc(self, *, target_bytes: int | None = None) -> GcPlan:
-        """What a GC would delete now (``Collector.plan``); touches nothing."""
-        return self._gc.plan(target_bytes=target_bytes)
-
-    def execute_gc(self, plan: GcPlan) -> GcPlan:
-        """Carry out ``plan``, each decision re-checked under the write lock
-        (``Collector.execute``); returns what was done."""
-        done = self._gc.execute(plan)
-        self.evictions += len(done.snapshots_evicted)
-        return done
+        return fingerprint_of(self.catalog, fingerprint_digest)
 
 
-def _uncompressed_size(blobs: BlobBackend, digest: str) -> int:
-    total = 0
-    with blobs.open(digest) as fh:
-        while chunk := fh.read(1 << 20):
-            total += len(chunk)
-    return total
+def _record_checked(
+    tx: Transaction, store: DirectAccess, packed: Packed, *, grace_s: float
+) -> None:
+    """Rows for blobs a node uploaded to the object store, checked by ``pack_snapshot``.
+
+    Called under the catalog's write lock (``tx``). GC deletes an object that has no row
+    only when, looked up under the same lock, it is older than ``grace_s``: an object
+    modified less than ``grace_s`` (minus ``CLOCK_MARGIN_S``) before now was not taken since
+    ``pack_snapshot`` read it, and is recorded as read. An older one is looked up once more
+    (HEAD), so an object GC took since the check refuses the publish (BlobMissing: the push
+    uploads it again) instead of being recorded. (A push publishes what it just uploaded,
+    so a publish usually looks nothing up while it holds the lock.)
+    """
+    new = missing_blob_rows(tx, packed.sizes)
+    fresh_after = time.time() - grace_s + CLOCK_MARGIN_S
+    found = store.stat_many(d for d in new if packed.modified_at.get(d, 0.0) < fresh_after)
+    gone = []
+    for digest in new:
+        stat = found.get(digest, BlobStat(digest, packed.sizes[digest], 0.0))
+        if stat is None:
+            gone.append(digest)
+        else:
+            record_blob(
+                tx, digest=digest, size_bytes=packed.sizes[digest], stored_bytes=stat.stored_bytes
+            )
+    if gone:
+        raise BlobMissing(
+            f"{len(gone)} blob(s) were collected from the object store while publishing;"
+            " upload them again",
+            extra={"missing": gone},
+        )
 
 
 def _read_chunks(fh: BinaryIO, chunk_bytes: int = 4 << 20) -> Iterator[bytes]:
     with fh:
         while chunk := fh.read(chunk_bytes):
             yield chunk
+
+
+# -- queries: the snapshots, their blob references, archive objects, events ------------
+
+
+def stored_fingerprint(text: str) -> Fingerprint:
+    """A snapshot row's fingerprint: checked (``fingerprint.parse``) when its manifest was
+    published; a server before the typed fingerprint checked only that it was an object,
+    so readers of stored rows (resolve, the status page) read them with ``get``."""
+    return cast(Fingerprint, json.loads(text))
+
+
+def summary_of(row: dict[str, Any]) -> Summary:
+    return Summary(
+        id=row["id"],
+        workload=row["workload"],
+        fingerprint_digest=row["fingerprint_digest"],
+        devices=tuple(json.loads(row["devices"] or "[]")),
+        verified=bool(row["verified"]),
+        signed=bool(row["signed"]),
+        size_bytes=row["size_bytes"],
+        file_count=row["file_count"],
+        created_at=row["created_at"],
+        last_used_at=row["last_used_at"],
+        pinned=bool(row["pinned"]),
+        source=row["source"],
+        parent=row["parent"],
+    )
+
+
+def snapshot_exists(tx: Transaction, snapshot_id: str) -> bool:
+    return tx.one("SELECT 1 FROM snapshots WHERE id = ?", [snapshot_id]) is not None
+
+
+def referenced_digests(tx: Transaction, snapshot_id: str) -> set[str]:
+    sql = "SELECT digest FROM snapshot_blobs WHERE snapshot_id = ?"
+    return {r[0] for r in tx.db.execute(sql, [snapshot_id])}
+
+
+def insert_snapshot(tx: Transaction, manifest: Manifest, *, created_at: str) -> None:
+    """The snapshot's row, its blob references, and a ``snapshot.published`` event."""
+    tx.db.table("snapshots").insert(
+        {
+            "id": manifest.id,
+            "workload": manifest.workload,
+            "fingerprint_digest": manifest.fingerprint_digest,
+            "fingerprint": json.dumps(manifest.fingerprint, sort_keys=True),
+            "devices": json.dumps(list(manifest.devices)),
+            "verified": int(manifest.verified),
+            "signed": int(manifest.signature is not None),
+            "stats": json.dumps(manifest.stats, sort_keys=True),
+            "size_bytes": manifest.size_bytes,
+            "file_count": len(manifest.files),
+            "created_at": created_at,
+            "last_used_at": None,
+            "pinned": 0,
+            "manifest": manifest.to_json(),
+            "source": manifest.source,
+            "parent": manifest.parent,
+            "workload_digest": manifest.workload_digest,
+        }
+    )
+    add_references(tx, manifest.id, manifest.digests, at=created_at)
+    add_event(tx, kind="snapshot.published", subject=manifest.id, detail=manifest.workload)
+
+
+def add_references(tx: Transaction, snapshot_id: str, digests: Iterable[str], *, at: str) -> None:
+    """Reference ``digests`` from the snapshot (idempotent) and mark them used ``at``."""
+    tx.db.table("snapshot_blobs").insert_all(
+        ({"snapshot_id": snapshot_id, "digest": d} for d in sorted(set(digests))),
+        batch_size=BATCH,
+        ignore=True,
+    )
+    tx.db.execute(
+        "UPDATE blobs SET last_access_at = ? WHERE digest IN"
+        " (SELECT digest FROM snapshot_blobs WHERE snapshot_id = ?)",
+        [at, snapshot_id],
+    )
+
+
+def sign_snapshot(tx: Transaction, snapshot_id: str, *, manifest_json: str) -> None:
+    """Store the signed manifest of an unsigned snapshot (the id does not change)."""
+    tx.db.execute(
+        "UPDATE snapshots SET manifest = ?, signed = 1 WHERE id = ? AND signed = 0",
+        [manifest_json, snapshot_id],
+    )
+
+
+def touch_snapshot(tx: Transaction, snapshot_id: str) -> None:
+    sql = "UPDATE snapshots SET last_used_at = ? WHERE id = ?"
+    tx.db.execute(sql, [utc_now(), snapshot_id])
+
+
+def set_pinned(tx: Transaction, snapshot_id: str, *, pinned: bool) -> bool:
+    sql = "UPDATE snapshots SET pinned = ? WHERE id = ?"
+    return tx.db.execute(sql, [int(pinned), snapshot_id]).rowcount > 0
+
+
+def delete_snapshot(tx: Transaction, snapshot_id: str, *, only_unpinned: bool = False) -> bool:
+    """Remove a snapshot's row and references (blobs stay for GC); False if not there
+    (or pinned, with ``only_unpinned``)."""
+    pinned_clause = " AND pinned = 0" if only_unpinned else ""
+    sql = f"SELECT 1 FROM snapshots WHERE id = ?{pinned_clause}"
+    if tx.one(sql, [snapshot_id]) is None:
+        return False
+    tx.db.execute("DELETE FROM snapshot_blobs WHERE snapshot_id = ?", [snapshot_id])
+    tx.db.execute("DELETE FROM archive_objects WHERE snapshot_id = ?", [snapshot_id])
+    tx.db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
+    return True
+
+
+def record_archive(tx: Transaction, snapshot_id: str, *, etag: str, size_bytes: int) -> None:
+    """The object-store archive of ``snapshot_id`` as this server wrote it."""
+    tx.db.execute(
+        "INSERT INTO archive_objects (snapshot_id, etag, size_bytes) VALUES (?, ?, ?)"
+        " ON CONFLICT(snapshot_id) DO UPDATE SET etag = excluded.etag,"
+        " size_bytes = excluded.size_bytes",
+        [snapshot_id, etag, size_bytes],
+    )
+
+
+def manifest_text_in(tx: Transaction, snapshot_id: str) -> str | None:
+    found = tx.db.execute("SELECT manifest FROM snapshots WHERE id = ?", [snapshot_id])
+    row = found.fetchone()
+    return None if row is None else str(row[0])
+
+
+def incomplete_suspects(tx: Transaction) -> list[str]:
+    """Snapshots that may reference fewer blobs than their manifest names: fewer
+    references than files (exact only after parsing: files may share a blob), or a
+    reference to a blob with no row."""
+    rows = tx.db.execute(
+        "SELECT s.id FROM snapshots s LEFT JOIN (SELECT snapshot_id, COUNT(*) AS n"
+        " FROM snapshot_blobs GROUP BY snapshot_id) r ON r.snapshot_id = s.id"
+        " WHERE COALESCE(r.n, 0) < s.file_count"
+        " UNION SELECT sb.snapshot_id FROM snapshot_blobs sb"
+        " LEFT JOIN blobs b ON b.digest = sb.digest WHERE b.digest IS NULL"
+    )
+    return sorted(r[0] for r in rows)
+
+
+def quarantine_snapshot(tx: Transaction, snapshot_id: str, *, reason: str) -> None:
+    """Take a snapshot out of service, keeping its manifest in ``quarantine``."""
+    manifest = manifest_text_in(tx, snapshot_id) or ""
+    tx.db.execute(
+        "INSERT INTO quarantine (id, at, reason, manifest) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT(id) DO UPDATE SET at = excluded.at, reason = excluded.reason,"
+        " manifest = excluded.manifest",
+        [snapshot_id, utc_now(), reason, manifest],
+    )
+    delete_snapshot(tx, snapshot_id)
+    add_event(tx, kind="snapshot.quarantined", subject=snapshot_id, detail=reason)
+
+
+def add_event(tx: Transaction, *, kind: str, subject: str, detail: Any) -> None:
+    tx.db.execute(
+        "INSERT INTO events (at, kind, subject, detail) VALUES (?, ?, ?, ?)",
+        [utc_now(), kind, subject, json.dumps(detail, sort_keys=True)],
+    )
+
+
+def summary(catalog: Catalog, snapshot_id: str) -> Summary | None:
+    sql = f"SELECT {SUMMARY_COLUMNS} FROM snapshots WHERE id = ?"
+    found = catalog.rows(sql, [snapshot_id])
+    return summary_of(found[0]) if found else None
+
+
+def manifest_text(catalog: Catalog, snapshot_id: str) -> str | None:
+    found = catalog.rows("SELECT manifest FROM snapshots WHERE id = ?", [snapshot_id])
+    return str(found[0]["manifest"]) if found else None
+
+
+def list_summaries(
+    catalog: Catalog,
+    *,
+    workload: str | None = None,
+    fingerprint_digest: str | None = None,
+    verified: bool | None = None,
+    limit: int = 1000,
+) -> list[Summary]:
+    where: list[str] = []
+    params: list[Any] = []
+    for column, value in (
+        ("workload", workload),
+        ("fingerprint_digest", fingerprint_digest),
+        ("verified", None if verified is None else int(verified)),
+    ):
+        if value is not None:
+            where.append(f"{column} = ?")
+            params.append(value)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    sql = (  # newest first by order of publication (rowid), whatever the clock said
+        f"SELECT {SUMMARY_COLUMNS} FROM snapshots {clause} ORDER BY rowid DESC LIMIT ?"
+    )
+    return [summary_of(r) for r in catalog.rows(sql, [*params, limit])]
+
+
+def archive_etag(catalog: Catalog, snapshot_id: str) -> str | None:
+    """The ETag of the archive object this server wrote for ``snapshot_id``, if any."""
+    found = catalog.rows("SELECT etag FROM archive_objects WHERE snapshot_id = ?", [snapshot_id])
+    return str(found[0]["etag"]) if found else None
+
+
+def snapshot_blobs(catalog: Catalog, snapshot_id: str) -> dict[str, int]:
+    """{digest: uncompressed size} of a snapshot's distinct blobs."""
+    rows = catalog.rows(
+        "SELECT sb.digest AS digest, b.size_bytes AS size_bytes FROM snapshot_blobs sb"
+        " JOIN blobs b ON b.digest = sb.digest WHERE sb.snapshot_id = ?",
+        [snapshot_id],
+    )
+    return {r["digest"]: r["size_bytes"] for r in rows}
+
+
+def fingerprint_of(catalog: Catalog, fingerprint_digest: str) -> Fingerprint | None:
+    """The full fingerprint a stored snapshot records for ``fingerprint_digest``."""
+    found = catalog.rows(
+        "SELECT fingerprint FROM snapshots WHERE fingerprint_digest = ? LIMIT 1",
+        [fingerprint_digest],
+    )
+    return stored_fingerprint(found[0]["fingerprint"]) if found else None
+
+
+def lru_unpinned(catalog: Catalog) -> list[str]:
+    """Unpinned snapshot ids, least recently used first (never used: by creation)."""
+    rows = catalog.rows(
+        "SELECT id FROM snapshots WHERE pinned = 0"
+        " ORDER BY COALESCE(last_used_at, created_at), created_at"
+    )
+    return [r["id"] for r in rows]
+
+
+def counts(catalog: Catalog) -> Counts:
+    row = catalog.rows(
+        "SELECT (SELECT COUNT(*) FROM snapshots) AS snapshots,"
+        " (SELECT COUNT(*) FROM blobs) AS blobs,"
+        " (SELECT COALESCE(SUM(stored_bytes), 0) FROM blobs) AS stored_bytes"
+    )[0]
+    return Counts(int(row["snapshots"]), int(row["blobs"]), int(row["stored_bytes"]))

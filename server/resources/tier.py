@@ -4,13 +4,13 @@
 a backend type. A value is stored in the tier's ``BlobBackend`` by the sha256 of its bytes
 (``<data>/tier-blobs`` beside the snapshots' ``<data>/blobs``, or ``PREFIX/tier/`` of the
 object store: ``server/app.py`` picks it), and its key in the catalog's ``tier_keys``
-table (``server/catalog/tier.py``) with its sizes, last use and writer. Keys are torch's
+table (``server/resources/tier_keys.py``) with its sizes, last use and writer. Keys are torch's
 own (they already hash torch, Triton, CUDA, the GPU and the graph): never rewritten.
 
 Bounds: a value over ``remote_cache_max_value_bytes`` is not stored; after each put the
 least recently used keys are evicted until what the tier keeps fits in
 ``remote_cache_max_bytes`` (as bazel-remote bounds its cache): the distinct values' stored
-bytes and each key's row, its key and writer included (``server/catalog/tier.py``), since
+bytes and each key's row, its key and writer included (``server/resources/tier_keys.py``), since
 every byte a client makes the server keep counts. Last uses are kept in
 memory and written in batches (``flush_uses``), so a GET never writes to the catalog.
 
@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.catalog.tier import TierEntry
 from cachekeeper.server.metrics import Metrics
 from cachekeeper.server.settings import Settings
 
@@ -51,6 +50,17 @@ from cachekeeper.backends.base import BlobBackend
 from cachekeeper.errors import BlobMissing
 from cachekeeper.integrity import digest_of
 from cachekeeper.wire import RemoteCacheOffer, utc_now
+
+from .tier_keys import (
+    TierEntry,
+    delete_tier_keys,
+    put_tier_key,
+    tier_key,
+    tier_lru,
+    tier_totals,
+    touch_tier_keys,
+    unreferenced_tier_digests,
+)
 
 __all__ = [
     "EVICT_BATCH",
@@ -262,7 +272,7 @@ class TierStore:
     def lookup(self, key: bytes, *, environment: str | None) -> tuple[TierEntry | None, str]:
         """The key's entry, its use recorded (None and why when it is not served to a reader
         from ``environment``: ``miss``, ``other_environment``); its value is not read."""
-        entry = self.catalog.tier_key(key)
+        entry = tier_key(self.catalog, key)
         if entry is None:
             return None, "miss"
         if (
@@ -317,7 +327,8 @@ class TierStore:
         writer: Mapping[str, Any],
     ) -> None:
         with self.catalog.writing() as tx:
-            replaced = tx.put_tier_key(
+            replaced = put_tier_key(
+                tx,
                 key=key,
                 digest=digest,
                 size_bytes=size_bytes,
@@ -336,8 +347,8 @@ class TierStore:
             return 0
         self.flush_uses()
         evicted, batch = 0, 8  # a put at the cap usually evicts one key or two: read a few
-        while (total := self.catalog.tier_totals().stored_bytes) > self.max_bytes:
-            oldest = self.catalog.tier_lru(limit=batch)
+        while (total := tier_totals(self.catalog).stored_bytes) > self.max_bytes:
+            oldest = tier_lru(self.catalog, limit=batch)
             batch = min(EVICT_BATCH, 2 * batch)
             if not oldest:
                 break
@@ -348,7 +359,7 @@ class TierStore:
                 if total - freed <= self.max_bytes:
                     break
             with self.catalog.writing() as tx:
-                tx.delete_tier_keys(e.key for e in chosen)
+                delete_tier_keys(tx, (e.key for e in chosen))
                 self._delete_after_commit(tx, [e.digest for e in chosen])
             evicted += len(chosen)
         self.evictions += evicted
@@ -360,16 +371,16 @@ class TierStore:
             uses, self._uses = self._uses, {}
         if uses:
             with self.catalog.writing() as tx:
-                tx.touch_tier_keys(uses)
+                touch_tier_keys(tx, uses)
         return len(uses)
 
     def totals(self) -> tuple[int, int]:
         """(keys, stored bytes of their distinct values)."""
-        found = self.catalog.tier_totals()
+        found = tier_totals(self.catalog)
         return found.keys, found.stored_bytes
 
     def _delete_after_commit(self, tx: Any, digests: list[str]) -> None:
-        doomed = tx.unreferenced_tier_digests(digests)
+        doomed = unreferenced_tier_digests(tx, digests)
 
         def delete() -> None:
             self._hot.drop(doomed)
@@ -380,8 +391,8 @@ class TierStore:
 
     def _drop_dangling(self, key: bytes, digest: str) -> None:
         with self.catalog.writing() as tx:
-            if (found := self.catalog.tier_key(key)) is not None and found.digest == digest:
-                tx.delete_tier_keys([key])
+            if (found := tier_key(self.catalog, key)) is not None and found.digest == digest:
+                delete_tier_keys(tx, [key])
 
 
 class TierWriter:

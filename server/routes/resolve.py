@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from cachekeeper.server.auth import ReadScope
-from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.deps import ServicesDep, metrics_of
 from cachekeeper.server.resources.tier import offer_for
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.trust import parse_trusted_keys
@@ -30,7 +30,7 @@ router = APIRouter(prefix="/v1", tags=["resolve"])
 
 @router.post("/resolve", response_model=ResolveAnswer, responses=error_responses(InvalidManifest))
 def resolve_route(
-    body: ResolveRequest, request: Request, storage: StorageDep, scope: ReadScope
+    body: ResolveRequest, request: Request, services: ServicesDep, scope: ReadScope
 ) -> dict[str, Any]:
     """The best snapshot for a node's fingerprint and workload, plus the nearest misses.
 
@@ -44,7 +44,7 @@ def resolve_route(
     trust = None
     if body.trusted_keys is not None:
         try:
-            trust = storage.node_trust(parse_trusted_keys(body.trusted_keys))
+            trust = services.resolver.node_trust(parse_trusted_keys(body.trusted_keys))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
     try:
@@ -52,7 +52,7 @@ def resolve_route(
         if body.remote_cache is not None:
             offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
         if offer is None:  # an old hook, or no tier here: the job runs as the hook sent it
-            answer = storage.resolve(
+            answer = services.resolver.resolve(
                 fingerprint=fingerprint,
                 workload=body.workload,
                 driver_policy=body.driver_policy,
@@ -60,7 +60,7 @@ def resolve_route(
                 trust=trust,
             )
         else:
-            answer, switches = storage.resolve_for_job(
+            answer, switches = services.resolver.resolve_for_job(
                 fingerprint=fingerprint,
                 switches=offer.switches,
                 workload=body.workload,

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import zstandard
 from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.resources.blobs import record_blob
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.backends.local import LocalBackend
@@ -48,7 +49,7 @@ def _stock(data_dir: Path, *, blobs: int, files: int | None = None, tag: str = "
             path.parent.mkdir(parents=True, exist_ok=True)
             frame = zstandard.ZstdCompressor().compress(content)
             path.write_bytes(frame)
-            tx.record_blob(digest=digest, size_bytes=len(content), stored_bytes=len(frame))
+            record_blob(tx, digest=digest, size_bytes=len(content), stored_bytes=len(frame))
             digests.append((digest, len(content)))
     entries = tuple(
         FileEntry(path=f"{tag}d{i % 97}/f{i:06d}.bin", digest=d, size_bytes=n)

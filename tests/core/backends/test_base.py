@@ -2,7 +2,7 @@
 
 The proof that a new backend is one new module: ``MemoryBlobs`` below (a real backend
 holding real bytes in a dict, with the same integrity check every backend's ``put`` makes)
-runs the whole snapshot path through ``Storage``: uploads, publish, resolve, the archive
+runs the whole snapshot path through the server's services (``server/services.py``): uploads, publish, resolve, the archive
 stream, delete and GC. Then what direct access is, on the two backends that ship.
 """
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 import zstandard
 from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.resources.snapshots import Storage
+from cachekeeper.server.services import Services
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.archive import blob_digest, iter_tar, open_archive_stream
@@ -74,33 +74,33 @@ class MemoryBlobs:
         return None
 
 
-def test_storage_runs_the_snapshot_path_on_a_backend_it_has_never_seen(tmp_path: Path) -> None:
+def test_the_services_run_the_snapshot_path_on_a_backend_it_has_never_seen(tmp_path: Path) -> None:
     blobs: BlobBackend = MemoryBlobs()  # by its methods alone: it imports no other backend
     settings = Settings(data_dir=tmp_path / "data", gc_grace_s=0)
-    storage = Storage(
-        settings=settings, catalog=Catalog.create(tmp_path / "meta.sqlite"), blobs=blobs
+    services = Services.build(
+        settings=settings, catalog=Catalog.create(tmp_path / "meta.sqlite"), backend=blobs
     )
-    assert storage.direct is None
+    assert services.snapshots.direct is None
     manifest, contents = make_snapshot(random_files(5, size=3000, seed=7), verified=True)
     digest = next(iter(contents))
-    with pytest.raises(DigestMismatch):  # the backend's own check, reached through storage
-        storage.put_blob(digest, [b"other bytes"])
+    with pytest.raises(DigestMismatch):  # the backend's own check, reached through the service
+        services.blobs.put(digest, [b"other bytes"])
     for d, data in contents.items():
-        assert storage.put_blob(d, [data]).created
-    assert storage.missing_blobs(contents) == [] and storage.upload_targets(contents) == []
-    summary, created = storage.publish(manifest)
+        assert services.blobs.put(d, [data]).created
+    assert services.blobs.missing(contents) == [] and services.blobs.upload_targets(contents) == []
+    summary, created = services.snapshots.publish(manifest)
     assert created and summary.id == manifest.id
 
-    answer = storage.resolve(fingerprint=FINGERPRINT, workload="wl")
+    answer = services.resolver.resolve(fingerprint=FINGERPRINT, workload="wl")
     assert answer.snapshot is not None and answer.snapshot.id == manifest.id
     assert answer.archive_url is None  # no direct access: nodes download through the server
 
-    stream = open_archive_stream(io.BytesIO(b"".join(storage.archive(manifest.id))))
+    stream = open_archive_stream(io.BytesIO(b"".join(services.snapshots.archive(manifest.id))))
     got = {blob_digest(m.name): m.stream.read() for m in iter_tar(stream) if blob_digest(m.name)}
     assert got == contents
 
-    storage.delete_snapshot(manifest.id)
-    done = storage.execute_gc(storage.plan_gc())
+    services.snapshots.delete(manifest.id)
+    done = services.gc.execute(services.gc.plan())
     assert set(done.blobs) == set(contents) and done.bytes_freed == sum(map(len, contents.values()))
     assert list(blobs.scan()) == []
 

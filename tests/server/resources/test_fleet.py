@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from cachekeeper.server.records import StatusFacts
-from cachekeeper.server.resources.fleet import STALE_AFTER_S, fleet_status
+from cachekeeper.server.resources.fleet import STALE_AFTER_S, StatusFacts, fleet_status
 
 from cachekeeper.wire import EventOut
 

@@ -1,7 +1,7 @@
 """Decisions re-checked under the write lock (issue 18.2): a GC plan is computed outside
 the lock and may be stale by the time it runs.
 
-The race is injected, not hoped for: each test wraps this server's ``Storage.plan_gc``
+The race is injected, not hoped for: each test wraps this server's ``Collector.plan``
 so that, after the GC route planned and before it executes, a real HTTP request (served
 by another worker thread of the same live server) changes what the plan decided on.
 """
@@ -21,15 +21,15 @@ from tests.server.conftest import make_snapshot, push, random_files
 
 def _between_plan_and_execute(live: LiveServer, act: Callable[[Any], None]) -> None:
     """Run ``act(plan)`` after the next GC's plan and before its execution."""
-    storage = live.app.state.storage
-    real_plan = storage.plan_gc
+    services = live.app.state.services
+    real_plan = services.gc.plan
 
     def plan_then_act(**options: Any) -> Any:
         plan = real_plan(**options)
         act(plan)
         return plan
 
-    storage.plan_gc = plan_then_act
+    services.gc.plan = plan_then_act
 
 
 def test_a_snapshot_pinned_after_the_plan_is_not_evicted(fresh_server) -> None:  # type: ignore[no-untyped-def]

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.catalog.tier import ROW_BYTES
 from cachekeeper.server.resources.tier import TierStore
+from cachekeeper.server.resources.tier_keys import ROW_BYTES, tier_key, tier_totals
 
 from cachekeeper.backends.local import LocalBackend
 
@@ -73,18 +73,18 @@ def test_a_key_whose_value_is_gone_reads_as_a_miss_and_is_dropped(tmp_path: Path
     tier.put(b"k", b"value", writer=WRITER)
     tier.blobs.delete(hashlib.sha256(b"value").hexdigest())
     assert tier.get(b"k") is None
-    assert tier.catalog.tier_key(b"k") is None
+    assert tier_key(tier.catalog, b"k") is None
 
 
 def test_last_uses_reach_the_catalog_in_batches(tmp_path: Path) -> None:
     tier = store(tmp_path)
     tier.put(b"k", b"value", writer=WRITER)
-    before = tier.catalog.tier_key(b"k")
+    before = tier_key(tier.catalog, b"k")
     assert before is not None
     tier.get(b"k")
-    assert tier.catalog.tier_key(b"k") == before  # a GET writes nothing
+    assert tier_key(tier.catalog, b"k") == before  # a GET writes nothing
     assert tier.flush_uses() == 1
-    after = tier.catalog.tier_key(b"k")
+    after = tier_key(tier.catalog, b"k")
     assert after is not None and after.last_used_at > before.last_used_at
 
 
@@ -93,7 +93,7 @@ def test_hot_values_serve_from_memory_and_leave_with_their_blob(tmp_path: Path) 
     it, so a later GET of a key rewritten to other bytes never sees the old ones."""
     tier = store(tmp_path, memory_bytes=1 << 20)
     tier.put(b"k1", b"v1" * 100, writer=WRITER)
-    entry = tier.catalog.tier_key(b"k1")
+    entry = tier_key(tier.catalog, b"k1")
     assert entry is not None
     tier.blobs.delete(entry.digest)  # the blob gone behind its back: memory still answers
     assert tier.get(b"k1") == b"v1" * 100
@@ -102,7 +102,7 @@ def test_hot_values_serve_from_memory_and_leave_with_their_blob(tmp_path: Path) 
     assert tier._hot.get(entry.digest) is None
     cold = store(tmp_path / "cold", memory_bytes=0)  # none kept: the blob is read each time
     cold.put(b"k", b"value", writer=WRITER)
-    found = cold.catalog.tier_key(b"k")
+    found = tier_key(cold.catalog, b"k")
     assert found is not None
     cold.blobs.delete(found.digest)
     assert cold.get(b"k") is None
@@ -117,9 +117,9 @@ def test_keys_and_writers_count_in_the_budget(tmp_path: Path) -> None:
         tier.put(b"%03d" % i + b"k" * 997, b"v", writer=writer)
     keys, stored = tier.totals()
     assert stored <= 20_000 and 0 < keys < 10
-    entry = tier.catalog.tier_key(b"049" + b"k" * 997)
+    entry = tier_key(tier.catalog, b"049" + b"k" * 997)
     assert entry is not None
     assert entry.row_bytes == 2 * 1000 + len(json.dumps(writer, sort_keys=True)) + ROW_BYTES
-    totals = tier.catalog.tier_totals()
+    totals = tier_totals(tier.catalog)
     assert totals.row_bytes == keys * entry.row_bytes  # one value, shared: the rest is rows
     assert totals.stored_bytes - totals.row_bytes == entry.stored_bytes

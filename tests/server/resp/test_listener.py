@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cachekeeper.server.auth import token_id
+from cachekeeper.server.resources.tier_keys import tier_key
 from cachekeeper.server.settings import Settings
 
 from tests.helpers.live_server import LiveServer, start_server
@@ -105,7 +106,7 @@ out['ping'] = r.ping()
     assert out["miss"] is None and out["set"] is True and out["ex"] is True
     assert out["same"] is True and out["ping"] is True
     wait_stored(tier, 1)
-    entry = tier.app.state.tier.catalog.tier_key(key.encode())
+    entry = tier_key(tier.app.state.tier.catalog, key.encode())
     assert entry is not None and entry.size_bytes == len(value)
     assert entry.writer["client"] == "ck:node-a:abc"
     assert entry.writer["lib"] == f"redis-py {version}" and entry.writer["scope"] == "write"
@@ -136,12 +137,12 @@ out['same'] = redis.Redis.from_url({same!r}).get({key!r}) == b'value'
     )
     assert out["same"] is True
     deadline = time.monotonic() + 10
-    while tier.app.state.tier.catalog.tier_key(key.encode()) is None:  # stored, not pending
+    while tier_key(tier.app.state.tier.catalog, key.encode()) is None:  # stored, not pending
         assert time.monotonic() < deadline
         time.sleep(0.02)
     out = run_client(version, f"out['other'] = redis.Redis.from_url({other!r}).get({key!r})")
     assert out["other"] is None
-    entry = tier.app.state.tier.catalog.tier_key(key.encode())
+    entry = tier_key(tier.app.state.tier.catalog, key.encode())
     assert entry.writer["token"] == token_id("tier-write") and entry.writer["scope"] == "write"
     assert entry.writer["environment"] == "0123456789ab"
     assert metric(tier, "cachekeeper_remote_cache_gets_total", result="other_environment") >= 1
