@@ -48,7 +48,7 @@ from .auth import Need, route_scopes
 from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
-from .resources.tier import TierStore
+from .resources.tier import Tier
 from .resp.listener import RespServer
 from .routes import admin, agents, blobs, reports, resolve, snapshots, tier, ui, workloads
 from .services import Services
@@ -137,12 +137,12 @@ def open_services(settings: Settings) -> Services:
     return services
 
 
-def open_tier(settings: Settings, catalog: Catalog) -> TierStore:
+def open_tier(settings: Settings, catalog: Catalog) -> Tier:
     """The per-key tier: keys in ``catalog``, values in ``<data>/tier-blobs`` or under
     ``tier/`` of the object store's prefix."""
     url = None if settings.blob_store is None else f"{settings.blob_store.rstrip('/')}/tier"
     backend = open_backend(url, local_root=settings.data_dir / "tier-blobs")
-    return TierStore(
+    return Tier(
         catalog=catalog,
         blobs=backend,
         max_value_bytes=settings.remote_cache_max_value_bytes,

@@ -1,6 +1,6 @@
-"""The per-key tier's store: torch's own cache keys, each naming one value in a blob store.
+"""The per-key tier's service: torch's own cache keys, each naming one value in a blob backend.
 
-``TierStore`` is what the protocol server (``server/resp/listener.py``) calls; it never sees SQL or
+``Tier`` is what the protocol server (``server/resp/listener.py``) calls; it never sees SQL or
 a backend type. A value is stored in the tier's ``BlobBackend`` by the sha256 of its bytes
 (``<data>/tier-blobs`` beside the snapshots' ``<data>/blobs``, or ``PREFIX/tier/`` of the
 object store: ``server/app.py`` picks it), and its key in the catalog's ``tier_keys``
@@ -65,7 +65,7 @@ from .tier_keys import (
 __all__ = [
     "EVICT_BATCH",
     "TierPut",
-    "TierStore",
+    "Tier",
     "TierSummary",
     "TierWriter",
     "offer_for",
@@ -136,10 +136,8 @@ _DROPS = (
 )
 
 
-def summary(
-    store: TierStore, metrics: Metrics, settings: Settings, *, port: int | None
-) -> TierSummary:
-    """The status page's view of the tier, from the store and the ``/metrics`` counters."""
+def summary(store: Tier, metrics: Metrics, settings: Settings, *, port: int | None) -> TierSummary:
+    """The status page's view of the tier, from the tier and the ``/metrics`` counters."""
     keys, stored = store.totals()
 
     def count(name: str, **labels: str) -> int:
@@ -206,7 +204,7 @@ class _HotValues:
                     self._bytes -= len(value)
 
 
-class TierStore:
+class Tier:
     """Keys in the catalog, values in a blob backend; thread-safe."""
 
     def __init__(
@@ -397,9 +395,9 @@ class TierStore:
 
 class TierWriter:
     """Stores accepted SETs after they were answered, one at a time, within a byte budget;
-    also flushes the store's last uses every few seconds."""
+    also flushes the tier's last uses every few seconds."""
 
-    def __init__(self, store: TierStore, metrics: Metrics, *, budget_bytes: int) -> None:
+    def __init__(self, store: Tier, metrics: Metrics, *, budget_bytes: int) -> None:
         self.store = store
         self.metrics = metrics
         self.budget_bytes = budget_bytes

@@ -1,6 +1,6 @@
 """The per-key tier's queries: the ``tier_keys`` table (``server/catalog/schema.py``), as
 functions over a ``Catalog`` (reads) or a ``Transaction`` (inside ``Catalog.writing()``).
-The tier's service (``TierStore``, ``server/resources/tier.py``) is their one caller.
+The tier's service (``Tier``, ``server/resources/tier.py``) is their one caller.
 
 One row per key torch wrote (its own key, as bytes, never rewritten): the digest of the
 value in the tier's blob backend, its sizes, when it was written and last read, and who

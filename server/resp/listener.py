@@ -66,7 +66,7 @@ from typing import Any
 from cachekeeper.server.auth import scope_of_token, token_id
 from cachekeeper.server.connections import connection_budget, raise_open_file_limit
 from cachekeeper.server.metrics import Metrics
-from cachekeeper.server.resources.tier import TierStore, TierWriter, queued_bytes
+from cachekeeper.server.resources.tier import Tier, TierWriter, queued_bytes
 from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import ConfigInvalid
@@ -133,7 +133,7 @@ class _Conn:
 class RespServer:
     """The tier's listener on ``settings.host``:``settings.resp_port``; ``start()``/``stop()``."""
 
-    def __init__(self, *, store: TierStore, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, *, store: Tier, settings: Settings, metrics: Metrics) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics

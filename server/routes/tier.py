@@ -32,7 +32,7 @@ from typing import Annotated, Any
 from cachekeeper.server.auth import ReadScope, WriteScope, covers, presented_token, token_id
 from cachekeeper.server.deps import SettingsDep, metrics_of, read_body
 from cachekeeper.server.metrics import Metrics
-from cachekeeper.server.resources.tier import TierPut, TierStore
+from cachekeeper.server.resources.tier import Tier, TierPut
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.settings import Settings
 from fastapi import APIRouter, Header, Path, Request
@@ -70,8 +70,8 @@ EnvironmentHeader = Annotated[
 _NO_TIER = "this server serves no per-key tier (serve --resp-port PORT)"
 
 
-def _tier(request: Request) -> TierStore:
-    tier: TierStore | None = request.app.state.tier
+def _tier(request: Request) -> Tier:
+    tier: Tier | None = request.app.state.tier
     if tier is None:
         raise NotFound(_NO_TIER)
     return tier
@@ -157,7 +157,7 @@ def _dropped(metrics: Metrics, reason: str) -> dict[str, Any]:
     return to_dict(TierPutAnswer(action="dropped", reason=reason))
 
 
-def _refusal(settings: Settings, tier: TierStore, scope: str, size_bytes: int) -> str | None:
+def _refusal(settings: Settings, tier: Tier, scope: str, size_bytes: int) -> str | None:
     """Why a put of ``size_bytes`` from a caller with ``scope`` is dropped, or None."""
     if not covers(scope, "write"):
         return "read_only_token"

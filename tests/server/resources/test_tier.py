@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.resources.tier import TierStore
+from cachekeeper.server.resources.tier import Tier
 from cachekeeper.server.resources.tier_keys import ROW_BYTES, tier_key, tier_totals
 
 from cachekeeper.backends.local import LocalBackend
@@ -22,9 +22,9 @@ def store(
     max_bytes: int | None = None,
     max_value: int = 1 << 20,
     memory_bytes: int = 0,
-) -> TierStore:
+) -> Tier:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return TierStore(
+    return Tier(
         catalog=Catalog.create(tmp_path / "meta.sqlite"),
         blobs=LocalBackend(tmp_path / "tier-blobs", level=1),
         max_value_bytes=max_value,
