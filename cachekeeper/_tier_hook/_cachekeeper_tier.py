@@ -457,16 +457,14 @@ class Client:
         """ "stored", "dropped:<reason>" (the server's), or raises TierError."""
         deadline = Deadline(self.timeout_s + len(value) / MIN_BYTES_PER_S)
         digest = hashlib.sha256(value).hexdigest()
-        plan = self._json(
-            "/v1/tier/puts",
-            {
-                "key": key,
-                "digest": digest,
-                "size_bytes": len(value),
-                "environment": self.environment,
-            },
-            deadline,
-        )
+        # The ask and the commit name the same value.
+        claim = {
+            "key": key,
+            "digest": digest,
+            "size_bytes": len(value),
+            "environment": self.environment,
+        }
+        plan = self._json("/v1/tier/puts", claim, deadline)
         action = plan.get("action")
         if action == "send":
             status, _found, data = self._api(
@@ -492,16 +490,7 @@ class Client:
                 raise TierError("an upload without a URL")
             status, _found, _data = self._direct("PUT", url, deadline, body=value, headers=headers)
             _refuse(status, (200, 201, 204))
-            plan = self._json(
-                "/v1/tier/commits",
-                {
-                    "key": key,
-                    "digest": digest,
-                    "size_bytes": len(value),
-                    "environment": self.environment,
-                },
-                deadline,
-            )
+            plan = self._json("/v1/tier/commits", claim, deadline)
             action = plan.get("action")
         if action == "stored":
             return "stored"

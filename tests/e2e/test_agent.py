@@ -197,11 +197,13 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
             on_round=between_rounds,
         )
     first, second = rounds
-    assert [(o.workload, o.status) for o in first.outcomes] == [("cpu-tiny", "skipped")]
-    assert first.prewarms_run == 0 and not first.fingerprint_changed
+    # The first build's snapshot is unsigned: not warm for a signing agent (issue 32: only a
+    # verified snapshot its own key signed is), so round 1 builds it again, sandboxed.
+    assert [(o.workload, o.status) for o in first.outcomes] == [("cpu-tiny", "built")]
+    assert first.prewarms_run == 1 and not first.fingerprint_changed
     new_digest = digest_of(collect())
     assert second.fingerprint_changed and second.fingerprint_digest == new_digest != old_digest
-    assert second.agent_id != first.agent_id  # a new environment registers anew
+    assert second.agent_id == first.agent_id  # one agent per name, whatever its environment
     broken, tiny = second.outcomes  # name order: the broken one ran first
     assert broken.workload == "broken" and broken.status == "cold_compile_broken"
     assert "symbolically trace a dynamo-optimized" in broken.detail
@@ -222,7 +224,7 @@ def test_environment_change_rebuilds_and_a_broken_workload_does_not_stop_the_oth
     assert status[("broken", old_digest)]["status"] == "missing"  # never built there
     with CacheClient(base_url=fleet.url) as client:
         agents = {a.id: a for a in client.list_agents()}
-        assert {first.agent_id, second.agent_id} <= set(agents)
+        assert second.agent_id in agents
         assert agents[second.agent_id].fingerprint["triton"] == "9.9.9"
         found = client.resolve(collect(), workload="cpu-tiny", devices=["cpu"])
         assert found.verified and found.snapshot_id == tiny.snapshot_id
@@ -260,7 +262,7 @@ def test_a_hang_times_out_and_sigterm_abandons_a_build_cleanly(tmp_path: Path) -
         outcomes = _by_name(report)
         for name in ("hang-a", "hang-b"):  # the first hang did not stop the second
             assert outcomes[name]["status"] == "failed", outcomes[name]
-            assert "Timeout" in outcomes[name]["detail"] and outcomes[name]["reported"]
+            assert outcomes[name]["detail"].startswith("timeout: ") and outcomes[name]["reported"]
         assert list(work.iterdir()) == [leftover]
 
         proc = _agent_cli("--server", live.url, "--device", "cpu", "--work-dir", str(work),

@@ -6,6 +6,7 @@ rest of the request holds. (tests/server/test_schema_fuzz.py covers auth off.)""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,8 +45,10 @@ def _scopes(app: Any) -> dict[tuple[str, str], str | None]:
                 continue
             names = [getattr(d.call, "__name__", "") for d in dependant.dependencies]
             scope = next((n[len("require_") :] for n in names if n.startswith("require_")), None)
+            # OpenAPI names a path parameter {key}; the route may match it as {key:path}
+            path = re.sub(r"\{(\w+):\w+\}", r"{\1}", prefix + route.path)
             for method in route.methods:
-                out[(method, prefix + route.path)] = scope
+                out[(method, path)] = scope
     return out
 
 

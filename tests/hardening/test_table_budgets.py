@@ -284,7 +284,7 @@ def test_an_endless_build_ends_at_the_agents_default_timeout(
             work_dir=tmp_path / "work",
             name="builder",
             build_timeout_s=3.0,
-            allow=Allowlist.load((python,), ()),
+            allow=Allowlist.load((f"{python} ...",), ()),  # the program, any arguments
         )
         assert AgentOptions(devices=("cpu",), work_dir=tmp_path).build_timeout_s == 3600.0
         started = time.monotonic()

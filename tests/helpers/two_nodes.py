@@ -96,7 +96,7 @@ def _run(argv: list[str], env: dict[str, str], *, timeout: float = 900) -> str:
 def _agent(url: str, root: Path, **shell: str) -> dict[str, Any]:
     env = _env(root / "builder-home", CACHEKEEPER_SERVER=url, CACHEKEEPER_TOKEN=BUILDER, **shell)
     argv = [CK, "agent", "--once", "--device", "cpu", "--json", "--name", "builder",
-            "--work-dir", str(root / "builder-work"), "--allow", TORCHRUN]  # fmt: skip
+            "--work-dir", str(root / "builder-work"), "--allow", f"{TORCHRUN} ..."]  # fmt: skip
     out = _run(argv, env, timeout=1500)
     return json.loads(out.strip().splitlines()[-1])
 
