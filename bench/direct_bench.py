@@ -47,6 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 from botocore.config import Config
+
 from cachekeeper.client.direct import PARALLEL, PART_BYTES, DirectUnavailable, ObjectStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -36,10 +36,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from bench.synthetic_cache import make_synthetic_cache
     from cachekeeper.client.api import CacheClient
     from cachekeeper.client.push import push
-
-    from bench.synthetic_cache import make_synthetic_cache
 
     work = Path(tempfile.mkdtemp(prefix="ck-postjob-bench-"))
     src, cache = work / "src", work / "cache"

@@ -61,10 +61,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import httpx
-    from cachekeeper.client.api import CacheClient
-    from cachekeeper.client.push import push
 
     from bench.synthetic_cache import make_synthetic_cache
+    from cachekeeper.client.api import CacheClient
+    from cachekeeper.client.push import push
     from cachekeeper.restore import is_restored
     from cachekeeper.store import LocalStore
 

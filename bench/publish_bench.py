@@ -25,11 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cachekeeper.client.api import CacheClient  # noqa: E402
-from cachekeeper.client.push import upload_missing  # noqa: E402
-
 from bench._server import cpu_seconds, serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
+from cachekeeper.client.api import CacheClient  # noqa: E402
+from cachekeeper.client.push import upload_missing  # noqa: E402
 from cachekeeper.snapshot import snapshot_dir  # noqa: E402
 from cachekeeper.store import LocalStore  # noqa: E402
 from tests.helpers.moto_server import start_moto  # noqa: E402

@@ -37,12 +37,11 @@ import zstandard
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cachekeeper.server.app import open_services  # noqa: E402
-from cachekeeper.server.settings import Settings  # noqa: E402
-
 from bench._server import serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
 from cachekeeper.manifest import FileEntry, Manifest  # noqa: E402
+from cachekeeper.server.app import open_services  # noqa: E402
+from cachekeeper.server.settings import Settings  # noqa: E402
 
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
 

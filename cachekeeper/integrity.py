@@ -22,7 +22,7 @@ file or a spool first. The callers:
 - ``refuse_oversize``: a restore source whose member declares more bytes than the
   manifest (``cachekeeper.restore.sources``), before a byte of it is read;
 - ``hash_file`` and ``digest_of``: the sha256 of a file (a snapshot's files, a restored
-  file found in place) or of bytes in memory (the per-key tier's values, ``server.tier``,
+  file found in place) or of bytes in memory (the per-key tier's values, ``server/resources/tier.py``,
   named by it when stored and checked against it when read).
 
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.manifest``).

@@ -94,7 +94,6 @@ from .push import push
 
 if TYPE_CHECKING:
     from cachekeeper.client.api import CacheClient, Resolution
-
     from cachekeeper.verdicts import PrewarmReport, ProgressEvent
 
 __all__ = [

@@ -23,7 +23,6 @@ from playwright.sync_api import sync_playwright
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.helpers, from the repo
 
 from cachekeeper.server.settings import Settings  # noqa: E402
-
 from tests.helpers.live_server import start_server  # noqa: E402
 from tests.helpers.two_nodes import ADMIN, TOKENS, run_scenario  # noqa: E402
 

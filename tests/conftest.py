@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import TOKENS, LiveServer, start_server
 from tests.helpers.moto_server import MotoServer, start_moto
 from tests.helpers.redis_py import redis_py_versions

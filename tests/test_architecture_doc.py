@@ -1,6 +1,6 @@
 """docs/architecture.md reads true: what it names exists, and it names every module.
 
-A module is named by its path from the repository root (``server/gc.py``); a package by its
+A module is named by its path from the repository root (``server/resources/gc.py``); a package by its
 folder with a trailing slash (``server/routes/``), which names its ``__init__.py``. Paths it
 names (``tests/helpers/in_process.py``, ``server/routes/*.py``) must exist or match, and
 dotted names in code spans (``cachekeeper.restore.marker``, ``server.catalog``,

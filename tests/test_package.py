@@ -47,6 +47,31 @@ def test_prejob_help_does_not_import_torch() -> None:
     assert out.stdout.strip().endswith("CLEAN")
 
 
+def test_a_checkout_imports_server_and_client_under_cachekeeper_and_no_other_folder() -> None:
+    """From the repository root, ``cachekeeper.server`` and ``cachekeeper.client`` are the
+    checkout's ``server/`` and ``client/``; its other folders are not subpackages
+    (``cachekeeper.tests`` imported while the whole root was on ``cachekeeper.__path__``)."""
+    code = (
+        "import importlib, json, cachekeeper.server.app, cachekeeper.client.api\n"
+        "found = [cachekeeper.server.app.__file__, cachekeeper.client.api.__file__]\n"
+        "for name in ('tests', 'tests.helpers', 'bench', 'docs', 'scripts', 'deploy'):\n"
+        "    try:\n"
+        "        found.append(importlib.import_module('cachekeeper.' + name).__name__)\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        found.append(exc.name)\n"
+        "print(json.dumps(found))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    server_app, client_api, *others = json.loads(out.stdout)
+    assert (server_app, client_api) == (str(REPO / "server/app.py"), str(REPO / "client/api.py"))
+    assert (REPO / "tests" / "__init__.py").is_file()  # a package, so it could import
+    assert others == ["cachekeeper.tests"] * 2 + [
+        f"cachekeeper.{name}" for name in ("bench", "docs", "scripts", "deploy")
+    ]
+
+
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_command_exists_and_has_help(name: str) -> None:
     result = CliRunner().invoke(cli, [name, "--help"])

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from cachekeeper.client.api import CacheClient
-from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
 
 import cachekeeper
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.push import push
 from cachekeeper.restore import is_restored
+from cachekeeper.server.settings import Settings
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import start_server

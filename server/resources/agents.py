@@ -14,11 +14,10 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from cachekeeper.server.budgets import Budgets, event_bytes
-from cachekeeper.server.catalog import Catalog, Transaction, agent_id_for
-
 from cachekeeper.errors import AgentNotFound
 from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.server.budgets import Budgets, event_bytes
+from cachekeeper.server.catalog import Catalog, Transaction, agent_id_for
 from cachekeeper.wire import AgentInfo, EventOut, EventStatus, utc_now
 
 __all__ = [

@@ -18,11 +18,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from cachekeeper.server.catalog import Catalog, Transaction, chunks
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.backends.base import BlobBackend, DirectAccess, PutResult
 from cachekeeper.errors import BlobMissing, PayloadTooLarge, ServerUnavailable
+from cachekeeper.server.catalog import Catalog, Transaction, chunks
+from cachekeeper.server.settings import Settings
 from cachekeeper.wire import Upload, utc_now
 
 __all__ = [

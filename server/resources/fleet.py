@@ -62,10 +62,9 @@ import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from cachekeeper.devices import coverage_advice
 from cachekeeper.server.catalog import Catalog, chunks
 from cachekeeper.server.settings import Settings
-
-from cachekeeper.devices import coverage_advice
 from cachekeeper.wire import EventOut, JobStats, StatusRow
 
 from .agents import event_of
@@ -290,7 +289,7 @@ def _superseded(facts: StatusFacts) -> set[tuple[str, str]]:
 
 
 def status_facts(catalog: Catalog) -> StatusFacts:
-    """What ``server.fleet`` decides each (workload, fingerprint digest)'s status from."""
+    """What ``Fleet.status`` decides each (workload, fingerprint digest)'s status from."""
     with catalog.reading():
         return _status_facts(catalog)
 

@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
+from cachekeeper.backends.base import BlobBackend, DirectAccess
 from cachekeeper.server.catalog import Catalog, Transaction
 from cachekeeper.server.settings import Settings
-
-from cachekeeper.backends.base import BlobBackend, DirectAccess
 from cachekeeper.wire import utc_now
 
 from .blobs import blob_last_access, blob_usage, delete_unused_blob_rows

@@ -13,7 +13,6 @@ import json
 
 from cachekeeper.server.budgets import Budgets, report_bytes
 from cachekeeper.server.catalog import Catalog, Transaction
-
 from cachekeeper.wire import JobReport, JobStats, utc_now
 
 __all__ = ["Reports", "add_job_report", "job_stats", "restores_by_day"]

@@ -23,14 +23,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
-from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.settings import Settings
-from cachekeeper.server.trust import NodeTrust, Verdicts
-
 from cachekeeper import remote_tier
 from cachekeeper.errors import did_you_mean
 from cachekeeper.fingerprint import DriverPolicy, Fingerprint, compare
 from cachekeeper.manifest import built_by
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.settings import Settings
+from cachekeeper.server.trust import NodeTrust, Verdicts
 from cachekeeper.signing import TrustedKey
 from cachekeeper.wire import Mismatch, NearMiss, ResolveAnswer, Summary
 

@@ -22,16 +22,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
+from cachekeeper.backends.base import BlobBackend, BlobStat, DirectAccess
+from cachekeeper.errors import BlobMissing, InvalidManifest, SnapshotNotFound
+from cachekeeper.fingerprint import Fingerprint
+from cachekeeper.manifest import Manifest
 from cachekeeper.server.archive import archive_chunks
 from cachekeeper.server.budgets import Budgets
 from cachekeeper.server.catalog import BATCH, Catalog, Transaction
 from cachekeeper.server.packing import Packed, SnapshotLocks, pack_snapshot
 from cachekeeper.server.settings import Settings
-
-from cachekeeper.backends.base import BlobBackend, BlobStat, DirectAccess
-from cachekeeper.errors import BlobMissing, InvalidManifest, SnapshotNotFound
-from cachekeeper.fingerprint import Fingerprint
-from cachekeeper.manifest import Manifest
 from cachekeeper.wire import Summary, utc_now
 
 from .blobs import (

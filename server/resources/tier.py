@@ -41,14 +41,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.metrics import Metrics
-from cachekeeper.server.settings import Settings
-
 from cachekeeper import remote_tier
 from cachekeeper.backends.base import BlobBackend
 from cachekeeper.errors import BlobMissing
 from cachekeeper.integrity import digest_of
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.metrics import Metrics
+from cachekeeper.server.settings import Settings
 from cachekeeper.wire import RemoteCacheOffer, utc_now
 
 from .tier_keys import (

@@ -10,10 +10,9 @@ registration is checked against the table's bound in the same transaction as its
 
 from __future__ import annotations
 
+from cachekeeper.errors import WorkloadNotFound
 from cachekeeper.server.budgets import Budgets
 from cachekeeper.server.catalog import Catalog, Transaction
-
-from cachekeeper.errors import WorkloadNotFound
 from cachekeeper.wire import WorkloadInfo, utc_now
 
 __all__ = ["Workloads", "delete_workload", "list_workloads", "put_workload", "workload_toml"]

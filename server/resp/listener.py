@@ -63,14 +63,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cachekeeper.errors import ConfigInvalid
+from cachekeeper.remote_tier import environment_of_client_name
 from cachekeeper.server.auth import scope_of_token, token_id
 from cachekeeper.server.connections import connection_budget, raise_open_file_limit
 from cachekeeper.server.metrics import Metrics
 from cachekeeper.server.resources.tier import Tier, TierWriter, queued_bytes
 from cachekeeper.server.settings import Settings
-
-from cachekeeper.errors import ConfigInvalid
-from cachekeeper.remote_tier import environment_of_client_name
 
 from .bounds import (
     AUTHED,

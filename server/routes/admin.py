@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from cachekeeper.server.auth import AdminScope, require
-from cachekeeper.server.deps import ServicesDep, metrics_of
-from cachekeeper.server.metrics import CONTENT_TYPE
-from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from cachekeeper.errors import CatalogCorrupt
+from cachekeeper.server.auth import AdminScope, require
+from cachekeeper.server.deps import ServicesDep, metrics_of
+from cachekeeper.server.metrics import CONTENT_TYPE
+from cachekeeper.server.responses import error_responses
 from cachekeeper.wire import GcAnswer, GcRequest, Health
 
 __all__ = ["router"]
@@ -59,11 +59,11 @@ def metrics(request: Request, services: ServicesDep) -> PlainTextResponse:
     if packed > 0:
         registry.inc("cachekeeper_archive_packs_total", packed)
     budgets = services.budgets
-    for name, counts in (
+    for name, by_reason in (
         ("cachekeeper_catalog_refusals_total", budgets.refused()),
         ("cachekeeper_catalog_pruned_total", budgets.pruned()),
     ):
-        for (table, reason), count in counts.items():
+        for (table, reason), count in by_reason.items():
             added = count - registry.value(name, table=table, reason=reason)
             if added > 0:
                 registry.inc(name, added, table=table, reason=reason)

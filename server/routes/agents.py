@@ -16,9 +16,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from cachekeeper.server.auth import ReadScope, WriteScope
-from cachekeeper.server.deps import ServicesDep
-from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Path, Query
 
 from cachekeeper.devices import requested_devices
@@ -30,6 +27,9 @@ from cachekeeper.errors import (
     InvalidRequest,
 )
 from cachekeeper.fingerprint import digest_of, json_digest, parse
+from cachekeeper.server.auth import ReadScope, WriteScope
+from cachekeeper.server.deps import ServicesDep
+from cachekeeper.server.responses import error_responses
 from cachekeeper.wire import (
     DIGEST_PATTERN,
     AgentEvent,

@@ -10,12 +10,6 @@ from typing import Annotated, Any
 
 import anyio
 import zstandard
-from cachekeeper.server.auth import ReadScope, WriteScope, covers
-from cachekeeper.server.capacity import Reservation, StoreRoom, store_room
-from cachekeeper.server.deps import ServicesDep, metrics_of, services_of
-from cachekeeper.server.limits import upload_limiter
-from cachekeeper.server.responses import error_responses
-from cachekeeper.server.services import Services
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -30,6 +24,12 @@ from cachekeeper.errors import (
     UnsupportedEncoding,
 )
 from cachekeeper.integrity import DIGEST_PATTERN
+from cachekeeper.server.auth import ReadScope, WriteScope, covers
+from cachekeeper.server.capacity import Reservation, StoreRoom, store_room
+from cachekeeper.server.deps import ServicesDep, metrics_of, services_of
+from cachekeeper.server.limits import upload_limiter
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.services import Services
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
 __all__ = ["router"]

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from cachekeeper.server.auth import identified
-from cachekeeper.server.deps import MetricsDep, ServicesDep
-from cachekeeper.server.responses import error_responses
 from fastapi import APIRouter, Depends
 
 from cachekeeper.errors import ERRORS, InsufficientStorage, RateLimited
+from cachekeeper.server.auth import identified
+from cachekeeper.server.deps import MetricsDep, ServicesDep
+from cachekeeper.server.responses import error_responses
 from cachekeeper.wire import JobReport, JobReportAnswer
 
 __all__ = ["router"]

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
+from fastapi import APIRouter, Request
+
+from cachekeeper.errors import InvalidManifest, InvalidRequest, NotFound
+from cachekeeper.fingerprint import parse
 from cachekeeper.server.auth import ReadScope
 from cachekeeper.server.deps import ServicesDep, metrics_of
 from cachekeeper.server.resources.tier import offer_for
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.trust import parse_trusted_keys
-from fastapi import APIRouter, Request
-
-from cachekeeper.errors import InvalidManifest, InvalidRequest, NotFound
-from cachekeeper.fingerprint import parse
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
 __all__ = ["router"]

@@ -6,10 +6,6 @@ import json
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
-from cachekeeper.server.deps import ServicesDep, metrics_of, read_body, services_of
-from cachekeeper.server.responses import error_responses
-from cachekeeper.server.services import Services
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +22,10 @@ from cachekeeper.errors import (
 )
 from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.manifest import Manifest
+from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
+from cachekeeper.server.deps import ServicesDep, metrics_of, read_body, services_of
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.services import Services
 from cachekeeper.signing import load_trusted_keys, verify_manifest
 from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
 

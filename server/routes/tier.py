@@ -29,12 +29,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from cachekeeper.server.auth import ReadScope, WriteScope, covers, presented_token, token_id
-from cachekeeper.server.deps import SettingsDep, metrics_of, read_body
-from cachekeeper.server.metrics import Metrics
-from cachekeeper.server.resources.tier import Tier, TierPut
-from cachekeeper.server.responses import error_responses
-from cachekeeper.server.settings import Settings
 from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -47,6 +41,12 @@ from cachekeeper.errors import (
     PayloadTooLarge,
 )
 from cachekeeper.integrity import DIGEST_PATTERN, digest_of
+from cachekeeper.server.auth import ReadScope, WriteScope, covers, presented_token, token_id
+from cachekeeper.server.deps import SettingsDep, metrics_of, read_body
+from cachekeeper.server.metrics import Metrics
+from cachekeeper.server.resources.tier import Tier, TierPut
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.settings import Settings
 from cachekeeper.wire import TierCommitRequest, TierPutAnswer, TierPutRequest, to_dict
 from cachekeeper.wire.tier import ENVIRONMENT_PATTERN, MAX_TIER_KEY_LENGTH
 

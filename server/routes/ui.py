@@ -25,6 +25,13 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, quote
 
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.concurrency import run_in_threadpool
+
+from cachekeeper.errors import SnapshotNotFound
+from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.server.auth import scope_of_token
 from cachekeeper.server.deps import ServicesDep, read_body, services_of
 from cachekeeper.server.resources.tier import summary as tier_summary
@@ -37,13 +44,6 @@ from cachekeeper.server.ui_view import (
     plain,
     size_plot_svg,
 )
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from jinja2 import Environment, PackageLoader, select_autoescape
-from starlette.concurrency import run_in_threadpool
-
-from cachekeeper.errors import SnapshotNotFound
-from cachekeeper.integrity import DIGEST_PATTERN
 
 __all__ = ["router"]
 

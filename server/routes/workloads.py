@@ -6,15 +6,15 @@ import hashlib
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
-from cachekeeper.server.deps import ServicesDep, read_body, services_of
-from cachekeeper.server.responses import error_responses
-from cachekeeper.server.services import Services
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from cachekeeper.errors import Forbidden, InsufficientStorage, WorkloadInvalid, WorkloadNotFound
+from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
+from cachekeeper.server.deps import ServicesDep, read_body, services_of
+from cachekeeper.server.responses import error_responses
+from cachekeeper.server.services import Services
 from cachekeeper.wire import WorkloadInfo, WorkloadList
 from cachekeeper.workload import parse_workload
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push as push_dir
-
 from cachekeeper.store import LocalStore
 from cachekeeper.wire import utc_now
 from tests.cli.conftest import ck, run

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
+from cachekeeper.server.settings import Settings
 from tests.cli.conftest import ck
 from tests.helpers.live_server import LiveServer, start_server
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import click
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 from click.testing import CliRunner
 
 from cachekeeper.cli import COMMANDS, cli
+from cachekeeper.server.settings import Settings
 from tests.cli.conftest import run
 from tests.helpers.live_server import LiveServer, start_server
 from tests.server.conftest import make_snapshot, push

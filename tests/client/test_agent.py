@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+
+from cachekeeper.allowlist import Allowlist
+from cachekeeper.children import child_cpu_state
 from cachekeeper.client.agent import (
     KEEP_REPORTS,
     AgentOptions,
@@ -16,9 +19,6 @@ from cachekeeper.client.agent import (
     run_round,
 )
 from cachekeeper.client.api import CacheClient
-
-from cachekeeper.allowlist import Allowlist
-from cachekeeper.children import child_cpu_state
 from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.signing import generate_keypair
 from cachekeeper.snapshot import snapshot_dir

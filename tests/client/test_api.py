@@ -9,8 +9,8 @@ import json
 
 import httpx
 import pytest
-from cachekeeper.client.api import CacheClient, Deadline
 
+from cachekeeper.client.api import CacheClient, Deadline
 from cachekeeper.errors import (
     BlobMissing,
     Forbidden,

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cachekeeper.client.api import CacheClient, server_root
 from cachekeeper.client.push import push
-
 from cachekeeper.errors import Forbidden, Unauthorized
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache

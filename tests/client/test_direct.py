@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.client.direct import DirectUnavailable, ObjectStore
 
 from cachekeeper.backends.s3 import S3Backend
+from cachekeeper.client.direct import DirectUnavailable, ObjectStore
 
 
 def _archive(s3_bucket: str, tmp_path: Path, data: bytes) -> str:

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 import yaml  # pyyaml comes with the dev extra (schemathesis)
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.fingerprint import collect
+from cachekeeper.server.settings import Settings
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server

@@ -15,12 +15,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.calls import refuse_plaintext
 from cachekeeper.client.transport import post_json
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.errors import PlaintextRefused, ServerUnavailable
+from cachekeeper.server.settings import Settings
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.slow_servers import FakeServer, answer_json

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import diff_cache, kind_of, postjob, summary_line
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.fingerprint import collect
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import TOKENS, LiveServer, start_server

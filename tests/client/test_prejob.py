@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.errors import CacheDirUnusable
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import is_restored
+from cachekeeper.server.settings import Settings
 from cachekeeper.store import LocalStore
 from tests.helpers.caches import make_cache
 from tests.helpers.live_server import LiveServer, start_server
@@ -207,6 +207,7 @@ def test_erroring_server_gives_a_cold_start(relay, tmp_path, route, why):
         assert asked(relay).count("POST /v1/resolve") > 1  # 5xx is retried
 
 
+@pytest.mark.slow  # waits out the hook's 2 s timeout
 def test_slow_server_is_abandoned_at_the_timeout(relay, tmp_path):
     relay.routes["/"] = stall()  # reads each request, never answers (until the test ends)
     proc = run_prejob(
@@ -286,6 +287,7 @@ def test_default_cache_dir_is_per_fingerprint_under_home(served, tmp_path):
     assert proc.stdout == f"export TORCHINDUCTOR_CACHE_DIR={tmp_path / 'explicit'}\n"
 
 
+@pytest.mark.slow  # waits out the hook's 2 s timeout
 def test_a_lock_held_by_a_stuck_process_does_not_hold_the_job(served, tmp_path):
     import fcntl
 
@@ -325,6 +327,7 @@ def test_state_folder_as_a_file_fails_pull_cleanly_and_prejob_cold(served, tmp_p
     assert visible_files(cache) == set()
 
 
+@pytest.mark.slow  # waits out the hook's 2 s timeout twice
 def test_a_hung_server_over_a_restored_dir_says_the_job_uses_what_it_holds(served, relay, tmp_path):
     """Issue 25: with the server hung and the dir already restored, the hook said "this job
     will compile cold", though the job hits what an earlier restore left."""

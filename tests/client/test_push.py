@@ -7,10 +7,10 @@ import random
 from pathlib import Path
 
 import httpx
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import PushReport, publish_timeout_for, push
 from cachekeeper.server.settings import Settings
-
 from cachekeeper.store import LocalStore
 from tests.helpers.live_server import start_server
 from tests.server.conftest import FINGERPRINT

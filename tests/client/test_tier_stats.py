@@ -12,11 +12,11 @@ import types
 from pathlib import Path
 
 import pytest
+
+from cachekeeper import config, remote_tier
 from cachekeeper.client.tier import checked_torch, tier_exports
 from cachekeeper.client.tier_stats import collect, prepare, stats_dir
 from cachekeeper.server.settings import Settings
-
-from cachekeeper import config, remote_tier
 from cachekeeper.wire import RemoteCacheOffer
 from tests.conftest import REPO
 from tests.helpers.live_server import start_server

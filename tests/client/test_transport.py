@@ -8,10 +8,10 @@ import socket
 import threading
 
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.calls import USER_AGENT, Backoff, Deadline
 from cachekeeper.client.direct import DirectUnavailable, ObjectStore
-
 from cachekeeper.errors import ServerUnavailable
 from tests.helpers.slow_servers import FakeServer, Request, Route, answer_json
 

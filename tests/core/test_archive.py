@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from cachekeeper.server.archive import archive_chunks
 
 from cachekeeper.archive import (
     BLOCK,
@@ -27,6 +26,7 @@ from cachekeeper.archive import (
 )
 from cachekeeper.errors import BlobMissing
 from cachekeeper.manifest import Manifest
+from cachekeeper.server.archive import archive_chunks
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
 

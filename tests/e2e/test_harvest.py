@@ -17,14 +17,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
-
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
+from cachekeeper.server.settings import Settings
 from tests.conftest import PROBE
 from tests.helpers.live_server import TOKENS, start_server
 

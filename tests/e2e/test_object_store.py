@@ -15,18 +15,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from cachekeeper.backends.s3 import S3Backend, checksum_b64
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.direct import ObjectStore
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
-from cachekeeper.server.resources.blobs import delete_blob_rows
-from cachekeeper.server.resources.snapshots import delete_snapshot
-from cachekeeper.server.settings import Settings
-
-from cachekeeper.backends.s3 import S3Backend, checksum_b64
 from cachekeeper.errors import BlobMissing
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
+from cachekeeper.server.resources.blobs import delete_blob_rows
+from cachekeeper.server.resources.snapshots import delete_snapshot
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore
 from tests.conftest import run_probe

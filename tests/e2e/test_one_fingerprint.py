@@ -24,12 +24,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.client.api import CacheClient
-from cachekeeper.client.prejob import prejob
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.children import child_cpu_state
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.prejob import prejob
 from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.server.settings import Settings
 from tests.conftest import run_probe
 from tests.helpers.live_server import start_server
 

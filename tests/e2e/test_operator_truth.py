@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.requires import require
 from tests.helpers.two_nodes import CK, NODE, TOKENS, Scenario, run_scenario

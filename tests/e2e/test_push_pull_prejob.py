@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
-
 from cachekeeper.fingerprint import collect
 from cachekeeper.restore import is_restored
 from cachekeeper.store import LocalStore

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import remote_tier
+from cachekeeper.server.settings import Settings
 from tests.conftest import PROBE
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.redis_py import redis_py_env, redis_py_versions

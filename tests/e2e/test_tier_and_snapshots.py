@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import remote_tier
+from cachekeeper.server.settings import Settings
 from tests.conftest import TINY, run_probe
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.redis_py import redis_py_env, redis_py_versions

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from cachekeeper import config, remote_tier
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
 from cachekeeper.server.settings import Settings
-
-from cachekeeper import config, remote_tier
 from tests.conftest import REPO
 from tests.helpers.live_server import LiveServer, start_server
 

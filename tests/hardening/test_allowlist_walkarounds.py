@@ -21,11 +21,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from cachekeeper.allowlist import Allowlist
 from cachekeeper.client.agent import AgentOptions, WorkloadOutcome, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.server.settings import Settings
-
-from cachekeeper.allowlist import Allowlist
 from tests.helpers.live_server import start_server
 
 TOKENS = {"builder-tok": "write", "ops-tok": "admin"}

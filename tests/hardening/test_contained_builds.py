@@ -23,15 +23,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, prepare_options, run_round
-from cachekeeper.client.api import CacheClient
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.allowlist import Allowlist
 from cachekeeper.children import run_children, work_area
+from cachekeeper.client.agent import AgentOptions, prepare_options, run_round
+from cachekeeper.client.api import CacheClient
 from cachekeeper.commands import run_command
 from cachekeeper.confine import Confinement
 from cachekeeper.errors import BuildsUnconfined
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair
 from cachekeeper.verify import verify
 from cachekeeper.workload import Command, parse_workload

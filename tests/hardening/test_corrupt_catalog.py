@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.server.app import open_services
 from cachekeeper.server.budgets import report_bytes
 from cachekeeper.server.resources.reports import add_job_report
 from cachekeeper.server.settings import Settings
-
 from cachekeeper.wire import JobReport, utc_now
 from tests.hardening.conftest import ServerProcess, child_env, cli
 from tests.helpers.live_server import start_server

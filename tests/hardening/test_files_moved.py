@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cachekeeper.client.api import CacheClient
-from cachekeeper.client.push import push
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import scan
 from cachekeeper.backends.local import LocalBackend
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.push import push
 from cachekeeper.errors import CacheDirChanged, LinkInCacheDir
 from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry
@@ -31,6 +30,7 @@ from cachekeeper.node_cache import plan_prune, scan_node_dirs
 from cachekeeper.repair import plan_set_aside
 from cachekeeper.restore import merge_tree, restore_archive
 from cachekeeper.restore.writer import is_present
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import REPO, child_env, cli, sha

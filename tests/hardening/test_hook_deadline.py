@@ -27,10 +27,10 @@ from pathlib import Path
 
 import boto3
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
 from cachekeeper.server.settings import Settings
-
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env
 from tests.helpers.live_server import LiveServer, start_server

@@ -23,12 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.resources.blobs import record_blob
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.backends.local import LocalBackend
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.resources.blobs import record_blob
+from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import start_server
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 from tests.server.conftest import FINGERPRINT, make_snapshot, push
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import UnsafePath
 from cachekeeper.fingerprint import collect
 from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.restore import is_restored, restore, restore_archive
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair, load_public_key, sign_manifest
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore

@@ -255,7 +255,6 @@ def test_disk_full_during_upload_answers_507_and_keeps_no_half_blob(
     from cachekeeper.client.api import CacheClient
     from cachekeeper.client.push import push
     from cachekeeper.server.settings import Settings
-
     from cachekeeper.store import LocalStore
 
     real_open = open

@@ -273,7 +273,6 @@ def test_server_requiring_signatures_refuses_unsigned_publishes(
     keys: dict[str, Path], small_cache: Path, tmp_path: Path, reliability
 ) -> None:
     from cachekeeper.server.settings import Settings
-
     from cachekeeper.snapshot import snapshot_dir
     from cachekeeper.store import LocalStore
 

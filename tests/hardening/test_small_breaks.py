@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings, load_settings
 
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.fingerprint import collect, digest_of
+from cachekeeper.server.settings import Settings, load_settings
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.hardening.conftest import child_env, cli

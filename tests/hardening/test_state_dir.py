@@ -16,9 +16,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
-
 from cachekeeper.fingerprint import collect
 from tests.hardening.conftest import child_env, cli
 from tests.helpers.live_server import LiveServer

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from cachekeeper.client.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
-from cachekeeper.client.api import CacheClient
-from cachekeeper.server.auth import token_id
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.allowlist import Allowlist
+from cachekeeper.client.agent import DEFAULT_BUILD_TIMEOUT_S, AgentOptions, run_round
+from cachekeeper.client.api import CacheClient
 from cachekeeper.fingerprint import digest_of
+from cachekeeper.server.auth import token_id
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "cpu-tiny.toml"

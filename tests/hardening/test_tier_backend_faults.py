@@ -37,11 +37,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from cachekeeper import config
 from cachekeeper.client.prejob import prejob
 from cachekeeper.client.tier import tier_exports
 from cachekeeper.server.settings import Settings
-
-from cachekeeper import config
 from cachekeeper.wire import RemoteCacheOffer, from_dict
 from tests.hardening.conftest import REPO, ServerProcess
 from tests.helpers.live_server import LiveServer, start_server

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import pytest
-from cachekeeper.client.prejob import prejob
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import remote_tier
+from cachekeeper.client.prejob import prejob
+from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import REPO, ServerProcess
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.moto_server import start_moto
@@ -122,7 +122,6 @@ def test_a_server_frozen_before_the_job_is_probed_and_left_out(
         os.kill(server.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
         # The hook itself cannot reach the frozen server: give it the offer a live one made.
         from cachekeeper.client.tier import tier_exports as choose
-
         from cachekeeper.wire import RemoteCacheOffer
 
         offer = RemoteCacheOffer(port=resp, use=True, writable=True, switches=SWITCHES)

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.server.resources.tier_keys import tier_key, tier_lru, tier_totals
 from cachekeeper.server.settings import Settings
-
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ports import free_port

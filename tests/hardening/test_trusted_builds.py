@@ -43,14 +43,14 @@ from typing import Any
 
 import httpx
 import pytest
+
+from cachekeeper.allowlist import Allowlist
 from cachekeeper.client.agent import AgentOptions, RoundReport, run_round
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.postjob import postjob
 from cachekeeper.client.prejob import prejob
-from cachekeeper.server.settings import Settings
-
-from cachekeeper.allowlist import Allowlist
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
 from tests.hardening.conftest import sha
 from tests.helpers.live_server import LiveServer, start_server

@@ -27,16 +27,16 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.client.agent import AgentOptions, run_round
-from cachekeeper.client.api import CacheClient
-from cachekeeper.client.prejob import prejob
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.allowlist import Allowlist
 from cachekeeper.children import child_cpu_state
+from cachekeeper.client.agent import AgentOptions, run_round
+from cachekeeper.client.api import CacheClient
+from cachekeeper.client.prejob import prejob
 from cachekeeper.errors import SignatureInvalid
 from cachekeeper.fingerprint import collect, with_cpu
 from cachekeeper.manifest import Manifest
+from cachekeeper.server.settings import Settings
 from cachekeeper.signing import generate_keypair, load_public_key, verify_manifest
 from cachekeeper.snapshot import snapshot_dir
 from cachekeeper.store import LocalStore

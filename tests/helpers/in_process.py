@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from cachekeeper.server.app import create_app
 from cachekeeper.server.settings import Settings
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+
 from cachekeeper.server.app import create_app
 from cachekeeper.server.settings import Settings
 

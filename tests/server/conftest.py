@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.manifest import FileEntry, Manifest
+from cachekeeper.server.settings import Settings
 from tests.helpers.in_process import InProcessServer, in_process
 from tests.helpers.live_server import LiveServer, start_server
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cachekeeper.server.app import create_app
-from cachekeeper.server.settings import Settings
 
 from cachekeeper import wire
 from cachekeeper.errors import ERRORS
+from cachekeeper.server.app import create_app
+from cachekeeper.server.settings import Settings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 COMMON = {  # any route (server/responses.py); stated once at the top of docs/api.md

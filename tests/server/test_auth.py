@@ -8,6 +8,7 @@ import socket
 
 import httpx
 import pytest
+
 from cachekeeper.server.settings import Settings, load_settings, parse_tokens
 
 TOKENS = {"r-tok": "read", "w-tok": "write", "a-tok": "admin"}

@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
+from cachekeeper.errors import ConfigInvalid
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.budgets import Budgets, drop_oldest, event_bytes, report_bytes, usage
 from cachekeeper.server.catalog import Catalog
@@ -17,8 +19,6 @@ from cachekeeper.server.catalog.schema import EVENT_BYTES_SQL, REPORT_BYTES_SQL
 from cachekeeper.server.resources.agents import add_agent_event, register_agent
 from cachekeeper.server.resources.reports import add_job_report
 from cachekeeper.server.settings import Settings, load_settings
-
-from cachekeeper.errors import ConfigInvalid
 from cachekeeper.wire import JobReport
 
 FP = {"schema": 1, "torch": "2.13.0+cpu", "python": "3.11", "gpus": [], "env": {}}

@@ -6,6 +6,9 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from cachekeeper.errors import InsufficientStorage
+from cachekeeper.manifest import FileEntry, Manifest
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.resources.blobs import blob_usage, record_blob
 from cachekeeper.server.resources.snapshots import (
@@ -15,9 +18,6 @@ from cachekeeper.server.resources.snapshots import (
     summary,
 )
 from cachekeeper.server.resources.workloads import list_workloads, put_workload
-
-from cachekeeper.errors import InsufficientStorage
-from cachekeeper.manifest import FileEntry, Manifest
 
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
 

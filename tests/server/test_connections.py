@@ -15,6 +15,11 @@ import h11
 import httpx
 import pytest
 import uvicorn
+from packaging.requirements import Requirement
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
+
+from cachekeeper.errors import ConfigInvalid
 from cachekeeper.server.app import create_app
 from cachekeeper.server.connections import (
     ACCEPT_BATCH,
@@ -28,11 +33,6 @@ from cachekeeper.server.connections import (
     connection_cap,
 )
 from cachekeeper.server.settings import Settings
-from packaging.requirements import Requirement
-from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.server import ServerState
-
-from cachekeeper.errors import ConfigInvalid
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import prometheus_client
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from cachekeeper.server.metrics import _HELP, _LABELS, CONTENT_TYPE, Metrics
 from cachekeeper.server.resources.snapshots import Snapshots
 from cachekeeper.server.settings import Settings
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.helpers.in_process import in_process
 from tests.helpers.metrics import sample
 from tests.server.conftest import make_snapshot, push

@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server import packing
-from cachekeeper.server.packing import pack_snapshot
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.backends.s3 import S3Backend, checksum_b64
 from cachekeeper.errors import BlobMissing
 from cachekeeper.manifest import Manifest
 from cachekeeper.restore import restore_archive
+from cachekeeper.server import packing
+from cachekeeper.server.packing import pack_snapshot
+from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot import snapshot_dir, write_archive
 from cachekeeper.store import LocalStore
 from tests.helpers.live_server import start_server

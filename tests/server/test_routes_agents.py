@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.pull import resolve_snapshot
-
 from cachekeeper.errors import Forbidden, InvalidManifest, NoMatchingSnapshot
 from cachekeeper.fingerprint import digest_of
 from tests.server.conftest import FINGERPRINT, make_snapshot, push

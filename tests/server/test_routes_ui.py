@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import digest_of
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.ui_data import ADMIN, DIGEST, EXPECTED, TOKENS, seed
 from tests.server.conftest import make_snapshot, push

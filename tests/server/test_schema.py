@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.fingerprint import digest_of, json_digest
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import start_server
 from tests.server.conftest import make_snapshot, push, workload_toml
 

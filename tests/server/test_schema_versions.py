@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import sqlite_utils
-from cachekeeper.server.catalog import Catalog, schema
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.errors import CatalogTooNew
+from cachekeeper.server.catalog import Catalog, schema
+from cachekeeper.server.settings import Settings
 from tests.helpers.in_process import in_process
 from tests.helpers.ui_data import ADMIN, EXPECTED, TOKENS
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cachekeeper.server.settings import load_settings, parse_size, stray_variables
 from click.testing import CliRunner
 
 from cachekeeper.cli import cli as cli_main
 from cachekeeper.errors import ConfigInvalid
+from cachekeeper.server.settings import load_settings, parse_size, stray_variables
 from tests.hardening.conftest import ServerProcess, child_env
 
 REPO = Path(__file__).resolve().parents[2]

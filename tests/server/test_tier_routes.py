@@ -10,10 +10,10 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.resources.tier_keys import tier_key
 from cachekeeper.server.settings import Settings
-
 from tests.helpers.in_process import in_process
 from tests.helpers.moto_server import MotoServer
 

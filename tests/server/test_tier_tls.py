@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+
+from cachekeeper import remote_tier
 from cachekeeper.client.tier import probe, tier_exports
 from cachekeeper.server.app import create_app
 from cachekeeper.server.settings import Settings
-
-from cachekeeper import remote_tier
 from cachekeeper.wire import RemoteCacheOffer
 from tests.conftest import REPO
 from tests.helpers.ports import free_port

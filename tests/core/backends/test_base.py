@@ -18,9 +18,6 @@ from typing import BinaryIO
 import httpx
 import pytest
 import zstandard
-from cachekeeper.server.catalog import Catalog
-from cachekeeper.server.services import Services
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.archive import blob_digest, iter_tar, open_archive_stream
 from cachekeeper.backends.base import BlobBackend, BlobStat, PutResult
@@ -29,6 +26,9 @@ from cachekeeper.backends.registry import open_backend
 from cachekeeper.backends.s3 import S3Backend
 from cachekeeper.errors import BlobMissing, ConfigInvalid, DigestMismatch
 from cachekeeper.integrity import copy_verified, digest_of, require_digest
+from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.services import Services
+from cachekeeper.server.settings import Settings
 from tests.server.conftest import FINGERPRINT, make_snapshot, random_files
 
 

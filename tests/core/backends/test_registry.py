@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cachekeeper.server.settings import Settings
 
 from cachekeeper.backends import registry
 from cachekeeper.backends.base import BlobBackend
 from cachekeeper.backends.registry import Scheme, open_backend
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.integrity import digest_of
+from cachekeeper.server.settings import Settings
 from tests.core.backends.test_base import MemoryBlobs
 from tests.helpers.in_process import in_process
 

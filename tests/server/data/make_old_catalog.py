@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 from cachekeeper.server.settings import Settings
-
 from tests.helpers.live_server import start_server
 from tests.helpers.ui_data import TOKENS, seed
 

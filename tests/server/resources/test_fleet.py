@@ -10,7 +10,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from cachekeeper.server.resources.fleet import STALE_AFTER_S, StatusFacts, fleet_status
-
 from cachekeeper.wire import EventOut
 
 A, B = "a" * 64, "b" * 64  # two fingerprint digests

@@ -6,8 +6,8 @@ import hashlib
 
 import httpx
 import pytest
-from cachekeeper.server.settings import Settings
 
+from cachekeeper.server.settings import Settings
 from tests.helpers.live_server import start_server
 from tests.helpers.metrics import sample, scrape
 from tests.server.conftest import FINGERPRINT, make_snapshot, push, random_files

@@ -7,11 +7,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.resources.tier import Tier
 from cachekeeper.server.resources.tier_keys import ROW_BYTES, tier_key, tier_totals
-
-from cachekeeper.backends.local import LocalBackend
 
 WRITER = {"client": "ck:n:1", "scope": "write"}
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from cachekeeper.server.auth import token_id
 from cachekeeper.server.resources.tier_keys import tier_key
 from cachekeeper.server.settings import Settings
-
 from tests.helpers.live_server import LiveServer, start_server
 from tests.helpers.metrics import sample
 from tests.helpers.redis_py import redis_py_env, redis_py_versions
