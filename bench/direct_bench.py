@@ -10,7 +10,7 @@ fresh ``ObjectStore`` (as one ``pull`` has), from the first GET to the last byte
 
 Without ``--url``: a real S3 API server on loopback (moto, ``moto_server``), one object of
 ``--size-mb`` MiB of random bytes (an archive is zstd: incompressible) put with boto3, and a
-presigned SigV4 GET of it, signed as server/s3store.py signs. With ``--url``: that presigned
+presigned SigV4 GET of it, signed as cachekeeper/backends/s3.py signs. With ``--url``: that presigned
 GET (of any object; its size is read from a 1-byte range), nothing started.
 
 Settings are PARALLEL:PART_MB (PART_MB ``whole`` = one GET of the whole object, i.e. one

@@ -39,28 +39,28 @@ sys.path.insert(0, str(REPO))
 
 from bench._server import serve  # noqa: E402
 from bench.synthetic_cache import make_synthetic_cache  # noqa: E402
-from cachekeeper.server.app import open_storage  # noqa: E402
+from cachekeeper.server.app import open_services  # noqa: E402
 from cachekeeper.server.settings import Settings  # noqa: E402
-from cachekeeper.snapshot.manifest import FileEntry, Manifest  # noqa: E402  # noqa: E402
+from cachekeeper.snapshot.manifest import FileEntry, Manifest  # noqa: E402  # noqa: E402  # noqa: E402
 
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
 
 
 def build_store(cache: Path, data: Path) -> tuple[str, int, int]:
     """Store every file of ``cache`` as one snapshot; (snapshot id, bytes, file count)."""
-    storage = open_storage(Settings(data_dir=data))
+    services = open_services(Settings(data_dir=data))
     entries = []
     for path in sorted(p for p in cache.rglob("*") if p.is_file()):
         blob = path.read_bytes()
         digest = hashlib.sha256(blob).hexdigest()
-        storage.put_blob(digest, [blob])
+        services.blobs.put(digest, [blob])
         entries.append(
             FileEntry(path=path.relative_to(cache).as_posix(), digest=digest, size_bytes=len(blob))
         )
     manifest = Manifest(
         files=tuple(entries), fingerprint=FINGERPRINT, devices=("cpu",), workload="bench"
     )
-    summary, _ = storage.publish(manifest)
+    summary, _ = services.snapshots.publish(manifest)
     return summary.id, manifest.size_bytes, len(entries)
 
 

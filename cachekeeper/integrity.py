@@ -14,7 +14,7 @@ bytes of another length or another hash (``DigestMismatch``, with ``expected`` a
 ``actual``). Nothing is visible before the check passed: every caller writes to a temp
 file or a spool first. The callers:
 
-- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.blobstore``, ``server.s3store``);
+- ``copy_verified``: a blob backend's ``put`` (``cachekeeper.backends.local``, ``cachekeeper.backends.s3``);
 - ``BlobCheck``, ``verify_bytes`` and ``refuse_oversize``: the restore writer
   (``cachekeeper.restore.writer``), which counts a small blob's bytes as it reads them and
   hashes them in its thread pool;
@@ -22,7 +22,7 @@ file or a spool first. The callers:
 - ``refuse_oversize``: a restore source whose member declares more bytes than the
   manifest (``cachekeeper.restore.sources``), before a byte of it is read;
 - ``hash_file`` and ``digest_of``: the sha256 of a file (a snapshot's files, a restored
-  file found in place) or of bytes in memory (the per-key tier's values, ``server.tier``,
+  file found in place) or of bytes in memory (the per-key tier's values, ``server/resources/tier.py``,
   named by it when stored and checked against it when read).
 
 Stdlib only and light: the hook's modules import it (through ``cachekeeper.snapshot.manifest``).

@@ -3,7 +3,7 @@
 The one owner of that knowledge (stdlib only: the hook imports it). torch's remote caches
 (FX graph, AOTAutograd, autotune, automatic-dynamic PGO) are switched on by environment
 variables and reach the server named by ``TORCHINDUCTOR_REDIS_URL`` through redis-py;
-cachekeeper's server speaks that protocol on its RESP port (``server/resp.py``).
+cachekeeper's server speaks that protocol on its RESP port (``server/resp/listener.py``).
 
 Two of the switches are part of torch's cache keys (measured on torch 2.11 on an H200 and
 2.13 on the CPU, ``KEY_RELEVANT``): the AOTAutograd key holds

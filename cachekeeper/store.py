@@ -4,7 +4,7 @@ Layout (``home`` is ``$CACHEKEEPER_HOME``, else ``~/.cache/cachekeeper``, read w
 store is created, never at import)::
 
     home/
-      blobs/                    # LocalBlobStore: ab/cd/<sha256>.zst, zstd at rest
+      blobs/                    # LocalBackend: ab/cd/<sha256>.zst, zstd at rest
       snapshots/
         <manifest id>.json      # one manifest per snapshot (its canonical JSON)
         .<id>.json.*.tmp        # a manifest being written (fsutil); never listed
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cachekeeper import config
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.errors import InvalidManifest, SnapshotNotFound
 from cachekeeper.fsutil import atomic_write_text
 from cachekeeper.snapshot.manifest import Manifest
@@ -126,7 +126,7 @@ class LocalStore:
 
     def __init__(self, *, home: Path | None = None) -> None:
         self.home = Path(home) if home is not None else config.home(os.environ)
-        self.blobs = LocalBlobStore(self.home / "blobs")
+        self.blobs = LocalBackend(self.home / "blobs")
         self.snapshots_dir = self.home / "snapshots"
 
     def manifest_path(self, snapshot_id: str) -> Path:

@@ -1,7 +1,7 @@
 """Run the hardening tests and print docs/reliability.md's table from what they recorded.
 
     .venv/bin/python scripts/reliability_report.py > docs/reliability.md
-    .venv/bin/python scripts/reliability_report.py --only tests/server/test_gc_races.py
+    .venv/bin/python scripts/reliability_report.py --only tests/server/resources/test_gc_races.py
 
 ``--only PATH...`` runs just those test files (their rows only), for checking new rows
 without the whole run.
@@ -133,17 +133,17 @@ EXISTING = {
         "SQLite database full (max_page_count) mid-publish: insufficient_storage, rolled back",
         "refused",
     ),
-    "tests/server/test_gc_races.py::test_a_snapshot_pinned_after_the_plan_is_not_evicted": (
+    "tests/server/resources/test_gc_races.py::test_a_snapshot_pinned_after_the_plan_is_not_evicted": (
         "concurrency",
         "snapshot pinned between a capped GC's plan and its execution (not evicted)",
         "kept",
     ),
-    "tests/server/test_gc_races.py::test_an_orphan_uploaded_after_the_plan_keeps_its_file": (
+    "tests/server/resources/test_gc_races.py::test_an_orphan_uploaded_after_the_plan_keeps_its_file": (
         "concurrency",
         "orphan blob uploaded and published between GC's plan and its execution (file kept)",
         "kept",
     ),
-    "tests/server/test_gc_races.py::test_a_blob_row_without_its_file_is_reported_missing": (
+    "tests/server/resources/test_gc_races.py::test_a_blob_row_without_its_file_is_reported_missing": (
         "server state",
         "blob row whose file is gone: reported missing, re-uploaded by the next push",
         "recovered",
@@ -161,7 +161,7 @@ EXISTING = {
         " is the URL, no token in any line it logs",
         "kept",
     ),
-    "tests/server/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (
+    "tests/server/resources/test_gc_and_restart.py::test_upload_cut_off_midway_leaves_no_blob": (
         "server killed",
         "client connection cut mid-upload (no blob stored)",
         "kept",

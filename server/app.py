@@ -1,21 +1,24 @@
-"""The composition root: ``create_app(settings)`` builds the FastAPI app and its store.
+"""The composition root: ``create_app(settings)`` builds the FastAPI app and its services.
 
-``open_backend`` is the one place that picks a blob backend (``server/backend.py``): the
-local directory by default, or the object store ``--blob-store`` names (``s3://``).
-``open_storage`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
-refused when SQLite finds it corrupt: ``settings.catalog_check``), then runs the retention
-of the tables clients write (``server/budgets.py``) and the start-up check. Routers, one per resource in ``server/routes/``, are
+Blob backends are opened through ``cachekeeper/backends/registry.py`` ``open_backend`` (the
+one table of URL schemes, which the settings' check reads too): the local directory by
+default, or the object store ``--blob-store`` names (``s3://``).
+``open_services`` opens the snapshots' backend and the catalog (``<data>/meta.sqlite``,
+refused when SQLite finds it corrupt: ``settings.catalog_check``), builds one service per
+resource over them (``server/services.py``), then runs the retention of the tables clients
+write (``server/budgets.py``) and the snapshots' start-up check. Routers, one per resource in ``server/routes/``, are
 included directly below: ``admin`` (/healthz, /metrics, /v1/gc), ``resolve``, ``blobs``,
 ``snapshots``, ``workloads``, ``agents`` (/v1/agents, /v1/status), ``reports``
 (/v1/reports), ``tier`` (/v1/tier: the per-key tier over HTTP), ``ui`` (the status
 page: /, /ui). To add one: write the module in
 ``server/routes/`` with an ``APIRouter`` named ``router`` using the dependencies in
-``deps`` and ``auth``, its queries as ``Catalog`` methods (``server/catalog/``) behind a
-``Storage`` method, and include it in ``create_app``.
+``deps`` and ``auth``, calling its resource's service (``server/resources/``: the service and
+its queries in one module; a new resource also gets its field in ``server/services.py``),
+and include it in ``create_app``.
 
 The per-key tier (``settings.resp_port`` set): ``open_tier`` opens its blob backend (beside
 the snapshots' own, never the same folder or prefix, so GC of one never touches the
-other) and ``app.state.resp`` is its listener (``server/resp.py``), which ``serve``
+other) and ``app.state.resp`` is its listener (``server/resp/listener.py``), which ``serve``
 starts and stops with uvicorn; ``app.state.tier`` is None without it.
 
 Every request body is bounded in size and idle time, and JSON bodies are screened (depth,
@@ -30,8 +33,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,22 +41,20 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachekeeper import config
-from cachekeeper.blobstore import LocalBlobStore
-from cachekeeper.errors import CachekeeperError, ConfigInvalid
+from cachekeeper.backends.registry import open_backend
+from cachekeeper.errors import CachekeeperError
 
 from .auth import Need, route_scopes
-from .backend import BlobBackend
 from .catalog import Catalog, is_corruption
 from .limits import RequestLimits
 from .metrics import Metrics, MetricsMiddleware
-from .resp import RespServer
+from .resources.tier import Tier
+from .resp.listener import RespServer
 from .routes import admin, agents, blobs, reports, resolve, snapshots, tier, ui, workloads
-from .s3store import S3BlobStore
+from .services import Services
 from .settings import Settings
-from .storage import Storage
-from .tier import TierStore
 
-__all__ = ["create_app", "open_backend", "open_storage", "open_tier"]
+__all__ = ["create_app", "open_services", "open_tier"]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -101,7 +100,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         if is_corruption(exc):  # a query the catalog layer did not wrap met a damaged page
             assert isinstance(exc, sqlite3.DatabaseError)
-            broken = request.app.state.storage.catalog.met(exc)
+            broken = request.app.state.services.catalog.met(exc)
             return JSONResponse(broken.to_dict(), status_code=broken.http_status)
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
@@ -115,40 +114,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def _open_s3(url: str) -> BlobBackend:
-    store = S3BlobStore.from_url(url)
-    store.check()  # an unreachable bucket fails at start-up, in one line
-    return store
-
-
-# Backends by URL scheme: a new one (GCS, Azure, ...) is its module and one entry here (and
-# its scheme in Settings' blob_store check).
-_BACKENDS: dict[str, Callable[[str], BlobBackend]] = {"s3": _open_s3}
-
-
-def open_backend(url: str | None, *, local_root: Path) -> BlobBackend:
-    """The blob backend ``url`` names (``s3://BUCKET/PREFIX``), or, with none, the local
-    directory ``local_root`` (its abandoned uploads swept: nothing uploads before start)."""
-    if url is None:
-        local = LocalBlobStore(local_root)
-        local.sweep_temp(older_than_s=0)
-        return local
-    scheme = url.partition("://")[0]
-    if scheme not in _BACKENDS:
-        raise ConfigInvalid(f"blob store {url!r}: no backend for {scheme}:// (one of: s3://)")
-    return _BACKENDS[scheme](url)
-
-
-def open_storage(settings: Settings) -> Storage:
+def open_services(settings: Settings) -> Services:
     """SQLite at ``<data>/meta.sqlite``; blobs at ``<data>/blobs`` (the default) or in the
     S3-compatible object store ``settings.blob_store`` names (``s3://BUCKET/PREFIX``)."""
     data = settings.data_dir
     data.mkdir(parents=True, exist_ok=True)
     catalog = Catalog.create(data / "meta.sqlite", check=settings.catalog_check)
     backend = open_backend(settings.blob_store, local_root=data / "blobs")
-    storage = Storage(settings=settings, catalog=catalog, blobs=backend)
-    storage.prune(force=True)  # the retention of the client-written tables (budgets.py)
-    report = storage.check()
+    services = Services.build(settings=settings, catalog=catalog, backend=backend)
+    # the retention of the client-written tables (budgets.py)
+    services.budgets.retain(catalog, force=True)
+    report = services.snapshots.check()
     if report.stale_blob_rows or report.completed or report.quarantined:
         _log.warning(
             "start-up check: dropped %d blob row(s) whose bytes were gone; completed %d"
@@ -158,16 +134,16 @@ def open_storage(settings: Settings) -> Storage:
             len(report.quarantined),
             ", ".join(s[:12] for s in report.quarantined) or "-",
         )
-    return storage
+    return services
 
 
-def open_tier(settings: Settings, storage: Storage) -> TierStore:
-    """The per-key tier: keys in ``storage``'s catalog, values in ``<data>/tier-blobs`` or
-    under ``tier/`` of the object store's prefix."""
+def open_tier(settings: Settings, catalog: Catalog) -> Tier:
+    """The per-key tier: keys in ``catalog``, values in ``<data>/tier-blobs`` or under
+    ``tier/`` of the object store's prefix."""
     url = None if settings.blob_store is None else f"{settings.blob_store.rstrip('/')}/tier"
     backend = open_backend(url, local_root=settings.data_dir / "tier-blobs")
-    return TierStore(
-        catalog=storage.catalog,
+    return Tier(
+        catalog=catalog,
         blobs=backend,
         max_value_bytes=settings.remote_cache_max_value_bytes,
         max_bytes=settings.remote_cache_max_bytes,
@@ -176,17 +152,19 @@ def open_tier(settings: Settings, storage: Storage) -> TierStore:
     )
 
 
-def create_app(settings: Settings, *, storage: Storage | None = None) -> FastAPI:
-    """A fresh app serving ``settings.data_dir`` (or the given ``storage``)."""
+def create_app(settings: Settings, *, services: Services | None = None) -> FastAPI:
+    """A fresh app serving ``settings.data_dir`` (or the given ``services``)."""
     app = FastAPI(
         title="cachekeeper",
         version=config.package_version(),
         summary="Store and serve torch.compile (Inductor) cache snapshots.",
     )
     app.state.settings = settings
-    app.state.storage = storage if storage is not None else open_storage(settings)
+    app.state.services = services if services is not None else open_services(settings)
     app.state.metrics = Metrics()
-    app.state.tier = None if settings.resp_port is None else open_tier(settings, app.state.storage)
+    app.state.tier = (
+        None if settings.resp_port is None else open_tier(settings, app.state.services.catalog)
+    )
     app.state.resp = (
         None
         if app.state.tier is None

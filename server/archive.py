@@ -29,7 +29,7 @@ SPLICE_MIN_BYTES = 64 << 10  # blobs at least this big are copied as their store
 
 
 class _BlobSource(Protocol):
-    """What the stream reads blobs from (``Storage``'s blob backend)."""
+    """What the stream reads blobs from (the snapshots' blob backend)."""
 
     def open(self, digest: str) -> BinaryIO: ...
 

@@ -27,7 +27,7 @@ docs/server.md ("Budgets") gives the table to operators::
     every table    (meta.sqlite itself)         max_catalog_bytes: past it every      retention and GC
                                                 client write above is 507             free pages again
 
-(``tier_keys``, the per-key tier's, is bounded by the tier's own settings, server/tier.py.)
+(``tier_keys``, the per-key tier's, is bounded by the tier's own settings, server/resources/tier.py.)
 
 Job reports are the one table a read token writes, and the fleet's numbers (the status
 page, ``cachekeeper status``) are made of them, so each report is attributed to the token
@@ -63,15 +63,30 @@ from typing import TYPE_CHECKING, Any
 from cachekeeper.errors import InsufficientStorage, PayloadTooLarge, RateLimited
 from cachekeeper.wire import JobReport
 
-from .catalog.budget import KEPT_EVENTS_SQL
+from .catalog import BATCH
 
 if TYPE_CHECKING:
     from cachekeeper.snapshot.manifest import Manifest
 
-    from .catalog import Transaction
+    from .catalog import Catalog, Transaction
     from .settings import Settings
 
-__all__ = ["AGENT_ROW_BYTES", "Budgets", "event_bytes", "report_bytes"]
+__all__ = [
+    "AGENT_ROW_BYTES",
+    "KEPT_EVENTS_SQL",
+    "Budgets",
+    "catalog_bytes",
+    "drop_before",
+    "drop_oldest",
+    "drop_oldest_bytes",
+    "event_bytes",
+    "exists",
+    "harvested_count",
+    "report_bytes",
+    "row_count",
+    "token_window",
+    "usage",
+]
 
 _log = logging.getLogger("cachekeeper.server")
 
@@ -80,6 +95,9 @@ PRUNE_EVERY_S = 60.0  # retention runs at most this often (on the next write)
 PRUNE_ROWS = 5000  # rows one retention pass deletes per table at most (a bounded pause)
 ROOM_EVERY_S = 1.0  # the catalog's size is measured at most this often
 ANONYMOUS = "anonymous callers"  # who reports on a server with auth off
+# Each (workload, fingerprint digest)'s newest agent event: the status is decided from it,
+# so no bound or retention ever removes it.
+KEPT_EVENTS_SQL = "SELECT MAX(id) FROM agent_events GROUP BY workload, fingerprint_digest"
 
 
 def _text_bytes(*values: str | None) -> int:
@@ -178,7 +196,7 @@ class Budgets:
             fresh = time.monotonic() - self._measured[0] < ROOM_EVERY_S
             size = self._measured[1]
         if not fresh:
-            size = tx.catalog_bytes()
+            size = catalog_bytes(tx)
             with self._lock:
                 self._measured = (time.monotonic(), size)
         if size > self.settings.max_catalog_bytes:
@@ -227,14 +245,14 @@ class Budgets:
                 now=now,
             )
         size = report_bytes(report)
-        rows, stored = tx.usage("job_reports")
+        rows, stored = usage(tx, "job_reports")
         over_rows = rows + 1 - settings.reports_max_rows
         if over_rows > 0:
-            gone = tx.drop_oldest("job_reports", rows=over_rows)
+            gone = drop_oldest(tx, "job_reports", rows=over_rows)
             self._count_pruned(tx, "job_reports", "max_rows", gone)
         over_bytes = stored + size - settings.reports_max_bytes
         if over_bytes > 0:
-            gone = tx.drop_oldest_bytes("job_reports", over_bytes=over_bytes)
+            gone = drop_oldest_bytes(tx, "job_reports", over_bytes=over_bytes)
             self._count_pruned(tx, "job_reports", "max_bytes", gone)
 
         def stored_as(report_id: int) -> None:
@@ -251,7 +269,7 @@ class Budgets:
         window = self._windows.get(token_id)
         if window is None:
             window = _Window()
-            for at, key in tx.token_window(token_id, since=since):
+            for at, key in token_window(tx, token_id, since=since):
                 window.add(at, key)
             self._windows[token_id] = window  # only once read whole
         window.forget_before(since)
@@ -289,13 +307,13 @@ class Budgets:
                     f"agent registration: {name} is {size} bytes as JSON; at most"
                     f" {AGENT_ROW_BYTES} are stored per agent"
                 )
-        if tx.exists("agents", "id", agent_id):
+        if exists(tx, "agents", "id", agent_id):
             return
         self.room(tx, table="agents")
-        if tx.row_count("agents") < self.settings.max_agents:
+        if row_count(tx, "agents") < self.settings.max_agents:
             return
         self._prune_agents(tx, now=now)
-        if tx.row_count("agents") >= self.settings.max_agents:
+        if row_count(tx, "agents") >= self.settings.max_agents:
             self._refuse("agents", "max_rows")
             raise InsufficientStorage(
                 f"the server holds {self.settings.max_agents} agents (max_agents): a new one is"
@@ -308,18 +326,18 @@ class Budgets:
         those are left)."""
         self.room(tx, table="agent_events")
         settings = self.settings
-        rows, stored = tx.usage("agent_events")
+        rows, stored = usage(tx, "agent_events")
         over_rows = rows + 1 - settings.agent_events_max_rows
         if over_rows > 0:
-            gone = tx.drop_oldest("agent_events", rows=over_rows, keep_sql=KEPT_EVENTS_SQL)
+            gone = drop_oldest(tx, "agent_events", rows=over_rows, keep_sql=KEPT_EVENTS_SQL)
             self._count_pruned(tx, "agent_events", "max_rows", gone)
         over_bytes = stored + size_bytes - settings.agent_events_max_bytes
         if over_bytes > 0:
-            gone = tx.drop_oldest_bytes(
-                "agent_events", over_bytes=over_bytes, keep_sql=KEPT_EVENTS_SQL
+            gone = drop_oldest_bytes(
+                tx, "agent_events", over_bytes=over_bytes, keep_sql=KEPT_EVENTS_SQL
             )
             self._count_pruned(tx, "agent_events", "max_bytes", gone)
-        rows, stored = tx.usage("agent_events")
+        rows, stored = usage(tx, "agent_events")
         if rows + 1 > settings.agent_events_max_rows or (
             stored + size_bytes > settings.agent_events_max_bytes
         ):
@@ -334,10 +352,10 @@ class Budgets:
     # -- workloads and snapshots -------------------------------------------------------------
     def admit_workload(self, tx: Transaction, *, name: str) -> None:
         """507 for a new workload name past ``max_workloads`` (replacing one is fine)."""
-        if tx.exists("workloads", "name", name):
+        if exists(tx, "workloads", "name", name):
             return
         self.room(tx, table="workloads")
-        if tx.row_count("workloads") >= self.settings.max_workloads:
+        if row_count(tx, "workloads") >= self.settings.max_workloads:
             self._refuse("workloads", "max_rows")
             raise InsufficientStorage(
                 f"the server holds {self.settings.max_workloads} workloads (max_workloads):"
@@ -348,11 +366,11 @@ class Budgets:
     def admit_snapshot(self, tx: Transaction, manifest: Manifest) -> None:
         """507 for a new snapshot past ``max_snapshots``, or a harvested delta past
         ``max_harvested_deltas`` for its snapshot and environment."""
-        if tx.snapshot_exists(manifest.id):
+        if exists(tx, "snapshots", "id", manifest.id):
             return
         self.room(tx, table="snapshots")
         settings = self.settings
-        if tx.row_count("snapshots") >= settings.max_snapshots:
+        if row_count(tx, "snapshots") >= settings.max_snapshots:
             self._refuse("snapshots", "max_rows")
             raise InsufficientStorage(
                 f"the server holds {settings.max_snapshots} snapshots (max_snapshots): run GC"
@@ -360,8 +378,8 @@ class Budgets:
                 extra={"table": "snapshots"},
             )
         if manifest.parent is not None and manifest.source == "harvest":
-            held = tx.harvested_count(
-                manifest.parent, fingerprint_digest=manifest.fingerprint_digest
+            held = harvested_count(
+                tx, manifest.parent, fingerprint_digest=manifest.fingerprint_digest
             )
             if held >= settings.max_harvested_deltas:
                 self._refuse("snapshots", "max_harvested_deltas")
@@ -381,18 +399,30 @@ class Budgets:
             self._pruned_at = time.monotonic()
             return True
 
+    def retain(self, catalog: Catalog, *, force: bool = False) -> dict[str, int]:
+        """A retention pass over the client-written tables when one is due (``force``:
+        now), in its own transaction; {table: rows deleted}. Called at start-up and before
+        each client write (a publish, a registration, a report)."""
+        due = self.prune_due()  # first: a forced pass restarts the minute too
+        if not (due or force):
+            return {}
+        with catalog.writing() as tx:
+            return self.prune(tx)
+
     def prune(self, tx: Transaction, *, now: datetime | None = None) -> dict[str, int]:
         """One retention pass (at most ``PRUNE_ROWS`` rows per table): {table: rows deleted}."""
         now = now or datetime.now(UTC)
         settings = self.settings
         done = {
-            "job_reports": tx.drop_before(
+            "job_reports": drop_before(
+                tx,
                 "job_reports",
                 column="at",
                 cutoff=_ago(now, settings.reports_retention_s),
                 limit=PRUNE_ROWS,
             ),
-            "agent_events": tx.drop_before(
+            "agent_events": drop_before(
+                tx,
                 "agent_events",
                 column="at",
                 cutoff=_ago(now, settings.agent_events_retention_s),
@@ -400,7 +430,8 @@ class Budgets:
                 keep_sql=KEPT_EVENTS_SQL,
             ),
             "agents": self._prune_agents(tx, now=now),
-            "events": tx.drop_before(
+            "events": drop_before(
+                tx,
                 "events",
                 column="at",
                 cutoff=_ago(now, settings.events_retention_s),
@@ -410,15 +441,16 @@ class Budgets:
         for table, rows in list(done.items()):
             if table != "agents":  # _prune_agents counted its own
                 self._count_pruned(tx, table, "retention", rows)
-        over = tx.row_count("events") - settings.events_max_rows
+        over = row_count(tx, "events") - settings.events_max_rows
         if over > 0:
-            gone = tx.drop_oldest("events", rows=min(over, PRUNE_ROWS))
+            gone = drop_oldest(tx, "events", rows=min(over, PRUNE_ROWS))
             self._count_pruned(tx, "events", "max_rows", gone)
             done["events"] += gone
         return done
 
     def _prune_agents(self, tx: Transaction, *, now: datetime) -> int:
-        gone = tx.drop_before(
+        gone = drop_before(
+            tx,
             "agents",
             column="last_seen_at",
             cutoff=_ago(now, self.settings.agents_retention_s),
@@ -426,3 +458,116 @@ class Budgets:
         )
         self._count_pruned(tx, "agents", "retention", gone)
         return gone
+
+
+# -- the queries: counts and deletes ---------------------------------------------------------
+# What each client-written table holds, what one token filed in a window, and the deletes
+# that keep each table within its bound and retention. Deletes go oldest first (by rowid,
+# the order of insertion, whatever the clock said) in batches of ``BATCH`` rows, so one
+# pass holds the write lock for a bounded time. All run inside one ``Catalog.writing()``.
+
+
+def usage(tx: Transaction, table: str) -> tuple[int, int]:
+    """(rows, bytes) of ``job_reports`` or ``agent_events`` (``table_usage``)."""
+    row = tx.db.execute("SELECT rows, bytes FROM table_usage WHERE name = ?", [table])
+    found = row.fetchone()
+    return (0, 0) if found is None else (int(found[0]), int(found[1]))
+
+
+def row_count(tx: Transaction, table: str) -> int:
+    """Rows of a small table (agents, workloads, snapshots): one pass over its smallest index."""
+    return int(tx.one(f"SELECT COUNT(*) FROM {table}"))
+
+
+def catalog_bytes(tx: Transaction) -> int:
+    """The database's size in bytes less its free pages (WAL content included)."""
+    page = int(tx.one("PRAGMA page_size"))
+    return page * (int(tx.one("PRAGMA page_count")) - int(tx.one("PRAGMA freelist_count")))
+
+
+def exists(tx: Transaction, table: str, column: str, value: str) -> bool:
+    return tx.one(f"SELECT 1 FROM {table} WHERE {column} = ?", [value]) is not None
+
+
+def token_window(tx: Transaction, token_id: str | None, *, since: str) -> list[tuple[str, str]]:
+    """(received at, job key) of each report ``token_id`` (None: the anonymous callers
+    of a server with auth off) filed at or after ``since``, oldest first. The job key
+    is the status's (``node|job``; ``report:<id>`` for a report without a job)."""
+    rows = tx.db.execute(
+        "SELECT at, CASE WHEN job IS NULL THEN 'report:' || id ELSE node || '|' || job END"
+        " FROM job_reports WHERE at >= ? AND token_id IS ? ORDER BY at, id",
+        [since, token_id],
+    )
+    return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def harvested_count(tx: Transaction, parent: str, *, fingerprint_digest: str) -> int:
+    sql = (
+        "SELECT COUNT(*) FROM snapshots WHERE parent = ? AND source = 'harvest'"
+        " AND fingerprint_digest = ?"
+    )
+    return int(tx.one(sql, [parent, fingerprint_digest]))
+
+
+def drop_oldest(tx: Transaction, table: str, *, rows: int, keep_sql: str | None = None) -> int:
+    """Delete up to ``rows`` of ``table``'s oldest rows (not those ``keep_sql`` selects
+    by id); the number deleted."""
+    keep = f" WHERE id NOT IN ({keep_sql})" if keep_sql else ""
+    gone = 0
+    while gone < rows:
+        step = min(BATCH, rows - gone)
+        cursor = tx.db.execute(
+            f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table}{keep} ORDER BY id LIMIT ?)",
+            [step],
+        )
+        gone += cursor.rowcount
+        if cursor.rowcount < step:
+            break
+    return gone
+
+
+def drop_before(
+    tx: Transaction,
+    table: str,
+    *,
+    column: str,
+    cutoff: str,
+    limit: int,
+    keep_sql: str | None = None,
+) -> int:
+    """Delete up to ``limit`` rows of ``table`` whose ``column`` is before ``cutoff``,
+    oldest first (not those ``keep_sql`` selects by rowid); the number deleted. An index
+    on ``column`` makes it cost what it deletes, not the table's size."""
+    keep = f" AND rowid NOT IN ({keep_sql})" if keep_sql else ""
+    cursor = tx.db.execute(
+        f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table}"
+        f" WHERE {column} < ?{keep} ORDER BY {column} LIMIT ?)",
+        [cutoff, limit],
+    )
+    return int(cursor.rowcount)
+
+
+def drop_oldest_bytes(
+    tx: Transaction, table: str, *, over_bytes: int, keep_sql: str | None = None
+) -> int:
+    """Delete ``table``'s oldest rows until ``over_bytes`` of ``size_bytes`` are gone (or
+    none is left to delete); the number deleted."""
+    keep = f" AND id NOT IN ({keep_sql})" if keep_sql else ""
+    gone = 0
+    freed = 0
+    while freed < over_bytes:
+        rows = tx.db.execute(
+            f"SELECT id, COALESCE(size_bytes, 0) FROM {table} WHERE 1{keep} ORDER BY id LIMIT ?",
+            [BATCH],
+        ).fetchall()
+        if not rows:
+            break
+        chosen = []
+        for row_id, size in rows:
+            chosen.append(row_id)
+            freed += int(size)
+            if freed >= over_bytes:
+                break
+        marks = ",".join("?" * len(chosen))
+        gone += tx.db.execute(f"DELETE FROM {table} WHERE id IN ({marks})", chosen).rowcount
+    return gone

@@ -4,7 +4,7 @@ Blob uploads (``PUT /v1/blobs/{digest}``, ``server/routes/blobs.py``) reserve ro
 bytes arrive, through one ``Reservation`` each, and are refused (507
 ``insufficient_storage``) the moment the stored bytes plus what every upload in flight
 has received would pass the cap. Eviction is never an upload's doing: it is GC's, an
-admin's decision (``server/gc.py``). The request bounds (sizes, idle time, the JSON
+admin's decision (``server/resources/gc.py``). The request bounds (sizes, idle time, the JSON
 screen) are ``server/limits.py``'s.
 """
 
@@ -105,7 +105,7 @@ def store_room(app: FastAPI) -> StoreRoom:
     """The app's ``StoreRoom`` (one per app, made on first use)."""
     room: StoreRoom | None = getattr(app.state, "store_room", None)
     if room is None:
-        storage = app.state.storage
-        room = StoreRoom(settings=app.state.settings, stored_bytes=storage.store_bytes)
+        services = app.state.services
+        room = StoreRoom(settings=app.state.settings, stored_bytes=services.blobs.stored_bytes)
         app.state.store_room = room
     return room

@@ -25,7 +25,7 @@ Settings: ``header_timeout_s`` (default 10 s) and ``max_connections`` (default: 
 -file limit less ``RESERVED_FILES``, at most ``MAX_CONNECTIONS``).
 
 **One descriptor budget for both listeners.** The per-key tier's listener
-(``server/resp.py``) runs in the same process, so its connections spend the same
+(``server/resp/listener.py``) runs in the same process, so its connections spend the same
 descriptors: 1,100 idle RESP connections once took all of them and ``/healthz`` stopped
 answering. ``connection_budget`` splits one budget, the open-file limit less
 ``RESERVED_FILES``, between the two. A cap is enforced once a connection is accepted, and

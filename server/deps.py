@@ -10,21 +10,21 @@ from fastapi import Depends, Request
 from cachekeeper.errors import PayloadTooLarge
 
 from .metrics import Metrics
+from .services import Services
 from .settings import Settings
-from .storage import Storage
 
 __all__ = [
-    "StorageDep",
+    "ServicesDep",
     "SettingsDep",
     "MetricsDep",
-    "storage_of",
+    "services_of",
     "metrics_of",
     "read_body",
 ]
 
 
-def storage_of(request: Request) -> Storage:
-    return request.app.state.storage  # type: ignore[no-any-return]
+def services_of(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
 
 
 def metrics_of(request: Request) -> Metrics:
@@ -35,7 +35,7 @@ def settings_of(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
-StorageDep = Annotated[Storage, Depends(storage_of)]
+ServicesDep = Annotated[Services, Depends(services_of)]
 MetricsDep = Annotated[Metrics, Depends(metrics_of)]
 SettingsDep = Annotated[Settings, Depends(settings_of)]
 

@@ -24,7 +24,7 @@ writes floats (``2.0`` where it wrote ``2``), which every Prometheus parser read
 counts requests by route template and status and the bytes in and out, and times the
 routes of ``TIMED_ROUTES`` to their last byte sent. Routes count what only they know
 (resolves by outcome, blob downloads, archive requests); the per-key tier's listener and
-writer time GETs and PUTs (``server/resp.py``, ``server/tier.py``).
+writer time GETs and PUTs (``server/resp/listener.py``, ``server/resources/tier.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Publish into an object store: read every blob back, hash it, write the archive object.
 
-With a backend nodes reach directly (``server/backend.py``'s ``DirectAccess``: the S3
+With a backend nodes reach directly (``cachekeeper/backends/base.py``'s ``DirectAccess``: the S3
 one), nodes upload blobs straight to the store (presigned PUTs) and download one archive
 object per snapshot (a presigned GET). The store may or may not have
 checked a PUT's ``x-amz-checksum-sha256`` (moto does not), so the server checks here, at
@@ -13,9 +13,10 @@ refuses the publish (``BlobMissing`` naming every such blob, so ``push`` uploads
 again); nothing is recorded. A blob object holding other bytes than its name says (changed
 behind the server's back) is removed then, so that ``blobs/missing`` reports it and the
 push's upload replaces it; otherwise every re-push would fail on it again. The caller
-records the rows afterwards, in one catalog transaction, with the archive object's ETag
-(``archive_objects``): a re-push finds an archive object changed since by its ETag and
-packs it again.
+(``Snapshots.publish``, ``server/resources/snapshots.py``) records the rows afterwards, in
+one catalog transaction, with the archive object's ETag (``archive_objects``): a re-push
+finds an archive object changed since by its ETag and packs it again. This module holds
+no SQL.
 
 Speed. A snapshot is thousands of blobs, mostly small, and each costs the store a request
 (tens of ms of latency), so the blobs are read by a small bounded thread pool
@@ -29,7 +30,7 @@ by zstandard's multi-threaded compressor: its output is one ordinary zstd frame,
 the same decoder. Each blob costs one GET; only a publish that fails looks every blob up
 (HEAD) to name all the absent ones at once.
 
-Concurrency. ``Storage.publish`` holds ``SnapshotLocks`` for the snapshot's id, so a
+Concurrency. ``Snapshots.publish`` holds ``SnapshotLocks`` for the snapshot's id, so a
 client that timed out and published again waits for the pack in progress and then finds
 the snapshot published, instead of packing it a second time. Without that lock (several
 server processes) two packs are still harmless: each writes its own temp file
@@ -42,7 +43,6 @@ import io
 import os
 import tempfile
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,14 +53,12 @@ from typing import BinaryIO, cast
 
 import zstandard
 
-from cachekeeper.blobstore import BlobStat
+from cachekeeper.backends.base import DirectAccess
 from cachekeeper.errors import BlobMissing, DigestMismatch
 from cachekeeper.integrity import HashingReader
 from cachekeeper.snapshot.manifest import Manifest
 
 from .archive import SPLICE_MIN_BYTES, archive_chunks
-from .backend import DirectAccess
-from .catalog import Transaction
 
 __all__ = [
     "INLINE_MAX_BYTES",
@@ -69,16 +67,14 @@ __all__ = [
     "Packed",
     "SnapshotLocks",
     "pack_snapshot",
-    "record_checked",
 ]
 
 PACK_WORKERS = 8  # blob reads in flight per publish (I/O bound: the store's latency)
 PREFETCH_BYTES = 64 << 20  # blob bytes read ahead of the archive writer, at most
 PREFETCH_BLOBS = 256  # and at most this many blobs
 INLINE_MAX_BYTES = 16 << 20  # larger blobs are streamed by the writer, not held in memory
-FRAME_LEVEL = 1  # a spliced blob's zstd frame (as ``S3BlobStore.open_raw``)
+FRAME_LEVEL = 1  # a spliced blob's zstd frame (as ``S3Backend.open_raw``)
 FRAME_THREADS = 4  # zstd workers for one streamed large blob
-CLOCK_MARGIN_S = 60.0  # record_checked: how far the server's clock may step back
 
 
 @dataclass(frozen=True)
@@ -129,7 +125,7 @@ def _checked(body: BinaryIO, digest: str, size_bytes: int) -> HashingReader:
 
 def _corrupt(digest: str, exc: DigestMismatch) -> BlobMissing:
     """The blob's object holds other bytes: ``corrupt`` names it, so the publish removes the
-    object and the push's next ``blobs/missing`` asks for it again (see ``Storage``)."""
+    object and the push's next ``blobs/missing`` asks for it again (``Blobs.missing``)."""
     return BlobMissing(
         f"{exc.detail}; upload it again", extra={"missing": [digest], "corrupt": [digest]}
     )
@@ -254,37 +250,6 @@ def pack_snapshot(
     finally:
         path.unlink(missing_ok=True)
     return Packed(manifest.id, archive_bytes, sizes, source.modified_at, archive_etag=etag)
-
-
-def record_checked(tx: Transaction, store: DirectAccess, packed: Packed, *, grace_s: float) -> None:
-    """Rows for blobs a node uploaded to the object store, checked by ``pack_snapshot``.
-
-    Called under the catalog's write lock (``tx``). GC deletes an object that has no row
-    only when, looked up under the same lock, it is older than ``grace_s``: an object
-    modified less than ``grace_s`` (minus ``CLOCK_MARGIN_S``) before now was not taken since
-    ``pack_snapshot`` read it, and is recorded as read. An older one is looked up once more
-    (HEAD), so an object GC took since the check refuses the publish (BlobMissing: the push
-    uploads it again) instead of being recorded. (A push publishes what it just uploaded,
-    so a publish usually looks nothing up while it holds the lock.)
-    """
-    new = tx.missing_blob_rows(packed.sizes)
-    fresh_after = time.time() - grace_s + CLOCK_MARGIN_S
-    found = store.stat_many(d for d in new if packed.modified_at.get(d, 0.0) < fresh_after)
-    gone = []
-    for digest in new:
-        stat = found.get(digest, BlobStat(digest, packed.sizes[digest], 0.0))
-        if stat is None:
-            gone.append(digest)
-        else:
-            tx.record_blob(
-                digest=digest, size_bytes=packed.sizes[digest], stored_bytes=stat.stored_bytes
-            )
-    if gone:
-        raise BlobMissing(
-            f"{len(gone)} blob(s) were collected from the object store while publishing;"
-            " upload them again",
-            extra={"missing": gone},
-        )
 
 
 def _all_missing(

@@ -30,6 +30,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachekeeper import config
+from cachekeeper.backends import registry
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.snapshot.manifest import MAX_FILES
 from cachekeeper.snapshot.signing import load_trusted_keys
@@ -165,9 +166,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True)
 
     data_dir: Path = Field(default_factory=default_data_dir)
-    # Where blob bytes live: None = ``<data_dir>/blobs`` (the default); ``s3://BUCKET/PREFIX``
-    # = S3-compatible object storage (endpoint, region, credentials from the AWS chain),
-    # which nodes then upload to and download from directly through presigned URLs.
+    # Where blob bytes live, a URL whose scheme cachekeeper/backends/registry.py knows: None =
+    # ``<data_dir>/blobs`` (the default); ``s3://BUCKET/PREFIX`` = S3-compatible object storage
+    # (endpoint, region, credentials from the AWS chain), which nodes then upload to and
+    # download from directly through presigned URLs.
     blob_store: str | None = None
     # How long a presigned URL (a node's archive GET, a push's blob PUT) stays valid.
     presign_expires_s: int = 900
@@ -212,7 +214,7 @@ class Settings(BaseSettings):
     # as CACHEKEEPER_TRUSTED_KEYS, paths separated by os.pathsep, like the client.
     trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     require_signatures: bool = False
-    # -- the per-key tier (server/tier.py, server/resp.py; docs/server.md) ----------------
+    # -- the per-key tier (server/resources/tier.py, server/resp/listener.py; docs/server.md) ----------------
     # The port of ``host`` on which the server speaks the Redis protocol subset torch's
     # remote caches use (redis-py). None: no tier; 0: any free port (tests).
     resp_port: int | None = None
@@ -236,7 +238,7 @@ class Settings(BaseSettings):
     # GET values read from the store that clients have not taken yet; past this, GETs are
     # answered nil (a miss) rather than pinning more memory for unread replies.
     remote_cache_output_bytes: int = 256 << 20
-    # The listener's connections (server/resp.py, server/resp_bounds.py): at most this many
+    # The listener's connections (server/resp/listener.py, server/resp/bounds.py): at most this many
     # at once (None: the tier's share of the descriptor budget, server/connections.py); a
     # connection must authenticate within auth_timeout_s of opening, an authenticated one
     # that sends nothing for idle_timeout_s is closed (redis-py reconnects), and a command
@@ -319,9 +321,9 @@ class Settings(BaseSettings):
     @field_validator("blob_store")
     @classmethod
     def _blob_store(cls, value: Any) -> Any:
-        if value is not None and not str(value).startswith("s3://"):
+        if value is not None and not registry.names_a_backend(str(value)):
             raise ValueError(
-                f"{value!r} is not s3://BUCKET/PREFIX (leave it unset for <data>/blobs)"
+                f"{value!r} is not {registry.url_forms()} (leave it unset for <data>/blobs)"
             )
         return value
 

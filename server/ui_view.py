@@ -1,6 +1,6 @@
 """What the status page shows, built from the library calls the JSON routes make.
 
-``page_data(storage)`` gathers the fleet status rows (``Storage.fleet_status``, the
+``page_data(services)`` gathers the fleet status rows (``Fleet.status``, the
 function behind ``GET /v1/status``), the agents (``GET /v1/agents``) and the recent
 snapshots (``GET /v1/snapshots``), and turns them into frozen dataclasses the templates
 read. No SQL here and no second copy of the status rules: a cell's state is the status
@@ -8,7 +8,7 @@ row's ``status``, refined only where the row itself leaves it open:
 
 - ``warm`` splits into ``warm_verified`` and ``warm_unverified`` (the snapshot's
   ``verified`` flag: verify found the cache effective, or nobody checked);
-- ``stale``: the row's ``stale`` (``server/fleet.py``): a ``warm`` row whose snapshot was
+- ``stale``: the row's ``stale`` (``server/resources/fleet.py``): a ``warm`` row whose snapshot was
   built from another workload digest than the one registered, or a ``building`` row whose
   agent went silent. The same rule answers ``GET /v1/status`` and ``cachekeeper status``.
 
@@ -35,7 +35,7 @@ from typing import Any
 
 from cachekeeper.environment.fingerprint import Fingerprint, identity
 
-from .storage import Storage
+from .services import Services
 
 __all__ = [
     "Cell",
@@ -231,14 +231,14 @@ def _state(row: dict[str, Any], snapshot: dict[str, Any] | None) -> tuple[str, s
     return status, str(event.get("detail") or "")
 
 
-def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
+def page_data(services: Services, *, snapshot_limit: int = 20) -> PageData:
     """Everything the page shows, from the same calls as the JSON routes."""
     now = datetime.now().astimezone()
-    rows = [plain(r) for r in storage.fleet_status()]
-    agents = [plain(a) for a in storage.list_agents()]
-    summaries = [plain(s) for s in storage.list_snapshots(limit=10_000)]
+    rows = [plain(r) for r in services.fleet.status()]
+    agents = [plain(a) for a in services.agents.list_all()]
+    summaries = [plain(s) for s in services.snapshots.summaries(limit=10_000)]
     by_id = {s["id"]: s for s in summaries}
-    workload_rows = [plain(w) for w in storage.list_workloads()]
+    workload_rows = [plain(w) for w in services.workloads.list_all()]
     fingerprints: dict[str, Fingerprint] = {}
     for agent in agents:
         fingerprints.setdefault(agent["fingerprint_digest"], agent["fingerprint"])
@@ -263,7 +263,7 @@ def page_data(storage: Storage, *, snapshot_limit: int = 20) -> PageData:
             for name in [a["name"] for a in agents if a["id"] == event["agent_id"]]:
                 builds[name] = event
     for digest in {r["fingerprint_digest"] for r in rows} - set(fingerprints):
-        recorded = storage.fingerprint_of(digest)
+        recorded = services.snapshots.fingerprint_of(digest)
         if recorded is not None:
             fingerprints[digest] = recorded
     environments = distinguish(

@@ -1,10 +1,10 @@
 """docs/architecture.md reads true: what it names exists, and it names every module.
 
-A module is named by its path from the repository root (``server/gc.py``); a package by its
+A module is named by its path from the repository root (``server/resources/gc.py``); a package by its
 folder with a trailing slash (``server/routes/``), which names its ``__init__.py``. Paths it
 names (``tests/helpers/in_process.py``, ``server/routes/*.py``) must exist or match, and
 dotted names in code spans (``cachekeeper.restore.marker``, ``server.catalog``,
-``cachekeeper.blobstore.LocalBlobStore``) must be a module, or a module and a name it
+``cachekeeper.backends.local.LocalBackend``) must be a module, or a module and a name it
 defines.
 """
 

@@ -29,6 +29,8 @@ SERVER_PACKAGES = [
     "pydantic_settings",
     "sqlite_utils",
     "prometheus_client",
+    "boto3",  # the object store backend (cachekeeper/backends/s3.py)
+    "botocore",
 ]
 
 _BLOCKER = """
@@ -45,7 +47,8 @@ sys.meta_path.insert(0, Blocker())
 
 def test_base_install_needs_no_server_package() -> None:
     """Every module but the server's imports, and every command but serve runs its help,
-    with fastapi, pydantic, uvicorn, sqlite-utils and prometheus_client unimportable; serve
+    with fastapi, pydantic, uvicorn, sqlite-utils, prometheus_client and boto3 unimportable
+    (the backends' registry and the local backend included: a node's local store); serve
     says what to install."""
     commands = sorted({entry[0].partition(":")[0] for entry in COMMANDS.values()})
     code = _BLOCKER + (
@@ -54,6 +57,8 @@ def test_base_install_needs_no_server_package() -> None:
         "names = [f'cachekeeper.{m.name}' for m in pkgutil.iter_modules([cachekeeper.__path__[0]]) if m.name != '__main__']\n"
         "names += [m.name for m in pkgutil.walk_packages(cachekeeper.builder.__path__, 'cachekeeper.builder.')]\n"
         "names += [f'cachekeeper.client.{m.name}' for m in pkgutil.iter_modules(cachekeeper.client.__path__)]\n"
+        "import cachekeeper.backends\n"  # every backend but the object store's (boto3)
+        "names += [f'cachekeeper.backends.{m.name}' for m in pkgutil.iter_modules(cachekeeper.backends.__path__) if m.name != 's3']\n"
         f"names += {commands!r}\n"
         "for name in names:\n"
         "    importlib.import_module(name)\n"

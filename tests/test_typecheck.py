@@ -24,7 +24,7 @@ SCRIPT = REPO / "scripts" / "typecheck.py"
 # (file, the call appended to it, what mypy must say of that line)
 WRONG_CALLS = [
     (
-        "server/gc.py",
+        "server/resources/gc.py",
         "from cachekeeper.client.api import CacheClient\n\n"
         "    CacheClient(base_url=1, no_such_keyword=2)",
         ['Unexpected keyword argument "no_such_keyword" for "CacheClient"', '"base_url"'],

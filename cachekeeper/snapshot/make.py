@@ -26,7 +26,7 @@ from typing import Any
 import zstandard
 
 from cachekeeper import remote_tier
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.environment import fingerprint as fingerprint_mod
 from cachekeeper.errors import EmptyCacheDir, NotOwnBytes
 from cachekeeper.fsutil import atomic_writer
@@ -73,7 +73,7 @@ def devices_of(root: Path, fingerprint: fingerprint_mod.Fingerprint) -> list[str
     return [f"cuda:{g['index']}" for g in gpus]
 
 
-def _store_file(blobs: LocalBlobStore, tree: CacheTree, scanned: ScannedFile) -> tuple[str, int]:
+def _store_file(blobs: LocalBackend, tree: CacheTree, scanned: ScannedFile) -> tuple[str, int]:
     """Hash the file the scan saw and put it in ``blobs`` unless present; reads it once
     (twice when large and new: hash, then store, which checks the hash again). Read
     through ``tree``: a link or another file in its place since the scan is refused."""
@@ -220,7 +220,7 @@ def _refuse_restored(root: Path) -> None:
         )
 
 
-def write_archive(manifest: Manifest, blobs: LocalBlobStore, out: Path, *, level: int = 3) -> int:
+def write_archive(manifest: Manifest, blobs: LocalBackend, out: Path, *, level: int = 3) -> int:
     """Write the one-file archive of ``manifest`` to ``out`` (atomically, through
     ``fsutil.atomic_writer``); returns its size in bytes."""
     out = Path(out)

@@ -100,7 +100,7 @@ class StatusRow:
     jobs_note: str | None = None  # "restored, but N jobs compiled anyway", what to do
     harvested: int = 0  # harvested deltas stored for the pair (postjob --push)
     harvest_note: str | None = None  # whether nodes get them, in words
-    stale: str | None = None  # why a warm/building state is out of date (server/fleet.py)
+    stale: str | None = None  # why a warm/building state is out of date (server/resources/fleet.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,18 +28,18 @@ Tables::
                     the server's back (a re-push packs it again; the archive route then
                     builds the stream from the blobs instead)
     agent_events    what agents report per (workload, fingerprint_digest): building, built,
-                    skipped, cold_compile_broken, failed (see server/fleet.py); size_bytes
+                    skipped, cold_compile_broken, failed (see server/resources/fleet.py); size_bytes
     table_usage     name, rows, bytes: job_reports' and agent_events' totals, kept by
                     triggers in the same transaction as each insert and delete, so the
                     budgets (server/budgets.py) read them without a scan
-    tier_keys       the per-key tier (server/tier.py): key (torch's, as bytes), digest of
+    tier_keys       the per-key tier (server/resources/tier.py): key (torch's, as bytes), digest of
                     the value in the tier's blob store, size_bytes, stored_bytes,
                     created_at, last_used_at, writer (JSON: who wrote it, from where)
     migrations      name, at: the one-time data migrations this catalog has had
 
 Every table a client writes has a bound and a retention (``server/budgets.py``, whose
 docstring lists them). Times are UTC ISO 8601 text with microseconds (``cachekeeper.wire.utc_now``), so they sort as
-text. Part of the catalog layer: only ``server/catalog/core.py`` calls ``ensure_schema``.
+text. Part of the catalog layer: only ``server/catalog/database.py`` calls ``ensure_schema``.
 
 Versions. A catalog's schema version is how many of ``_SCHEMA_STEPS`` it has had,
 recorded in SQLite's ``PRAGMA user_version`` (the database header's own integer, written
@@ -58,8 +58,8 @@ rolls back). Two cases are told apart from the version alone:
   anything is written.
 
 Adding a table or a column is appending one function to ``_SCHEMA_STEPS`` (taking the
-database, run inside the write transaction); its queries go in ``server/catalog/core.py``
-or ``server/catalog/fleet.py``. A step's place in the list is its version: never insert,
+database, run inside the write transaction); its queries go in the module of the resource
+that holds it (``server/resources/``). A step's place in the list is its version: never insert,
 reorder, remove or edit a step that has shipped (a catalog past it would never see the
 change); append another.
 
@@ -69,6 +69,7 @@ name in ``migrations``, so that a catalog from before versions runs it once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 
@@ -78,16 +79,40 @@ from cachekeeper.environment.fingerprint import digest_of
 from cachekeeper.errors import CatalogTooNew
 from cachekeeper.wire import utc_now
 
-from .fleet import agent_id_for
-
 __all__ = [
     "EVENT_BYTES_SQL",
     "REPORT_BYTES_SQL",
+    "agent_id_for",
     "check_version",
     "ensure_schema",
     "latest_version",
+    "recount_usage",
     "schema_version",
 ]
+
+
+def agent_id_for(name: str) -> str:
+    """The id of the agent named ``name`` (the ``agents`` table's key): one agent per name,
+    whatever its environment (a changed environment updates the agent; it is not a second
+    one). Before issue 31 the id also hashed the fingerprint digest, so an agent started
+    again in another shell showed up twice under one name (``_one_agent_per_name``)."""
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def recount_usage(db: sqlite_utils.Database) -> None:
+    """Count ``table_usage`` again where its rows disagree with the table's (start-up, in
+    ``Catalog.create``'s transaction: a catalog rebuilt by ``sqlite3 .recover`` keeps totals
+    of rows it lost). Counting rows reads an index (40 ms for a million reports); summing
+    bytes reads the table (0.6 s), so only a table whose count is off is summed."""
+    for table in ("job_reports", "agent_events"):
+        rows = int(db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+        found = db.execute("SELECT rows FROM table_usage WHERE name = ?", [table]).fetchone()
+        if rows != (0 if found is None else int(found[0])):
+            db.execute(
+                f"UPDATE table_usage SET rows = ?, bytes ="
+                f" (SELECT COALESCE(SUM(size_bytes), 0) FROM {table}) WHERE name = ?",
+                [rows, table],
+            )
 
 
 def latest_version() -> int:

@@ -4,11 +4,11 @@ An agent is one per name: its id is derived from its name (``catalog.agent_id_fo
 registering again is idempotent (it refreshes ``last_seen_at``, devices, GPUs and version),
 and an agent whose torch, Triton, CUDA wheels or driver changed keeps its id with its new
 environment (``registered_at`` then says when that environment began; what it reported
-under the one before is out of date, ``server/fleet.py``). Reports go to ``agent_events``, one
+under the one before is out of date, ``server/resources/fleet.py``). Reports go to ``agent_events``, one
 row per report; nothing is ever updated in place. How ``/v1/status`` decides each row's
 status (and the devices a row's snapshot covers or leaves uncovered, given
 ``?devices=cuda:0-7``, and what training jobs reported for the pair: ``jobs``,
-``jobs_note``) is written in ``server/fleet.py``.
+``jobs_note``) is written in ``server/resources/fleet.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cachekeeper.errors import (
     InvalidRequest,
 )
 from cachekeeper.server.auth import ReadScope, WriteScope
-from cachekeeper.server.deps import StorageDep
+from cachekeeper.server.deps import ServicesDep
 from cachekeeper.server.responses import error_responses
 from cachekeeper.wire import (
     DIGEST_PATTERN,
@@ -53,7 +53,7 @@ AgentId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the agent'
     response_model=RegisterAnswer,
     responses=error_responses(InvalidManifest, InsufficientStorage),
 )
-def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+def register_agent(body: AgentRegistration, services: ServicesDep, _: WriteScope) -> dict[str, Any]:
     """Register (or refresh) the agent of a name with its environment; idempotent."""
     fingerprint = parse(body.fingerprint)  # a bad field is a 422 that names it
     try:
@@ -67,7 +67,7 @@ def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) 
             f"fingerprint_digest {body.fingerprint_digest[:12]} is not the digest of the"
             f" fingerprint sent ({digest[:12]})"
         )
-    agent, created = storage.register_agent(
+    agent, created = services.agents.register(
         name=body.name,
         fingerprint=fingerprint,
         fingerprint_digest=digest,
@@ -83,15 +83,15 @@ def register_agent(body: AgentRegistration, storage: StorageDep, _: WriteScope) 
     response_model=AgentInfo,
     responses=error_responses(AgentNotFound),
 )
-def heartbeat(agent_id: AgentId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+def heartbeat(agent_id: AgentId, services: ServicesDep, _: WriteScope) -> dict[str, Any]:
     """Record that the agent is alive (``last_seen_at``)."""
-    return asdict(storage.heartbeat(agent_id))
+    return asdict(services.agents.heartbeat(agent_id))
 
 
 @router.get("/agents", response_model=AgentList)
-def list_agents(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
+def list_agents(services: ServicesDep, _: ReadScope) -> dict[str, Any]:
     """Every registered agent, the most recently seen first."""
-    return {"agents": [asdict(a) for a in storage.list_agents()]}
+    return {"agents": [asdict(a) for a in services.agents.list_all()]}
 
 
 @router.post(
@@ -101,10 +101,10 @@ def list_agents(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
     responses=error_responses(AgentNotFound, InsufficientStorage),
 )
 def report_event(
-    agent_id: AgentId, body: AgentEvent, storage: StorageDep, _: WriteScope
+    agent_id: AgentId, body: AgentEvent, services: ServicesDep, _: WriteScope
 ) -> dict[str, Any]:
     """Record one build outcome (or a build starting); also counts as a heartbeat."""
-    event = storage.report_event(
+    event = services.agents.report_event(
         agent_id,
         workload=body.workload,
         fingerprint_digest=body.fingerprint_digest,
@@ -122,7 +122,7 @@ def report_event(
 
 @router.get("/status", response_model=StatusAnswer)
 def status(
-    storage: StorageDep,
+    services: ServicesDep,
     _: ReadScope,
     workload: Annotated[str | None, Query()] = None,
     fingerprint_digest: Annotated[str | None, Query(pattern=DIGEST_PATTERN)] = None,
@@ -136,7 +136,7 @@ def status(
         wanted = requested_devices(devices) if devices else None
     except CachekeeperError as exc:
         raise InvalidRequest(exc.detail) from exc
-    rows = storage.fleet_status(
+    rows = services.fleet.status(
         workload=workload, fingerprint_digest=fingerprint_digest, devices=wanted
     )
     return {"status": [asdict(r) for r in rows]}

@@ -26,10 +26,10 @@ from cachekeeper.errors import (
 from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.server.auth import ReadScope, WriteScope, covers
 from cachekeeper.server.capacity import Reservation, StoreRoom, store_room
-from cachekeeper.server.deps import StorageDep, metrics_of, storage_of
+from cachekeeper.server.deps import ServicesDep, metrics_of, services_of
 from cachekeeper.server.limits import upload_limiter
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.storage import Storage
+from cachekeeper.server.services import Services
 from cachekeeper.wire import MissingAnswer, MissingRequest, PutAnswer, to_dict
 
 __all__ = ["router"]
@@ -42,11 +42,11 @@ _END, _ABORT = object(), object()
 
 
 @router.post("/missing", response_model=MissingAnswer)
-def missing_blobs(body: MissingRequest, storage: StorageDep, scope: ReadScope) -> dict[str, Any]:
+def missing_blobs(body: MissingRequest, services: ServicesDep, scope: ReadScope) -> dict[str, Any]:
     """Which of ``digests`` the server does not have; with an object store and a write-scope
     token, also where to PUT them (a presigned PUT writes into the bucket: never for read)."""
-    missing = storage.missing_blobs(body.digests)
-    uploads = storage.upload_targets(missing) if covers(scope, "write") else []
+    missing = services.blobs.missing(body.digests)
+    uploads = services.blobs.upload_targets(missing) if covers(scope, "write") else []
     return {"missing": missing, "uploads": uploads}
 
 
@@ -110,7 +110,7 @@ def _zstd_decoded(chunks: Iterable[bytes]) -> Iterator[bytes]:
 )
 async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     """Upload a blob; the server hashes what it receives and stores nothing on a mismatch."""
-    storage = storage_of(request)
+    services = services_of(request)
     metrics = metrics_of(request)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "zstd"):
@@ -125,7 +125,7 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     declared = int(length) if length and length.isdigit() and len(length) <= 19 else 0
     # Room under the store's cap is reserved as bytes arrive, never by evicting.
     reservation = await run_in_threadpool(
-        _reserve, storage, store_room(request.app), digest, declared
+        _reserve, services, store_room(request.app), digest, declared
     )
 
     loop = asyncio.get_running_loop()
@@ -152,7 +152,7 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
             chunks = _zstd_decoded(chunks)
         landed = 0
         try:
-            result = storage.put_blob(digest, chunks)
+            result = services.blobs.put(digest, chunks)
             landed = result.stored_bytes if result.created else 0
             return result
         except BaseException:
@@ -194,9 +194,9 @@ async def put_blob(digest: Digest, request: Request, _: WriteScope) -> Response:
     return JSONResponse(to_dict(answer), status_code=201 if result.created else 200)
 
 
-def _reserve(storage: Storage, room: StoreRoom, digest: str, declared: int) -> Reservation | None:
+def _reserve(services: Services, room: StoreRoom, digest: str, declared: int) -> Reservation | None:
     """Room for an upload of ``declared`` bytes, or None when the blob is already stored."""
-    if storage.has_blob_bytes(digest):
+    if services.blobs.has_bytes(digest):
         return None  # nothing will be added
     return room.open(declared_bytes=declared)
 
@@ -236,8 +236,8 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
     return start, end
 
 
-def _slice(storage: Storage, digest: str, start: int, end: int) -> Iterator[bytes]:
-    with storage.open_blob(digest) as fh:
+def _slice(services: Services, digest: str, start: int, end: int) -> Iterator[bytes]:
+    with services.blobs.open(digest) as fh:
         to_skip = start
         while to_skip:
             skipped = len(fh.read(min(to_skip, _READ_BYTES)))
@@ -253,8 +253,8 @@ def _slice(storage: Storage, digest: str, start: int, end: int) -> Iterator[byte
             yield chunk
 
 
-def _raw(storage: Storage, digest: str) -> Iterator[bytes]:
-    with storage.open_blob_raw(digest) as fh:
+def _raw(services: Services, digest: str) -> Iterator[bytes]:
+    with services.blobs.open_raw(digest) as fh:
         while chunk := fh.read(_READ_BYTES):
             yield chunk
 
@@ -268,9 +268,9 @@ def _raw(storage: Storage, digest: str) -> Iterator[bytes]:
         **error_responses((404, BlobMissing), RangeNotSatisfiable),
     },
 )
-def get_blob(digest: Digest, request: Request, storage: StorageDep, _: ReadScope) -> Response:
+def get_blob(digest: Digest, request: Request, services: ServicesDep, _: ReadScope) -> Response:
     """The blob's bytes, streamed; ``Range`` supported; ``Accept-Encoding: zstd`` gets the frame."""
-    found = storage.blob(digest)
+    found = services.blobs.get(digest)
     if found is None:
         missing = BlobMissing(f"blob {digest} is not on the server", extra={"missing": [digest]})
         return JSONResponse(missing.to_dict(), status_code=404)  # a GET of nothing is a 404
@@ -280,7 +280,7 @@ def get_blob(digest: Digest, request: Request, storage: StorageDep, _: ReadScope
     accepts = request.headers.get("accept-encoding", "").lower()
     if range_header is None and "zstd" in [a.split(";")[0].strip() for a in accepts.split(",")]:
         return StreamingResponse(
-            _raw(storage, digest),
+            _raw(services, digest),
             media_type="application/octet-stream",
             headers={"Content-Encoding": "zstd", "Content-Length": str(found.stored_bytes)},
         )
@@ -297,7 +297,7 @@ def get_blob(digest: Digest, request: Request, storage: StorageDep, _: ReadScope
             )
         start, end = span
         return StreamingResponse(
-            _slice(storage, digest, start, end),
+            _slice(services, digest, start, end),
             status_code=206,
             media_type="application/octet-stream",
             headers={
@@ -307,7 +307,7 @@ def get_blob(digest: Digest, request: Request, storage: StorageDep, _: ReadScope
             },
         )
     return StreamingResponse(
-        _slice(storage, digest, 0, size - 1) if size else iter(()),
+        _slice(services, digest, 0, size - 1) if size else iter(()),
         media_type="application/octet-stream",
         headers={"Content-Length": str(size), "Accept-Ranges": "bytes"},
     )

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends
 
 from cachekeeper.errors import ERRORS, InsufficientStorage, RateLimited
 from cachekeeper.server.auth import identified
-from cachekeeper.server.deps import MetricsDep, StorageDep
+from cachekeeper.server.deps import MetricsDep, ServicesDep
 from cachekeeper.server.responses import error_responses
 from cachekeeper.wire import JobReport, JobReportAnswer
 
@@ -43,12 +43,12 @@ Reporter = Annotated[str | None, Depends(identified("read"))]
     responses=error_responses(RateLimited, InsufficientStorage),
 )
 def post_report(
-    body: JobReport, storage: StorageDep, metrics: MetricsDep, reporter: Reporter
+    body: JobReport, services: ServicesDep, metrics: MetricsDep, reporter: Reporter
 ) -> JobReportAnswer:
     """Store one job report (prejob: restored or cold; postjob: compiled or clean),
     attributed to the token that sent it and within that token's budget."""
-    report_id, at = storage.add_job_report(body, token_id=reporter)
-    known = storage.has_workload(body.workload)
+    report_id, at = services.reports.add(body, token_id=reporter)
+    known = services.workloads.has(body.workload)
     workload = body.workload if known else "-"
     metrics.inc(
         "cachekeeper_job_reports_total", phase=body.phase, outcome=body.outcome, workload=workload
@@ -67,5 +67,5 @@ def post_report(
                 )
         if body.new_bytes:
             metrics.inc("cachekeeper_job_new_bytes_total", body.new_bytes, workload=workload)
-    warning = None if known else storage.unknown_workload(body.workload)
+    warning = None if known else services.resolver.unknown_workload(body.workload)
     return JobReportAnswer(id=report_id, at=at, warning=warning)

@@ -1,7 +1,7 @@
 """``POST /v1/resolve``: the best snapshot for a node, or a miss with the nearest misses;
 ``GET /v1/remote-cache``: the per-key tier as offered to the caller.
 
-The ranking is ``server/resolver.py``'s. A miss is a value (200 with ``"snapshot": null``),
+The ranking is ``server/resources/resolve.py``'s. A miss is a value (200 with ``"snapshot": null``),
 never an error; its ``reason`` says which miss it is: no snapshot matches, the workload
 has no snapshot yet, no workload of that name is registered, or (for a node that sent
 ``trusted_keys``) none that matches is signed by one of its keys (``server/trust.py``).
@@ -17,9 +17,9 @@ from fastapi import APIRouter, Request
 from cachekeeper.environment.fingerprint import parse
 from cachekeeper.errors import InvalidManifest, InvalidRequest, NotFound
 from cachekeeper.server.auth import ReadScope
-from cachekeeper.server.deps import StorageDep, metrics_of
+from cachekeeper.server.deps import ServicesDep, metrics_of
+from cachekeeper.server.resources.tier import offer_for
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.tier import offer_for
 from cachekeeper.server.trust import parse_trusted_keys
 from cachekeeper.wire import RemoteCacheOffer, ResolveAnswer, ResolveRequest
 
@@ -30,7 +30,7 @@ router = APIRouter(prefix="/v1", tags=["resolve"])
 
 @router.post("/resolve", response_model=ResolveAnswer, responses=error_responses(InvalidManifest))
 def resolve_route(
-    body: ResolveRequest, request: Request, storage: StorageDep, scope: ReadScope
+    body: ResolveRequest, request: Request, services: ServicesDep, scope: ReadScope
 ) -> dict[str, Any]:
     """The best snapshot for a node's fingerprint and workload, plus the nearest misses.
 
@@ -44,7 +44,7 @@ def resolve_route(
     trust = None
     if body.trusted_keys is not None:
         try:
-            trust = storage.node_trust(parse_trusted_keys(body.trusted_keys))
+            trust = services.resolver.node_trust(parse_trusted_keys(body.trusted_keys))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
     try:
@@ -52,7 +52,7 @@ def resolve_route(
         if body.remote_cache is not None:
             offer = remote_cache_offer(request, scope=scope, wish=body.remote_cache)
         if offer is None:  # an old hook, or no tier here: the job runs as the hook sent it
-            answer = storage.resolve(
+            answer = services.resolver.resolve(
                 fingerprint=fingerprint,
                 workload=body.workload,
                 driver_policy=body.driver_policy,
@@ -60,7 +60,7 @@ def resolve_route(
                 trust=trust,
             )
         else:
-            answer, switches = storage.resolve_for_job(
+            answer, switches = services.resolver.resolve_for_job(
                 fingerprint=fingerprint,
                 switches=offer.switches,
                 workload=body.workload,

@@ -22,9 +22,9 @@ from cachekeeper.errors import (
 )
 from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
-from cachekeeper.server.deps import StorageDep, metrics_of, read_body, storage_of
+from cachekeeper.server.deps import ServicesDep, metrics_of, read_body, services_of
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.storage import Storage
+from cachekeeper.server.services import Services
 from cachekeeper.snapshot.manifest import Manifest
 from cachekeeper.snapshot.signing import load_trusted_keys, verify_manifest
 from cachekeeper.wire import ArchiveRequest, PublishAnswer, SnapshotList, Summary
@@ -36,8 +36,8 @@ router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
 SnapshotId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="the manifest's sha256")]
 
 
-def _publish(storage: Storage, body: bytes) -> tuple[Summary, bool]:
-    max_files = storage.settings.max_files
+def _publish(services: Services, body: bytes) -> tuple[Summary, bool]:
+    max_files = services.settings.max_files
     listed = body.count(b'"digest"')  # a scan, before parsing builds millions of objects
     if listed > max_files:
         raise PayloadTooLarge(
@@ -56,10 +56,10 @@ def _publish(storage: Storage, body: bytes) -> tuple[Summary, bool]:
             f"manifest lists {len(raw['files'])} files, over the server's limit of {max_files}"
         )
     manifest = Manifest.from_dict(raw, max_files=max_files)
-    if storage.settings.require_signatures:
+    if services.settings.require_signatures:
         # Read per publish (two tiny files): a rotated key needs no restart.
-        verify_manifest(manifest, load_trusted_keys(storage.settings.trusted_keys))
-    return storage.publish(manifest)
+        verify_manifest(manifest, load_trusted_keys(services.settings.trusted_keys))
+    return services.snapshots.publish(manifest)
 
 
 @router.post(
@@ -88,12 +88,12 @@ def _publish(storage: Storage, body: bytes) -> tuple[Summary, bool]:
 )
 async def publish_snapshot(request: Request, _: WriteScope) -> Response:
     """Publish a manifest whose blobs are all uploaded; idempotent for an identical one."""
-    storage = storage_of(request)
-    body = await read_body(request, limit=storage.settings.max_manifest_bytes, what="manifest")
-    summary, created = await run_in_threadpool(_publish, storage, body)
+    services = services_of(request)
+    body = await read_body(request, limit=services.settings.max_manifest_bytes, what="manifest")
+    summary, created = await run_in_threadpool(_publish, services, body)
     if created:
         metrics_of(request).inc("cachekeeper_snapshots_published_total")
-    offered = summary.source != "harvest" or storage.settings.serve_harvested
+    offered = summary.source != "harvest" or services.settings.serve_harvested
     return JSONResponse(
         {**asdict(summary), "created": created, "offered": offered},
         status_code=201 if created else 200,
@@ -102,7 +102,7 @@ async def publish_snapshot(request: Request, _: WriteScope) -> Response:
 
 @router.get("", response_model=SnapshotList)
 def list_snapshots(
-    storage: StorageDep,
+    services: ServicesDep,
     _: ReadScope,
     workload: str | None = None,
     fingerprint_digest: str | None = None,
@@ -110,7 +110,7 @@ def list_snapshots(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
     """Snapshots, newest first, optionally filtered."""
-    found = storage.list_snapshots(
+    found = services.snapshots.summaries(
         workload=workload, fingerprint_digest=fingerprint_digest, verified=verified, limit=limit
     )
     return {"snapshots": [asdict(s) for s in found]}
@@ -121,16 +121,16 @@ def list_snapshots(
     response_class=Response,
     responses={200: {"content": {"application/json": {}}}, **error_responses(SnapshotNotFound)},
 )
-def get_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: ReadScope) -> Response:
+def get_snapshot(snapshot_id: SnapshotId, services: ServicesDep, _: ReadScope) -> Response:
     """The manifest JSON, signature included."""
-    return Response(storage.manifest_text(snapshot_id), media_type="application/json")
+    return Response(services.snapshots.manifest_text(snapshot_id), media_type="application/json")
 
 
 def _archive(
-    request: Request, storage: Storage, snapshot_id: str, wanted: list[str] | None
+    request: Request, services: Services, snapshot_id: str, wanted: list[str] | None
 ) -> Response:
     metrics = metrics_of(request)
-    chunks = storage.archive(
+    chunks = services.snapshots.archive(
         snapshot_id,
         digests=wanted,
         on_blob=lambda _d: metrics.inc("cachekeeper_archive_blobs_total"),
@@ -149,10 +149,10 @@ _ARCHIVE_DOC: dict[int | str, dict[str, Any]] = {
 
 @router.get("/{snapshot_id}/archive", response_class=Response, responses=_ARCHIVE_DOC)
 def get_archive(
-    snapshot_id: SnapshotId, request: Request, storage: StorageDep, _: ReadScope
+    snapshot_id: SnapshotId, request: Request, services: ServicesDep, _: ReadScope
 ) -> Response:
     """The whole snapshot as one ``zstd(tar(manifest.json, blobs/<sha256>...))`` stream."""
-    return _archive(request, storage, snapshot_id, None)
+    return _archive(request, services, snapshot_id, None)
 
 
 @router.post("/{snapshot_id}/archive", response_class=Response, responses=_ARCHIVE_DOC)
@@ -160,11 +160,11 @@ def post_archive(
     snapshot_id: SnapshotId,
     body: ArchiveRequest,
     request: Request,
-    storage: StorageDep,
+    services: ServicesDep,
     _: ReadScope,
 ) -> Response:
     """The same stream holding only the named blobs (those not in the snapshot are ignored)."""
-    return _archive(request, storage, snapshot_id, body.digests)
+    return _archive(request, services, snapshot_id, body.digests)
 
 
 @router.delete(
@@ -173,23 +173,23 @@ def post_archive(
     response_class=Response,
     responses=error_responses(SnapshotNotFound),
 )
-def delete_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: AdminScope) -> Response:
+def delete_snapshot(snapshot_id: SnapshotId, services: ServicesDep, _: AdminScope) -> Response:
     """Remove a snapshot; blobs no other snapshot uses go at the next GC."""
-    storage.delete_snapshot(snapshot_id)
+    services.snapshots.delete(snapshot_id)
     return Response(status_code=204)
 
 
 @router.post(
     "/{snapshot_id}/pin", response_model=Summary, responses=error_responses(SnapshotNotFound)
 )
-def pin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+def pin_snapshot(snapshot_id: SnapshotId, services: ServicesDep, _: WriteScope) -> dict[str, Any]:
     """Keep a snapshot out of LRU eviction."""
-    return asdict(storage.set_pinned(snapshot_id, pinned=True))
+    return asdict(services.snapshots.set_pinned(snapshot_id, pinned=True))
 
 
 @router.delete(
     "/{snapshot_id}/pin", response_model=Summary, responses=error_responses(SnapshotNotFound)
 )
-def unpin_snapshot(snapshot_id: SnapshotId, storage: StorageDep, _: WriteScope) -> dict[str, Any]:
+def unpin_snapshot(snapshot_id: SnapshotId, services: ServicesDep, _: WriteScope) -> dict[str, Any]:
     """Let LRU eviction take a snapshot again."""
-    return asdict(storage.set_pinned(snapshot_id, pinned=False))
+    return asdict(services.snapshots.set_pinned(snapshot_id, pinned=False))

@@ -1,6 +1,6 @@
 """``/v1/tier/...``: the per-key tier over HTTP, for cachekeeper's own remote-cache backend.
 
-The RESP port (``server/resp.py``) serves torch's stock redis-py path; these routes serve
+The RESP port (``server/resp/listener.py``) serves torch's stock redis-py path; these routes serve
 the backend that prejob loads into a job's Python processes (``cachekeeper/_tier_hook/``),
 with the token in the ``Authorization`` header and TLS when the server has it. Why HTTP and
 not RESP: docs/server.md, "The per-key tier over HTTP".
@@ -44,9 +44,9 @@ from cachekeeper.integrity import DIGEST_PATTERN, digest_of
 from cachekeeper.server.auth import ReadScope, WriteScope, covers, presented_token, token_id
 from cachekeeper.server.deps import SettingsDep, metrics_of, read_body
 from cachekeeper.server.metrics import Metrics
+from cachekeeper.server.resources.tier import Tier, TierPut
 from cachekeeper.server.responses import error_responses
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.tier import TierPut, TierStore
 from cachekeeper.wire import TierCommitRequest, TierPutAnswer, TierPutRequest, to_dict
 from cachekeeper.wire.tier import ENVIRONMENT_PATTERN, MAX_TIER_KEY_LENGTH
 
@@ -70,8 +70,8 @@ EnvironmentHeader = Annotated[
 _NO_TIER = "this server serves no per-key tier (serve --resp-port PORT)"
 
 
-def _tier(request: Request) -> TierStore:
-    tier: TierStore | None = request.app.state.tier
+def _tier(request: Request) -> Tier:
+    tier: Tier | None = request.app.state.tier
     if tier is None:
         raise NotFound(_NO_TIER)
     return tier
@@ -157,7 +157,7 @@ def _dropped(metrics: Metrics, reason: str) -> dict[str, Any]:
     return to_dict(TierPutAnswer(action="dropped", reason=reason))
 
 
-def _refusal(settings: Settings, tier: TierStore, scope: str, size_bytes: int) -> str | None:
+def _refusal(settings: Settings, tier: Tier, scope: str, size_bytes: int) -> str | None:
     """Why a put of ``size_bytes`` from a caller with ``scope`` is dropped, or None."""
     if not covers(scope, "write"):
         return "read_only_token"

@@ -33,9 +33,9 @@ from starlette.concurrency import run_in_threadpool
 from cachekeeper.errors import SnapshotNotFound
 from cachekeeper.integrity import DIGEST_PATTERN
 from cachekeeper.server.auth import scope_of_token
-from cachekeeper.server.deps import StorageDep, read_body, storage_of
+from cachekeeper.server.deps import ServicesDep, read_body, services_of
+from cachekeeper.server.resources.tier import summary as tier_summary
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.tier import summary as tier_summary
 from cachekeeper.server.ui_view import (
     STATES,
     fingerprint_json,
@@ -152,14 +152,14 @@ def _check_post(request: Request, csrf: str, *, need: str) -> str | Response:
 
 @router.get("/", response_class=HTMLResponse)
 @router.get("/ui", response_class=HTMLResponse)
-def index(request: Request, storage: StorageDep) -> Response:
+def index(request: Request, services: ServicesDep) -> Response:
     scope = _scope(request)
     if scope is None:
         return _to_login(request)
-    data = page_data(storage)
+    data = page_data(services)
     plot = size_plot_svg(
-        [plain(s) for s in storage.list_snapshots(limit=10_000)],
-        storage.restores_by_day(),
+        [plain(s) for s in services.snapshots.summaries(limit=10_000)],
+        services.reports.restores_by_day(),
     )
     state = request.app.state
     tier = (
@@ -181,14 +181,14 @@ def index(request: Request, storage: StorageDep) -> Response:
 @router.get("/ui/cell", response_class=HTMLResponse)
 def cell(
     request: Request,
-    storage: StorageDep,
+    services: ServicesDep,
     workload: Annotated[str, Query(max_length=128)],
     digest: Annotated[str, Query(pattern=DIGEST_PATTERN)],
 ) -> Response:
     scope = _scope(request)
     if scope is None:
         return _to_login(request)
-    data = page_data(storage)
+    data = page_data(services)
     found = data.cells.get((workload, digest))
     if found is None:
         return _render(
@@ -197,7 +197,7 @@ def cell(
         )  # fmt: skip
     environment = next(e for e in data.environments if e.digest == digest)
     snapshots = [
-        plain(s) for s in storage.list_snapshots(workload=workload, fingerprint_digest=digest)
+        plain(s) for s in services.snapshots.summaries(workload=workload, fingerprint_digest=digest)
     ]
     return _render(
         request,
@@ -260,12 +260,14 @@ async def snapshot_action(request: Request, snapshot_id: str, action: str) -> Re
             request, "message.html", status_code=404, title="Not found",
             message=f"no action {action!r} on snapshot {snapshot_id[:12]}",
         )  # fmt: skip
-    storage = storage_of(request)
+    services = services_of(request)
     try:
         if action == "delete":
-            await run_in_threadpool(storage.delete_snapshot, snapshot_id)
+            await run_in_threadpool(services.snapshots.delete, snapshot_id)
         else:
-            await run_in_threadpool(storage.set_pinned, snapshot_id, pinned=action == "pin")
+            await run_in_threadpool(
+                services.snapshots.set_pinned, snapshot_id, pinned=action == "pin"
+            )
     except SnapshotNotFound:
         return _render(
             request, "message.html", status_code=404, title="Not found",
@@ -281,9 +283,9 @@ async def gc(request: Request) -> Response:
     checked = _check_post(request, form.get("csrf", ""), need="admin")
     if isinstance(checked, Response):
         return checked
-    storage = storage_of(request)
-    plan = await run_in_threadpool(storage.plan_gc)
-    await run_in_threadpool(storage.execute_gc, plan)
+    services = services_of(request)
+    plan = await run_in_threadpool(services.gc.plan)
+    await run_in_threadpool(services.gc.execute, plan)
     return _after(
         request,
         f"GC evicted {len(plan.snapshots_evicted)} snapshot(s) and freed"

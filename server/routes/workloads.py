@@ -13,9 +13,9 @@ from starlette.concurrency import run_in_threadpool
 from cachekeeper.builder.workload import parse_workload
 from cachekeeper.errors import Forbidden, InsufficientStorage, WorkloadInvalid, WorkloadNotFound
 from cachekeeper.server.auth import AdminScope, ReadScope, WriteScope
-from cachekeeper.server.deps import StorageDep, read_body, storage_of
+from cachekeeper.server.deps import ServicesDep, read_body, services_of
 from cachekeeper.server.responses import error_responses
-from cachekeeper.server.storage import Storage
+from cachekeeper.server.services import Services
 from cachekeeper.wire import WorkloadInfo, WorkloadList
 
 __all__ = ["router"]
@@ -28,12 +28,12 @@ WorkloadName = Annotated[
 
 
 @router.get("", response_model=WorkloadList)
-def list_workloads(storage: StorageDep, _: ReadScope) -> dict[str, Any]:
+def list_workloads(services: ServicesDep, _: ReadScope) -> dict[str, Any]:
     """Every registered workload."""
-    return {"workloads": [asdict(w) for w in storage.list_workloads()]}
+    return {"workloads": [asdict(w) for w in services.workloads.list_all()]}
 
 
-def _register(storage: Storage, name: str, body: bytes, *, scope: str) -> dict[str, Any]:
+def _register(services: Services, name: str, body: bytes, *, scope: str) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -51,7 +51,7 @@ def _register(storage: Storage, name: str, body: bytes, *, scope: str) -> dict[s
             extra={"scope": "admin", "granted": scope},
         )
     digest = hashlib.sha256(body).hexdigest()
-    return asdict(storage.put_workload(name=name, toml=text, digest=digest))
+    return asdict(services.workloads.put(name=name, toml=text, digest=digest))
 
 
 _TOML_BODY = {
@@ -77,9 +77,9 @@ async def put_workload(name: WorkloadName, request: Request, scope: WriteScope) 
     A workload with a ``[[command]]``, an ``[[entrypoint]]`` or a mask/score factory
     (``pkg.mod:attr``) is code that agents run: registering it needs the admin scope.
     """
-    storage = storage_of(request)
-    body = await read_body(request, limit=storage.settings.max_workload_bytes, what="workload")
-    return await run_in_threadpool(_register, storage, name, body, scope=scope)
+    services = services_of(request)
+    body = await read_body(request, limit=services.settings.max_workload_bytes, what="workload")
+    return await run_in_threadpool(_register, services, name, body, scope=scope)
 
 
 @router.get(
@@ -87,9 +87,9 @@ async def put_workload(name: WorkloadName, request: Request, scope: WriteScope) 
     response_class=Response,
     responses={200: {"content": {"application/toml": {}}}, **error_responses(WorkloadNotFound)},
 )
-def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Response:
+def get_workload(name: WorkloadName, services: ServicesDep, _: ReadScope) -> Response:
     """The workload's TOML text as registered."""
-    return Response(storage.workload_toml(name), media_type="application/toml")
+    return Response(services.workloads.toml(name), media_type="application/toml")
 
 
 @router.delete(
@@ -98,7 +98,7 @@ def get_workload(name: WorkloadName, storage: StorageDep, _: ReadScope) -> Respo
     response_class=Response,
     responses=error_responses(WorkloadNotFound),
 )
-def delete_workload(name: WorkloadName, storage: StorageDep, _: AdminScope) -> Response:
+def delete_workload(name: WorkloadName, services: ServicesDep, _: AdminScope) -> Response:
     """Unregister a workload (its snapshots stay)."""
-    storage.delete_workload(name)
+    services.workloads.delete(name)
     return Response(status_code=204)

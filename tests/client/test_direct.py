@@ -9,12 +9,12 @@ import httpx
 import pytest
 import zstandard
 
+from cachekeeper.backends.s3 import S3Backend
 from cachekeeper.client.direct import DirectUnavailable, ObjectStore
-from cachekeeper.server.s3store import S3BlobStore
 
 
 def _archive(s3_bucket: str, tmp_path: Path, data: bytes) -> str:
-    s3 = S3BlobStore.from_url(s3_bucket)
+    s3 = S3Backend.from_url(s3_bucket)
     snapshot_id = hashlib.sha256(b"any").hexdigest()
     path = tmp_path / "a.zst"
     path.write_bytes(zstandard.ZstdCompressor().compress(data))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
+from cachekeeper.backends.s3 import S3Backend, S3Location
 from cachekeeper.errors import BlobTooLarge, DigestMismatch, InvalidDigest, InvalidRequest
 from cachekeeper.integrity import (
     BlobCheck,
@@ -21,7 +22,6 @@ from cachekeeper.integrity import (
     require_digest,
     verify_bytes,
 )
-from cachekeeper.server.s3store import S3BlobStore, S3Location
 
 GOOD = hashlib.sha256(b"x").hexdigest()
 MALFORMED = ["", "abc", GOOD.upper(), GOOD[:-1], GOOD + "0", f"../{GOOD[3:]}", GOOD[:-1] + "g"]
@@ -33,8 +33,8 @@ def test_a_malformed_digest_is_its_own_error_not_a_mismatch(bad: str, tmp_path: 
     raised before anything is looked up: never DigestMismatch, which means bytes that hash
     to another digest (a client retries that one; a malformed name it must fix)."""
     assert not is_digest(bad)
-    local = LocalBlobStore(tmp_path / "blobs")
-    s3 = S3BlobStore(S3Location("bucket", "p/"), client=object())  # keys only: no request
+    local = LocalBackend(tmp_path / "blobs")
+    s3 = S3Backend(S3Location("bucket", "p/"), client=object())  # keys only: no request
     for refuse in (
         require_digest,
         local.path_for,

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cachekeeper.backends.s3 import S3Backend, checksum_b64
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.direct import ObjectStore
 from cachekeeper.client.pull import pull
@@ -23,7 +24,8 @@ from cachekeeper.client.push import push
 from cachekeeper.environment.fingerprint import collect
 from cachekeeper.errors import BlobMissing
 from cachekeeper.restore import is_restored
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64
+from cachekeeper.server.resources.blobs import delete_blob_rows
+from cachekeeper.server.resources.snapshots import delete_snapshot
 from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.make import snapshot_dir
 from cachekeeper.store import LocalStore
@@ -83,7 +85,7 @@ def test_prejob_downloads_from_the_store_and_a_fresh_process_hits(
     # The blobs went to the object store, not through the server.
     sent_to_server = counter(live.url, "cachekeeper_http_request_bytes_total") - before_in
     assert sent_to_server < pushed["uploaded_bytes"] / 10, (sent_to_server, pushed)
-    s3 = S3BlobStore.from_url(bucket)
+    s3 = S3Backend.from_url(bucket)
     assert s3.has_archive(pushed["snapshot_id"])
 
     served, archives = counter(live.url, SERVED), counter(live.url, ARCHIVES)
@@ -157,7 +159,7 @@ def test_gc_never_collects_an_upload_whose_push_is_in_flight(bucket, tmp_path):
     """Uploaded objects with no row yet: the grace period keeps them; and a GC planned
     before the publish re-validates under the catalog's lock and keeps what it recorded."""
     manifest, store, src = _snapshot(tmp_path, "racing")
-    s3 = S3BlobStore.from_url(bucket)
+    s3 = S3Backend.from_url(bucket)
 
     def upload_all(client: CacheClient) -> None:
         for upload in client.missing(manifest.digests).uploads:
@@ -169,9 +171,9 @@ def test_gc_never_collects_an_upload_whose_push_is_in_flight(bucket, tmp_path):
         CacheClient(base_url=live.url, token="write-token") as client,
     ):
         upload_all(client)
-        storage = live.app.state.storage
-        assert storage.plan_gc().orphan_files == ()
-        storage.execute_gc(storage.plan_gc())
+        services = live.app.state.services
+        assert services.gc.plan().orphan_files == ()
+        services.gc.execute(services.gc.plan())
         assert all(s3.stat(d) is not None for d in manifest.digests)
 
     # 2. No grace: GC plans to take the rowless objects, the publish lands, then GC runs.
@@ -179,23 +181,23 @@ def test_gc_never_collects_an_upload_whose_push_is_in_flight(bucket, tmp_path):
         _server(tmp_path / "racy", bucket, gc_grace_s=0) as live,
         CacheClient(base_url=live.url, token="write-token") as client,
     ):
-        storage = live.app.state.storage
+        services = live.app.state.services
         time.sleep(1.1)  # object ages are whole seconds in S3
-        plan = storage.plan_gc()
+        plan = services.gc.plan()
         assert set(plan.orphan_files) >= manifest.digests
         assert client.publish(manifest).created
-        storage.execute_gc(plan)
+        services.gc.execute(plan)
         assert all(s3.stat(d) is not None for d in manifest.digests)
         got = pull(client=client, workload="racing", cache_dir=tmp_path / "node")
         assert got.archive_from == "object_store" and is_restored(manifest.id, tmp_path / "node")
 
         # 3. GC first, publish second: the publish is refused naming the blobs, and a push
         # (which uploads them again) publishes.
-        with live.app.state.storage.catalog.writing() as tx:
-            tx.delete_snapshot(manifest.id)
-            tx.delete_blob_rows(manifest.digests)
+        with live.app.state.services.catalog.writing() as tx:
+            delete_snapshot(tx, manifest.id)
+            delete_blob_rows(tx, manifest.digests)
         time.sleep(1.1)
-        storage.execute_gc(storage.plan_gc())
+        services.gc.execute(services.gc.plan())
         assert all(s3.stat(d) is None for d in manifest.digests)
         assert not s3.has_archive(manifest.id)
         with pytest.raises(BlobMissing):

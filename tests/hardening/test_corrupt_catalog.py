@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachekeeper.server.app import open_storage
+from cachekeeper.server.app import open_services
 from cachekeeper.server.budgets import report_bytes
+from cachekeeper.server.resources.reports import add_job_report
 from cachekeeper.server.settings import Settings
 from cachekeeper.wire import JobReport, utc_now
 from tests.hardening.conftest import ServerProcess, child_env, cli
@@ -31,9 +32,9 @@ REPORTS = 3000  # a few hundred leaf pages of job_reports
 
 def _catalog_with_reports(data: Path) -> Path:
     """A server's data dir whose catalog holds REPORTS job reports; its meta.sqlite."""
-    storage = open_storage(Settings(data_dir=data))
+    services = open_services(Settings(data_dir=data))
     devices = [f"cuda:{i}" for i in range(8)]
-    with storage.catalog.writing() as tx:
+    with services.catalog.writing() as tx:
         for i in range(REPORTS):
             report = JobReport(
                 phase="prejob",
@@ -45,10 +46,14 @@ def _catalog_with_reports(data: Path) -> Path:
                 devices=devices,
                 job=f"slurm:{i}",
             )
-            tx.add_job_report(
-                report, token_id="tok-000000000000", size_bytes=report_bytes(report), at=utc_now()
+            add_job_report(
+                tx,
+                report,
+                token_id="tok-000000000000",
+                size_bytes=report_bytes(report),
+                at=utc_now(),
             )
-    storage.catalog.db().conn.close()
+    services.catalog.db().conn.close()
     path = data / "meta.sqlite"
     checkpoint(path)
     return path

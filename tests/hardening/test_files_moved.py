@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.push import push
 from cachekeeper.environment.fingerprint import collect
@@ -335,7 +335,7 @@ def test_prune_never_deletes_through_a_folder_swapped_after_the_plan(
 def test_gc_never_deletes_a_blob_through_a_shard_swapped_for_a_link(
     tmp_path: Path, reliability
 ) -> None:
-    blobs = LocalBlobStore(tmp_path / "blobs")
+    blobs = LocalBackend(tmp_path / "blobs")
     data = b"a blob"
     digest = sha(data)
     blobs.put([data], digest=digest)

@@ -1,7 +1,7 @@
 """Publishing under faults: the server SIGKILLed mid-publish, a nearly full disk, and
 half-published snapshots left by an older server (issue 18.1).
 
-A publish is one SQLite transaction (server/catalog/core.py ``writing()``), so a snapshot is
+A publish is one SQLite transaction (server/catalog/database.py ``writing()``), so a snapshot is
 listed with all of its blob references or not at all. The blobs are written into the
 data dir directly (``_stock``: what finished uploads leave, files then rows), so the
 tests spend their time on the publish, not on thousands of uploads.
@@ -24,8 +24,9 @@ import httpx
 import pytest
 import zstandard
 
-from cachekeeper.blobstore import LocalBlobStore
+from cachekeeper.backends.local import LocalBackend
 from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.resources.blobs import record_blob
 from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.manifest import FileEntry, Manifest
 from tests.hardening.conftest import ServerProcess
@@ -37,7 +38,7 @@ FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "
 def _stock(data_dir: Path, *, blobs: int, files: int | None = None, tag: str = "") -> Manifest:
     """Store ``blobs`` distinct small blobs in ``data_dir`` (file, then row) and return a
     manifest of ``files`` entries (default: one per blob) that uses every one of them."""
-    store = LocalBlobStore(data_dir / "blobs")
+    store = LocalBackend(data_dir / "blobs")
     catalog = Catalog.create(data_dir / "meta.sqlite")
     digests = []
     with catalog.writing() as tx:
@@ -48,7 +49,7 @@ def _stock(data_dir: Path, *, blobs: int, files: int | None = None, tag: str = "
             path.parent.mkdir(parents=True, exist_ok=True)
             frame = zstandard.ZstdCompressor().compress(content)
             path.write_bytes(frame)
-            tx.record_blob(digest=digest, size_bytes=len(content), stored_bytes=len(frame))
+            record_blob(tx, digest=digest, size_bytes=len(content), stored_bytes=len(frame))
             digests.append((digest, len(content)))
     entries = tuple(
         FileEntry(path=f"{tag}d{i % 97}/f{i:06d}.bin", digest=d, size_bytes=n)
@@ -165,7 +166,7 @@ def test_startup_check_completes_or_quarantines_half_published_snapshots(
     _drop_references(data_dir, a.id, keep=500)
     _drop_references(data_dir, b.id, keep=0)
     gone = sorted(b.digests)[0]
-    LocalBlobStore(data_dir / "blobs").path_for(gone).unlink()
+    LocalBackend(data_dir / "blobs").path_for(gone).unlink()
     with start_server(Settings(data_dir=data_dir)) as live, httpx.Client(base_url=live.url) as c:
         assert _references(data_dir, a.id) == 1200  # completed: every blob is there
         assert _archive_blobs(c, a.id) == 1200

@@ -17,7 +17,7 @@ import boto3
 import httpx
 import pytest
 
-from cachekeeper.server.s3store import parse_s3_url
+from cachekeeper.backends.s3 import parse_s3_url
 from cachekeeper.server.settings import Settings
 from cachekeeper.wire.snapshots import MAX_MISSING_DIGESTS
 from tests.helpers.live_server import TOKENS, LiveServer, start_server

@@ -12,11 +12,11 @@ from pathlib import Path
 import boto3
 import pytest
 
+from cachekeeper.backends.s3 import parse_s3_url
 from cachekeeper.client.api import CacheClient
 from cachekeeper.client.pull import pull
 from cachekeeper.client.push import push
 from cachekeeper.environment.fingerprint import collect
-from cachekeeper.server.s3store import parse_s3_url
 from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import visible_files
 from tests.helpers.live_server import TOKENS, LiveServer, start_server

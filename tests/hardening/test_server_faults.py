@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-import cachekeeper.blobstore as blobstore_module
+import cachekeeper.backends.local as blobstore_module
 from cachekeeper.errors import InsufficientStorage
 from tests.hardening.conftest import ServerProcess, child_env, cli, visible_files
 from tests.helpers.live_server import start_server
@@ -247,7 +247,7 @@ class _FillingFile:
 def test_disk_full_during_upload_answers_507_and_keeps_no_half_blob(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reliability
 ) -> None:
-    """The full disk is injected: ``open`` inside ``cachekeeper.blobstore`` hands the blob
+    """The full disk is injected: ``open`` inside ``cachekeeper.backends.local`` hands the blob
     store a file whose writes raise ENOSPC after 1 MiB. A loop-mounted or size-limited
     filesystem would need root (mount) privileges, which the test machine does not
     assume; the injection sits exactly where a real full disk fails (the temp file's

@@ -428,7 +428,7 @@ def test_a_full_catalog_refuses_client_writes_and_keeps_serving(
         "fingerprint_digest": "f" * 64,
     }
     with start_server(settings) as live, httpx.Client(base_url=live.url, headers=WRITE) as c:
-        size = live.app.state.storage.catalog_bytes()
+        size = live.app.state.services.catalog.catalog_bytes()
         answers = {
             "workloads": c.put("/v1/workloads/cpu-tiny", content=TINY.read_text()),
             "agents": c.post("/v1/agents", json={"name": "a", "fingerprint": FP}),

@@ -11,7 +11,7 @@ with a dropped or over-long ``EX`` killed its connection's task with a traceback
 Each reproducer runs against a real ``cachekeeper serve`` process (its resident memory and
 descriptors read from /proc) or a real listener on loopback, with small budgets in the
 server's settings where the logic is the same, and one realistic descriptor exhaustion
-against a 1,024 open-file limit. The listener's bounds: server/resp_bounds.py.
+against a 1,024 open-file limit. The listener's bounds: server/resp/bounds.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cachekeeper.server.resources.tier_keys import tier_key, tier_lru, tier_totals
 from cachekeeper.server.settings import Settings
 from tests.hardening.conftest import ServerProcess
 from tests.helpers.live_server import LiveServer, start_server
@@ -630,14 +631,14 @@ def test_tier_keys_and_writers_count_in_the_tiers_cap(tier: LiveServer, reliabil
     while metric(tier, "cachekeeper_remote_cache_puts_total", result="stored") < 1000:
         assert time.monotonic() < deadline, "the writer did not store the values"
         time.sleep(0.1)
-    totals = store.catalog.tier_totals()
-    entry = store.catalog.tier_lru(limit=1)[0]
+    totals = tier_totals(store.catalog)
+    entry = tier_lru(store.catalog, limit=1)[0]
     meta = tier.settings.data_dir / "meta.sqlite"
     catalog_bytes = sum(p.stat().st_size for p in meta.parent.glob("meta.sqlite*"))
     assert totals.stored_bytes <= 256 << 10
     assert totals.keys < 250
     assert len(entry.writer["client"]) <= 128 and len(entry.writer["lib"]) <= 128
-    assert store.catalog.tier_key(b"x" * 2000) is None
+    assert tier_key(store.catalog, b"x" * 2000) is None
     assert metric(tier, "cachekeeper_remote_cache_puts_total", result="key_too_long") == 1
     reliability.record(
         f"1,000 SETs of 1 byte under distinct 1,000-byte keys, writer names of 8 KiB claimed,"

@@ -58,7 +58,7 @@ class InProcessTransport(httpx.BaseTransport):
 
 @dataclass(frozen=True)
 class InProcessServer:
-    """``app`` (``app.state.storage``, ``app.state.settings``), ``settings``, and a
+    """``app`` (``app.state.services``, ``app.state.settings``), ``settings``, and a
     ``client`` (``httpx.Client`` on ``url``) that talks to it through ``transport``."""
 
     app: Any

@@ -1,4 +1,4 @@
-"""server/budgets.py and server/catalog/budget.py: the weights, the totals the triggers
+"""server/budgets.py (the rules and their queries): the weights, the totals the triggers
 keep, the retention pass, and the settings, on real SQLite files (milliseconds each; the
 attacks themselves are in tests/hardening/test_table_budgets.py)."""
 
@@ -13,9 +13,11 @@ import pytest
 
 from cachekeeper.errors import ConfigInvalid
 from cachekeeper.server.auth import token_id
-from cachekeeper.server.budgets import Budgets, event_bytes, report_bytes
+from cachekeeper.server.budgets import Budgets, drop_oldest, event_bytes, report_bytes, usage
 from cachekeeper.server.catalog import Catalog
 from cachekeeper.server.catalog.schema import EVENT_BYTES_SQL, REPORT_BYTES_SQL
+from cachekeeper.server.resources.agents import add_agent_event, register_agent
+from cachekeeper.server.resources.reports import add_job_report
 from cachekeeper.server.settings import Settings, load_settings
 from cachekeeper.wire import JobReport
 
@@ -53,12 +55,19 @@ def test_weights_in_python_and_in_sql_agree(tmp_path: Path) -> None:
     with catalog.writing() as tx:
         for i in range(3):
             report = _report(i)
-            tx.add_job_report(report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
-        agent_id, _ = tx.register_agent(
-            name="b", fingerprint=FP, fingerprint_digest="e" * 64, devices=[], gpus=[], version=""
+            add_job_report(tx, report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
+        agent_id, _ = register_agent(
+            tx,
+            name="b",
+            fingerprint=FP,
+            fingerprint_digest="e" * 64,
+            devices=[],
+            gpus=[],
+            version="",
         )
         detail, tail = "failed: ß", ["Traceback", "  line ∂"]
-        tx.add_agent_event(
+        add_agent_event(
+            tx,
             agent_id,
             workload="wl",
             fingerprint_digest="e" * 64,
@@ -83,10 +92,10 @@ def test_the_triggers_keep_the_totals_through_any_delete(tmp_path: Path) -> None
     with catalog.writing() as tx:
         for i in range(50):
             report = _report(i)
-            tx.add_job_report(report, token_id="tok-a", size_bytes=report_bytes(report), at=_at(0))
-        tx.drop_oldest("job_reports", rows=7)
+            add_job_report(tx, report, token_id="tok-a", size_bytes=report_bytes(report), at=_at(0))
+        drop_oldest(tx, "job_reports", rows=7)
         tx.db.execute("DELETE FROM job_reports WHERE id % 5 = 0")  # by hand, as an operator
-        rows, stored = tx.usage("job_reports")
+        rows, stored = usage(tx, "job_reports")
         real = tx.db.execute("SELECT COUNT(*), SUM(size_bytes) FROM job_reports").fetchone()
     assert (rows, stored) == tuple(real) and rows < 50
 
@@ -98,14 +107,14 @@ def test_a_restart_counts_a_drifted_total_again(tmp_path: Path) -> None:
     with catalog.writing() as tx:
         for i in range(10):
             report = _report(i)
-            tx.add_job_report(report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
+            add_job_report(tx, report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
     conn = sqlite3.connect(path)
     conn.execute("UPDATE table_usage SET rows = 99, bytes = 1 WHERE name = 'job_reports'")
     conn.commit()
     conn.close()
     again = Catalog.create(path)
     with again.writing() as tx:
-        assert tx.usage("job_reports") == tuple(
+        assert usage(tx, "job_reports") == tuple(
             tx.db.execute("SELECT COUNT(*), SUM(size_bytes) FROM job_reports").fetchone()
         )
 
@@ -121,9 +130,10 @@ def test_retention_drops_only_what_is_old_and_keeps_each_pairs_newest_event(
     with catalog.writing() as tx:
         for i, age in enumerate((40, 35, 1, 0)):
             report = _report(i)
-            tx.add_job_report(report, token_id=None, size_bytes=report_bytes(report), at=_at(age))
+            add_job_report(tx, report, token_id=None, size_bytes=report_bytes(report), at=_at(age))
         for (name, seen), digest in zip((("old", 100), ("new", 0)), ("1", "2"), strict=True):
-            tx.register_agent(
+            register_agent(
+                tx,
                 name=name,
                 fingerprint=FP,
                 fingerprint_digest=digest * 64,
@@ -181,7 +191,7 @@ def test_probe_answers_none_for_a_whole_catalog(tmp_path: Path) -> None:
     catalog = Catalog.create(tmp_path / "meta.sqlite")
     with catalog.writing() as tx:
         report = _report(1)
-        tx.add_job_report(report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
+        add_job_report(tx, report, token_id=None, size_bytes=report_bytes(report), at=_at(0))
     assert catalog.probe() is None and catalog.broken is None
 
 

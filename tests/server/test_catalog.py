@@ -9,6 +9,14 @@ import pytest
 
 from cachekeeper.errors import InsufficientStorage
 from cachekeeper.server.catalog import Catalog
+from cachekeeper.server.resources.blobs import blob_usage, record_blob
+from cachekeeper.server.resources.snapshots import (
+    insert_snapshot,
+    snapshot_blobs,
+    snapshot_exists,
+    summary,
+)
+from cachekeeper.server.resources.workloads import list_workloads, put_workload
 from cachekeeper.snapshot.manifest import FileEntry, Manifest
 
 FINGERPRINT = {"schema": 1, "torch": "2.13.0+cpu", "driver": None, "gpus": [], "env": {}}
@@ -27,13 +35,13 @@ def test_two_inserts_then_an_exception_leave_neither(tmp_path: Path) -> None:
     catalog = Catalog.create(tmp_path / "meta.sqlite")
     with pytest.raises(Injected):
         with catalog.writing() as tx:
-            tx.put_workload(name="a", toml="name = 'a'", digest="a" * 64)
-            tx.put_workload(name="b", toml="name = 'b'", digest="b" * 64)
+            put_workload(tx, name="a", toml="name = 'a'", digest="a" * 64)
+            put_workload(tx, name="b", toml="name = 'b'", digest="b" * 64)
             raise Injected
-    assert catalog.list_workloads() == []
+    assert list_workloads(catalog) == []
     with catalog.writing() as tx:  # the connection is usable afterwards
-        tx.put_workload(name="c", toml="name = 'c'", digest="c" * 64)
-    assert [w.name for w in catalog.list_workloads()] == ["c"]
+        put_workload(tx, name="c", toml="name = 'c'", digest="c" * 64)
+    assert [w.name for w in list_workloads(catalog)] == ["c"]
 
 
 def test_a_failed_publish_leaves_no_snapshot_and_no_references(tmp_path: Path) -> None:
@@ -44,15 +52,15 @@ def test_a_failed_publish_leaves_no_snapshot_and_no_references(tmp_path: Path) -
     manifest = _manifest(1200)
     with catalog.writing() as tx:
         for entry in manifest.files:
-            tx.record_blob(digest=entry.digest, size_bytes=1, stored_bytes=10)
+            record_blob(tx, digest=entry.digest, size_bytes=1, stored_bytes=10)
     with pytest.raises(Injected):
         with catalog.writing() as tx:
-            tx.insert_snapshot(manifest, created_at="2026-01-01T00:00:00+00:00")
-            assert tx.snapshot_exists(manifest.id)  # visible inside the transaction
+            insert_snapshot(tx, manifest, created_at="2026-01-01T00:00:00+00:00")
+            assert snapshot_exists(tx, manifest.id)  # visible inside the transaction
             raise Injected
-    assert catalog.summary(manifest.id) is None
-    assert catalog.snapshot_blobs(manifest.id) == {}
-    assert [u.refs for u in catalog.blob_usage()] == [0] * 1200
+    assert summary(catalog, manifest.id) is None
+    assert snapshot_blobs(catalog, manifest.id) == {}
+    assert [u.refs for u in blob_usage(catalog)] == [0] * 1200
 
 
 def test_readers_never_see_a_transaction_half_done(tmp_path: Path) -> None:
@@ -62,15 +70,15 @@ def test_readers_never_see_a_transaction_half_done(tmp_path: Path) -> None:
     manifest = _manifest(600)
     with catalog.writing() as tx:
         for entry in manifest.files:
-            tx.record_blob(digest=entry.digest, size_bytes=1, stored_bytes=10)
+            record_blob(tx, digest=entry.digest, size_bytes=1, stored_bytes=10)
     seen: list[object] = []
     with catalog.writing() as tx:
-        tx.insert_snapshot(manifest, created_at="2026-01-01T00:00:00+00:00")
-        reader = threading.Thread(target=lambda: seen.append(catalog.summary(manifest.id)))
+        insert_snapshot(tx, manifest, created_at="2026-01-01T00:00:00+00:00")
+        reader = threading.Thread(target=lambda: seen.append(summary(catalog, manifest.id)))
         reader.start()
         reader.join(30)
     assert seen == [None]
-    assert len(catalog.snapshot_blobs(manifest.id)) == 600
+    assert len(snapshot_blobs(catalog, manifest.id)) == 600
 
 
 def test_a_full_disk_is_insufficient_storage_and_rolls_back(tmp_path: Path) -> None:
@@ -82,12 +90,12 @@ def test_a_full_disk_is_insufficient_storage_and_rolls_back(tmp_path: Path) -> N
     db.execute(f"PRAGMA max_page_count = {pages + 8}")
     manifest = _manifest(3000)  # its row and references need far more than 8 pages
     with catalog.writing() as tx:
-        tx.put_workload(name="kept", toml="name = 'kept'", digest="0" * 64)
+        put_workload(tx, name="kept", toml="name = 'kept'", digest="0" * 64)
     with pytest.raises(InsufficientStorage, match="disk is full"):
         with catalog.writing() as tx:
             for entry in manifest.files:
-                tx.record_blob(digest=entry.digest, size_bytes=1, stored_bytes=10)
-            tx.insert_snapshot(manifest, created_at="2026-01-01T00:00:00+00:00")
-    assert catalog.summary(manifest.id) is None
-    assert catalog.blob_usage() == []
-    assert [w.name for w in catalog.list_workloads()] == ["kept"]
+                record_blob(tx, digest=entry.digest, size_bytes=1, stored_bytes=10)
+            insert_snapshot(tx, manifest, created_at="2026-01-01T00:00:00+00:00")
+    assert summary(catalog, manifest.id) is None
+    assert blob_usage(catalog) == []
+    assert [w.name for w in list_workloads(catalog)] == ["kept"]

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachekeeper.server.metrics import _HELP, _LABELS, CONTENT_TYPE, Metrics
+from cachekeeper.server.resources.snapshots import Snapshots
 from cachekeeper.server.settings import Settings
-from cachekeeper.server.storage import Storage
 from tests.helpers.in_process import in_process
 from tests.helpers.metrics import sample
 from tests.server.conftest import make_snapshot, push
@@ -128,14 +128,14 @@ def test_the_routes_nodes_wait_on_are_timed_to_their_last_byte(
     """Publish, resolve, and a restore's reads (manifest, archive, part of it, a blob) each
     land in their histogram once, by status; the archive's time spans its stream, which
     the route only starts (each of its chunks is sent 0.1 s apart here)."""
-    real_archive = Storage.archive
+    real_archive = Snapshots.archive
 
-    def slow_archive(self: Storage, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+    def slow_archive(self: Snapshots, *args: Any, **kwargs: Any) -> Iterator[bytes]:
         for chunk in real_archive(self, *args, **kwargs):
             time.sleep(0.1)
             yield chunk
 
-    monkeypatch.setattr(Storage, "archive", slow_archive)
+    monkeypatch.setattr(Snapshots, "archive", slow_archive)
     client = server.client
     manifest, blobs = make_snapshot({"fxgraph/a/e": b"entry" * 100}, workload="wl", verified=True)
     assert push(client, manifest, blobs).status_code == 201

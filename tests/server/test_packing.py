@@ -13,11 +13,11 @@ import httpx
 import pytest
 import zstandard
 
+from cachekeeper.backends.s3 import S3Backend, checksum_b64
 from cachekeeper.errors import BlobMissing
 from cachekeeper.restore import restore_archive
 from cachekeeper.server import packing
 from cachekeeper.server.packing import pack_snapshot
-from cachekeeper.server.s3store import S3BlobStore, checksum_b64
 from cachekeeper.server.settings import Settings
 from cachekeeper.snapshot.make import snapshot_dir, write_archive
 from cachekeeper.snapshot.manifest import Manifest
@@ -38,7 +38,7 @@ def _snapshot(tmp_path: Path) -> tuple[Manifest, LocalStore]:
     return manifest, store
 
 
-def _upload(s3: S3BlobStore, store: LocalStore, digest: str, data: bytes | None = None) -> None:
+def _upload(s3: S3Backend, store: LocalStore, digest: str, data: bytes | None = None) -> None:
     body = store.blobs.read(digest) if data is None else data
     url = s3.presigned_url(digest, method="PUT", expires_s=60)
     answer = httpx.put(url, content=body, headers={"x-amz-checksum-sha256": checksum_b64(digest)})
@@ -47,7 +47,7 @@ def _upload(s3: S3BlobStore, store: LocalStore, digest: str, data: bytes | None 
 
 def test_pack_writes_an_archive_the_restore_reads(s3_bucket: str, tmp_path: Path) -> None:
     manifest, store = _snapshot(tmp_path)
-    s3 = S3BlobStore.from_url(s3_bucket)
+    s3 = S3Backend.from_url(s3_bucket)
     for digest in manifest.digests:
         _upload(s3, store, digest)
     packed = pack_snapshot(s3, manifest, tmp_dir=tmp_path / "tmp")
@@ -64,7 +64,7 @@ def test_pack_writes_an_archive_the_restore_reads(s3_bucket: str, tmp_path: Path
 @pytest.mark.parametrize("kind", ["absent", "short", "corrupt-big", "corrupt-small"])
 def test_pack_refuses_a_bad_object(s3_bucket: str, tmp_path: Path, kind: str) -> None:
     manifest, store = _snapshot(tmp_path)
-    s3 = S3BlobStore.from_url(s3_bucket)
+    s3 = S3Backend.from_url(s3_bucket)
     by_size = sorted(manifest.files, key=lambda f: f.size_bytes)
     bad = by_size[0].digest if kind.endswith("small") else by_size[-1].digest
     for digest in manifest.digests:
@@ -97,7 +97,7 @@ def test_the_parallel_pack_writes_the_one_file_archives_tar(
     monkeypatch.setattr(packing, "INLINE_MAX_BYTES", 256 << 10)  # big.so (512 KiB) streams
     monkeypatch.setattr(packing, "PREFETCH_BLOBS", 1)  # the writer waits on the pool
     manifest, store = _snapshot(tmp_path)
-    s3 = S3BlobStore.from_url(s3_bucket)
+    s3 = S3Backend.from_url(s3_bucket)
     for digest in manifest.digests:
         _upload(s3, store, digest)
     pack_snapshot(s3, manifest, tmp_dir=tmp_path / "tmp", workers=2)
@@ -115,7 +115,7 @@ def test_concurrent_publishes_of_one_snapshot_pack_it_once(s3_bucket: str, tmp_p
     rng = random.Random(13)
     files = {f"fxgraph/{i:03d}": rng.randbytes(rng.randint(1_000, 90_000)) for i in range(150)}
     manifest, blobs = make_snapshot(files)
-    s3 = S3BlobStore.from_url(s3_bucket)
+    s3 = S3Backend.from_url(s3_bucket)
     data = tmp_path / "server"
     with start_server(Settings(data_dir=data, blob_store=s3_bucket)) as live:
         with httpx.Client(base_url=live.url, timeout=300) as client:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from cachekeeper.server.auth import token_id
+from cachekeeper.server.resources.tier_keys import tier_key
 from cachekeeper.server.settings import Settings
 from tests.helpers.in_process import in_process
 from tests.helpers.moto_server import MotoServer
@@ -73,7 +74,7 @@ def test_a_value_put_and_got_back_with_its_digest_and_the_token_as_its_writer(
         assert got.status_code == 200 and got.content == VALUE
         assert got.headers["x-cachekeeper-digest"] == sha(VALUE)
         assert got.headers["x-cachekeeper-size"] == str(len(VALUE))
-        entry = server.app.state.tier.catalog.tier_key(KEY.encode())
+        entry = tier_key(server.app.state.tier.catalog, KEY.encode())
         assert entry.writer["token"] == token_id("node-write") and entry.writer["via"] == "http"
         assert entry.writer["environment"] == ENV
         assert "node-write" not in str(entry.writer)  # an id, never the token

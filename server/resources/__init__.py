@@ -1,0 +1,1 @@
+"""The server's resources: one module per resource, its service and its queries."""

@@ -1,0 +1,1 @@
+"""The per-key tier's RESP listener (torch's redis-py path): listener, protocol, bounds."""
