@@ -58,7 +58,12 @@ DIGEST_HEADER = "X-Cachekeeper-Digest"
 SIZE_HEADER = "X-Cachekeeper-Size"
 ENVIRONMENT_HEADER = "X-Cachekeeper-Environment"
 
-Key = Annotated[str, Path(max_length=MAX_TIER_KEY_LENGTH, description="torch's cache key")]
+# No newline: Starlette's path converter never matches one, so such a key could reach no
+# route (a 404 before the token was looked at); the schema says so.
+Key = Annotated[
+    str,
+    Path(max_length=MAX_TIER_KEY_LENGTH, pattern=r"^[^\n]+$", description="torch's cache key"),
+]
 EnvironmentHeader = Annotated[
     str,
     Header(

@@ -256,6 +256,14 @@ def test_garbage_closes_that_connection_only(tier: LiveServer) -> None:
 
 
 def test_the_tier_shows_in_metrics(tier: LiveServer) -> None:
+    keys = tier.app.state.tier.totals()[0]
+    sock = connect(tier.resp_port or 0)
+    sock.sendall(command(b"AUTH", b"tier-write") + command(b"SET", b"shown-key", b"v"))
+    assert replies(sock, 2) == [b"+OK", b"+OK"]
+    wait_stored(tier, keys + 1)
+    sock.sendall(command(b"GET", b"shown-key"))  # a hit of its own, whatever ran before
+    assert replies(sock, 1) == [b"$1 v"]
+    sock.close()
     text = httpx.get(f"{tier.url}/metrics", headers={"Authorization": "Bearer tier-read"}).text
     assert "cachekeeper_remote_cache_keys " in text
     assert 'cachekeeper_remote_cache_gets_total{result="hit"}' in text
